@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine with Python 3.11:
+#   make test    — create .venv, install torch 2.13.0 (CPU), the project, Horovod; run the tests
+#   make survey  — the main job: the quick comparative survey and its report
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(shell command -v $(PYTHON) || echo python3) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,survey]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+horovod: venv
+	scripts/install-horovod.sh $(PY)
+
+test: venv horovod
+	$(PY) -m pytest -q
+
+survey: venv
+	$(VENV)/bin/grace-dgc list
+	$(VENV)/bin/grace-dgc demo --workers 2
+
+.PHONY: venv horovod test survey

@@ -1,0 +1,14 @@
+from ..interfaces import Compressor
+from ..registry import register_compressor
+
+
+@register_compressor("none", aliases=("dense", "identity"))
+class NoneCompressor(Compressor):
+    """No compression: the payload is the tensor itself (the dense baseline)."""
+    summable = True
+
+    def compress(self, tensor, name):
+        return [tensor], None
+
+    def decompress(self, payload, ctx):
+        return payload[0]

@@ -1,0 +1,39 @@
+import torch
+
+from ..errors import check_range
+from ..interfaces import Compressor
+from ..registry import register_compressor
+
+
+def sparse_payload(flat, indices):
+    """Values at ``indices`` and the indices as int32: the sparse wire format."""
+    return [flat[indices], indices.to(torch.int32)]
+
+
+def scatter_dense(payload, shape, dtype):
+    """Inverse of :func:`sparse_payload`: zeros with the values written at the indices."""
+    values, indices = payload
+    dense = torch.zeros(torch.Size(shape).numel(), dtype=dtype, device=values.device)
+    dense[indices.long()] = values.to(dtype)
+    return dense.view(shape)
+
+
+@register_compressor("topk")
+class TopKCompressor(Compressor):
+    """Exact top-k by magnitude (Aji & Heafield 2017; Stich et al. 2018).
+
+        k = max(1, floor(compress_ratio · n)),   S = argtop_k |g_i|,
+        payload = (g_S, S)  — k values in the tensor's dtype + k int32 indices.
+    """
+
+    def __init__(self, compress_ratio=0.01):
+        self.compress_ratio = check_range("compress_ratio", compress_ratio, 0, 1, low_open=True)
+
+    def compress(self, tensor, name):
+        flat = tensor.reshape(-1)
+        k = max(1, int(flat.numel() * self.compress_ratio)) if flat.numel() else 0
+        _, indices = torch.topk(flat.abs(), k, sorted=False)
+        return sparse_payload(flat, indices), (tensor.shape, tensor.dtype)
+
+    def decompress(self, payload, ctx):
+        return scatter_dense(payload, *ctx)

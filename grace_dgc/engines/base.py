@@ -1,0 +1,46 @@
+import torch
+
+
+class Engine:
+    """Blocking collectives over a group of ``size`` ranks; this one is ``rank``.
+
+    ``bytes_sent`` counts what this rank hands to collectives as its own contribution
+    (allreduce: the buffer; allgather: its padded buffer; broadcast: the buffer when it
+    is the root), so the figure is the same whatever algorithm the runtime uses.
+    """
+    name = "base"
+    rank = 0
+    size = 1
+
+    def __init__(self):
+        self.bytes_sent = 0
+
+    def allreduce(self, tensor):
+        """Sum ``tensor`` over ranks; returns the summed tensor (possibly in place)."""
+        raise NotImplementedError
+
+    def allgather(self, tensor, sizes=None):
+        """Every rank's 1-D ``tensor``; ``sizes[r]`` is rank r's length when they differ."""
+        raise NotImplementedError
+
+    def broadcast(self, tensor, root):
+        """``tensor`` of rank ``root``, written into ``tensor`` on the other ranks."""
+        raise NotImplementedError
+
+    def broadcast_object(self, obj, root=0):
+        raise NotImplementedError
+
+    def barrier(self):
+        pass
+
+    def _count(self, tensor):
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+
+
+def pad_to(tensor, length):
+    """``tensor`` (1-D) zero-padded to ``length`` elements."""
+    if tensor.numel() == length:
+        return tensor
+    out = torch.zeros(length, dtype=tensor.dtype, device=tensor.device)
+    out[: tensor.numel()] = tensor
+    return out

@@ -1,0 +1,70 @@
+"""The three small interfaces every method implements (GRACE-compatible).
+
+A *payload* is the list of tensors a compressor puts on the wire; *ctx* is whatever
+it needs locally to decompress them. ``ctx`` must not depend on the rank, because a
+rank decompresses every other rank's payload with its own ctx.
+"""
+import torch
+
+
+class Compressor:
+    """``compress(tensor, name) -> (payload, ctx)``; ``decompress(payload, ctx) -> tensor``.
+
+    Class attributes:
+      summable: two ranks' payloads may be summed elementwise (only then is allreduce valid).
+      average:  divide the aggregate by the world size (False for majority vote).
+    """
+    summable = False
+    average = True
+
+    def compress(self, tensor, name):
+        raise NotImplementedError
+
+    def decompress(self, payload, ctx):
+        raise NotImplementedError
+
+    def aggregate(self, tensors):
+        """Combine the decompressed tensors of all ranks (default: their sum)."""
+        return torch.stack(tensors).sum(dim=0) if len(tensors) > 1 else tensors[0]
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class Memory:
+    """Error feedback state kept between steps, keyed by tensor name.
+
+    ``update`` learns what was sent only through the public ``compressor.decompress``
+    (never the ctx's layout), so any memory works with any compressor.
+    """
+
+    def compensate(self, tensor, name):
+        return tensor
+
+    def update(self, tensor, name, compressor, payload, ctx):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class Communicator:
+    """Moves payloads between ranks through an engine.
+
+    ``exchange(payload, name)`` returns a list of payloads: every rank's (allgather,
+    broadcast) or a single summed one when ``reduces`` is True (allreduce).
+    """
+    reduces = False
+    needs_summable = False
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def exchange(self, payload, name):
+        raise NotImplementedError

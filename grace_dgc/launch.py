@@ -1,0 +1,74 @@
+"""Run a function on N local ranks, each in its own process with a gloo (or NCCL)
+process group on localhost; used by the CLI, the survey and the tests.
+
+Results come back in rank order; a rank that raises makes the whole call raise with its
+traceback, and a run that exceeds ``timeout`` is killed rather than left hanging.
+"""
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, backend, fn, args, results):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        if backend == "nccl":
+            import torch
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_local(fn, world_size, args=(), backend="gloo", timeout=300):
+    """``[fn(rank, world_size, *args) for each rank]``, computed in ``world_size`` processes.
+
+    ``fn`` must be importable (a module-level function) and return something picklable.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results),
+                         daemon=True) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    collected, failures = {}, []
+    import time
+    deadline = time.monotonic() + timeout
+    while len(collected) + len(failures) < world_size:
+        if results.empty():
+            if time.monotonic() > deadline or (
+                    not any(p.is_alive() for p in procs) and results.empty()):
+                break
+            time.sleep(0.02)
+            continue
+        rank, ok, value = results.get()
+        (collected.__setitem__(rank, value) if ok else failures.append((rank, value)))
+        if failures:
+            break   # the other ranks may be blocked in a collective: stop them
+    for proc in procs:
+        proc.join(timeout=5 if not failures else 0.5)
+        if proc.is_alive():
+            proc.terminate()
+    if failures:
+        rank, tb = failures[0]
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
+    if len(collected) < world_size:
+        missing = sorted(set(range(world_size)) - set(collected))
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout}s "
+                           f"(or died without a result)")
+    return [collected[r] for r in range(world_size)]

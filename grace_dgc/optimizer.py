@@ -1,0 +1,166 @@
+"""``DistributedOptimizer``: wraps any torch optimizer so gradients are exchanged through
+a :class:`~grace_dgc.grace.Grace` as soon as backward produces them.
+
+It is a plain wrapper (no dynamically built subclass): it shares the wrapped optimizer's
+``param_groups`` and ``state`` objects, so LR schedulers and ``zero_grad`` act on it.
+"""
+import torch
+
+from .engines import create_engine
+from .errors import GraceConfigError
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Horovod-style distributed optimizer over a ``Grace``.
+
+    1. A post-accumulate-grad hook on each parameter counts backward passes; on the
+       ``backward_passes_per_step``-th it submits ``p.grad`` to ``grace.step_async``
+       (compression and collectives run on grace's communication thread, overlapping
+       the rest of backward). Gradients of several passes are summed, as in Horovod.
+    2. ``synchronize()`` submits parameters no hook saw (in parameter order, with zero
+       gradients where ``grad`` is None), waits, and writes the averages into ``p.grad``.
+    3. ``step()`` synchronizes if needed, then steps the wrapped optimizer.
+
+    Every rank must produce gradients for the same parameters in the same order (true
+    for identical models); the engine's collectives match by order.
+    """
+
+    def __init__(self, optimizer, grace, named_parameters=None, backward_passes_per_step=1):
+        # Deliberately no super().__init__: the wrapped optimizer owns groups and state.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise GraceConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise GraceConfigError(
+                f"backward_passes_per_step={backward_passes_per_step!r}; accepted: an int >= 1")
+        self.optimizer = optimizer
+        self.grace = grace
+        self.backward_passes_per_step = backward_passes_per_step
+        self._names = self._name_parameters(optimizer, named_parameters)
+        self._passes = {}       # param -> backward passes since the last exchange
+        self._pending = {}      # param -> Future of its averaged gradient
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for p in self._names]
+        if hasattr(grace.memory, "attach_optimizer"):   # e.g. momentum memories take over momentum
+            grace.memory.attach_optimizer(optimizer, grace)
+
+    @staticmethod
+    def _name_parameters(optimizer, named_parameters):
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if named_parameters is None:
+            return {p: f"param.{i}" for i, p in enumerate(params)}
+        named = list(named_parameters)
+        names = [n for n, _ in named]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise GraceConfigError(f"named_parameters has duplicate names: {dupes}")
+        by_param = {p: n for n, p in named}
+        missing = [i for i, p in enumerate(params) if p not in by_param]
+        if missing:
+            raise GraceConfigError(
+                f"named_parameters lacks {len(missing)} of the optimizer's parameters "
+                f"(positions {missing[:5]}...); pass model.named_parameters() of the same model")
+        return {p: by_param[p] for p in params}
+
+    # -- the exchange ------------------------------------------------------------
+    def _on_grad_ready(self, param):
+        if param in self._pending:
+            raise RuntimeError(
+                f"gradient of {self._names[param]!r} was computed again before step()/synchronize(); "
+                f"use backward_passes_per_step={self.backward_passes_per_step + 1} to accumulate passes")
+        count = self._passes.get(param, 0) + 1
+        self._passes[param] = count
+        if count == self.backward_passes_per_step:
+            self._pending[param] = self.grace.step_async(param.grad, self._names[param])
+
+    def synchronize(self):
+        """Wait for every parameter's exchange and write the averaged gradients."""
+        for param, name in self._names.items():
+            if param not in self._pending:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                self._pending[param] = self.grace.step_async(param.grad, name)
+        for param, future in self._pending.items():
+            param.grad.copy_(future.result())
+        self._pending.clear()
+        self._passes.clear()
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise GraceConfigError("DistributedOptimizer.step does not take a closure "
+                                   "(the closure's backward would need its own exchange)")
+        self.synchronize()
+        return self.optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        if self._pending:
+            raise RuntimeError("zero_grad() called while gradient exchanges are in flight; "
+                               "call step() or synchronize() first")
+        self._passes.clear()
+        return self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # -- what the wrapped optimizer owns ---------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group):
+        raise GraceConfigError("add parameter groups to the wrapped optimizer before wrapping it")
+
+    def state_dict(self):
+        """The wrapped optimizer's state plus grace's compressor and memory state."""
+        return {"optimizer": self.optimizer.state_dict(), "grace": self.grace.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        if "optimizer" in state_dict and "grace" in state_dict:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+            self.grace.load_state_dict(state_dict["grace"])
+        else:                  # a plain optimizer checkpoint
+            self.optimizer.load_state_dict(state_dict)
+
+    def remove_hooks(self):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def __repr__(self):
+        return f"DistributedOptimizer({self.optimizer!r}, {self.grace!r})"
+
+    def __getstate__(self):
+        raise TypeError("DistributedOptimizer is not picklable; save state_dict() instead")
+
+
+def broadcast_parameters(params, root_rank=0, engine="auto"):
+    """Copy parameters/buffers from ``root_rank`` to every rank, in place.
+
+    ``params``: a ``state_dict()`` or an iterable of ``(name, tensor)`` pairs.
+    """
+    eng = create_engine(engine)
+    items = sorted(params.items()) if isinstance(params, dict) else list(params)
+    with torch.no_grad():
+        for _, tensor in items:
+            if not torch.is_tensor(tensor):
+                raise GraceConfigError(f"broadcast_parameters needs tensors, got {type(tensor).__name__}")
+            buffer = tensor.data.contiguous()
+            eng.broadcast(buffer, root_rank)
+            if buffer.data_ptr() != tensor.data.data_ptr():
+                tensor.data.copy_(buffer)
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0, engine="auto"):
+    """Make every rank's optimizer state (and grace state) equal to ``root_rank``'s."""
+    eng = create_engine(engine)
+    state = eng.broadcast_object(optimizer.state_dict(), root_rank)
+    if eng.rank != root_rank:
+        optimizer.load_state_dict(state)

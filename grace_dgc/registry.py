@@ -1,0 +1,102 @@
+"""Name → class registries for compressors, memories and communicators.
+
+Registration lives here, apart from the method definitions: a method module only says
+``@register_compressor("topk")``. Third-party packages add methods through the
+entry-point groups ``grace_dgc.compressors``, ``grace_dgc.memories`` and
+``grace_dgc.communicators`` (``name = "package.module:Class"``); they are loaded the
+first time a registry is listed or asked for a name it does not know.
+"""
+import difflib
+import fnmatch
+import importlib.metadata
+import inspect
+
+from .errors import GraceConfigError
+
+
+class Registry:
+    def __init__(self, kind, group):
+        self.kind = kind            # "compressor", "memory", "communicator"
+        self.group = group          # entry-point group
+        self._classes = {}          # canonical name -> class
+        self._aliases = {}          # alias -> canonical name
+        self._plugins_loaded = False
+
+    def register(self, name, aliases=()):
+        """Class decorator: ``@registry.register("twobit", aliases=("2bit",))``."""
+        def decorator(cls):
+            self._add(name, cls, aliases)
+            return cls
+        return decorator
+
+    def _add(self, name, cls, aliases=()):
+        for key in (name, *aliases):
+            owner = self._aliases.get(key)
+            if owner is not None and self._classes[owner] is not cls:
+                raise GraceConfigError(
+                    f"{self.kind} name {key!r} is already taken by {self._classes[owner].__qualname__}")
+        self._classes[name] = cls
+        cls.registered_name = name
+        for key in (name, *aliases):
+            self._aliases[key] = name
+
+    def load_plugins(self, force=False):
+        """Import every entry point of this registry's group (once, unless ``force``)."""
+        if self._plugins_loaded and not force:
+            return
+        self._plugins_loaded = True
+        for entry in importlib.metadata.entry_points(group=self.group):
+            if entry.name in self._aliases:
+                continue
+            cls = entry.load()
+            if getattr(cls, "registered_name", None) not in self._classes:
+                self._add(entry.name, cls)
+
+    def names(self, pattern="*"):
+        self.load_plugins()
+        return sorted(n for n in self._classes if fnmatch.fnmatchcase(n, pattern))
+
+    def canonical(self, name):
+        if not isinstance(name, str):
+            raise GraceConfigError(f"{self.kind} must be given by name (a str), got {name!r}")
+        key = name.lower()
+        if key not in self._aliases:
+            self.load_plugins()
+        if key not in self._aliases:
+            known = sorted(self._aliases)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise GraceConfigError(
+                f"unknown {self.kind} {name!r}.{hint} Valid names: {', '.join(self.names())}")
+        return self._aliases[key]
+
+    def get(self, name):
+        return self._classes[self.canonical(name)]
+
+    def accepted_params(self, name):
+        """Keyword parameters the class's constructor accepts (``engine`` is wired by build)."""
+        sig = inspect.signature(self.get(name).__init__)
+        return [p.name for p in list(sig.parameters.values())[1:]
+                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "engine"]
+
+
+COMPRESSORS = Registry("compressor", "grace_dgc.compressors")
+MEMORIES = Registry("memory", "grace_dgc.memories")
+COMMUNICATORS = Registry("communicator", "grace_dgc.communicators")
+
+register_compressor = COMPRESSORS.register
+register_memory = MEMORIES.register
+register_communicator = COMMUNICATORS.register
+
+
+def list_compressors(pattern="*"):
+    """Sorted canonical compressor names matching a shell-style ``pattern``."""
+    return COMPRESSORS.names(pattern)
+
+
+def list_memories(pattern="*"):
+    return MEMORIES.names(pattern)
+
+
+def list_communicators(pattern="*"):
+    return COMMUNICATORS.names(pattern)

@@ -1,0 +1,80 @@
+"""Wire format: how a payload (a list of tensors) becomes bytes and back.
+
+A payload travels as one flat ``uint8`` buffer (the tensors' raw bytes, concatenated)
+plus a header of per-tensor byte lengths (int64). Receivers rebuild each tensor with the
+dtype and trailing shape of their own payload in the same position: every rank runs the
+same compressor, so only the leading dimension may differ between ranks.
+"""
+import torch
+
+
+def as_bytes(tensor):
+    """The raw bytes of ``tensor`` as a 1-D uint8 view (a copy only if not contiguous)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def encode(payload):
+    """``payload -> (buffer, header)``: uint8 buffer and int64 per-tensor byte lengths."""
+    chunks = [as_bytes(t) for t in payload]
+    device = payload[0].device
+    header = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
+    buffer = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
+    return buffer, header
+
+
+def decode(buffer, header, template):
+    """Inverse of :func:`encode`, shaped like ``template`` (this rank's own payload)."""
+    lengths = header.tolist()
+    out, start = [], 0
+    for length, like in zip(lengths, template):
+        raw = buffer[start:start + length]
+        if (raw.storage_offset() % like.element_size()) != 0:
+            raw = raw.clone()   # a view as a wider dtype needs an aligned offset
+        start += length
+        values = raw.view(like.dtype)
+        out.append(values.reshape(like.shape) if like.dim() == 0
+                   else values.reshape(-1, *like.shape[1:]))
+    return out
+
+
+def nbytes(payload):
+    """Bytes of a payload as it sits in memory (no header)."""
+    return sum(t.numel() * t.element_size() for t in payload)
+
+
+# -- bit packing: the one implementation every packed method uses ------------------------
+
+def pack_bits(codes, bits):
+    """Pack unsigned integer ``codes`` (each < 2**bits, 1 ≤ bits ≤ 8) into uint8 bytes.
+
+    Element i occupies bits [i·bits, (i+1)·bits) of the little-endian bit stream, so
+    ⌈n·bits/8⌉ bytes hold n codes (e.g. 8 one-bit codes per byte, 4 two-bit codes).
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits={bits} is out of range; accepted: 1..8")
+    n = codes.numel()
+    codes = codes.reshape(-1).to(torch.uint8)
+    if bits == 8:
+        return codes.clone()
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
+    stream = ((codes.unsqueeze(1) >> shifts) & 1).reshape(-1)           # n·bits bits
+    stream = torch.nn.functional.pad(stream, (0, (-stream.numel()) % 8))
+    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32)).to(torch.uint8)
+    return (stream.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.uint8) if n else stream
+
+
+def unpack_bits(packed, bits, n):
+    """Inverse of :func:`pack_bits`: the first ``n`` codes as uint8."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits={bits} is out of range; accepted: 1..8")
+    if bits == 8:
+        return packed[:n].clone()
+    shifts8 = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    stream = ((packed.unsqueeze(1) >> shifts8) & 1).reshape(-1)[: n * bits]
+    weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int32)).to(torch.uint8)
+    return (stream.reshape(n, bits) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def packed_nbytes(n, bits):
+    """Bytes :func:`pack_bits` produces for ``n`` codes of ``bits`` bits."""
+    return (n * bits + 7) // 8
