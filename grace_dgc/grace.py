@@ -52,11 +52,13 @@ class Grace:
         with self._timed("compress"):
             compensated = self.memory.compensate(tensor, name)
             payload, ctx = comp.compress(compensated, name)
+        for _ in range(comp.rounds - 1):    # multi-round methods (PowerSGD: P, then Q)
+            summed = self._sum_payloads(self._communicate(payload, name))
+            with self._timed("compress"):
+                payload, ctx = comp.next_round(summed, ctx)
+        with self._timed("compress"):
             self.memory.update(compensated, name, comp, payload, ctx)
-        with self._timed("communicate"):
-            sent_before = self.engine.bytes_sent
-            gathered = self.communicator.exchange(payload, name)
-            self._stats["bytes_sent"] += self.engine.bytes_sent - sent_before
+        gathered = self._communicate(payload, name)
         with self._timed("decompress"):
             if self.communicator.reduces:       # payloads were already summed on the wire
                 result = comp.decompress(gathered[0], ctx)
@@ -68,6 +70,24 @@ class Grace:
         self._stats["dense_bytes"] += tensor.numel() * 4
         self._steps[name] = self._steps.get(name, 0) + 1
         return result.reshape(tensor.shape).to(tensor.dtype)
+
+    def _communicate(self, payload, name):
+        with self._timed("communicate"):
+            sent_before = self.engine.bytes_sent
+            gathered = self.communicator.exchange(payload, name)
+            self._stats["bytes_sent"] += self.engine.bytes_sent - sent_before
+        return gathered
+
+    def _sum_payloads(self, gathered):
+        if self.communicator.reduces:
+            return gathered[0]
+        return [torch.stack(parts).sum(dim=0) for parts in zip(*gathered)]
+
+    def set_epoch(self, epoch):
+        """Tell schedule-driven parts (e.g. DGC's warm-up) the current epoch."""
+        for part in (self.compressor, self.memory, self.communicator):
+            if hasattr(part, "set_epoch"):
+                part.set_epoch(epoch)
 
     # -- stats -----------------------------------------------------------------
     @contextmanager
@@ -95,6 +115,9 @@ class Grace:
         out["steps"] = max(self._steps.values(), default=0)
         out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
         out["bytes_per_step"] = out["bytes_sent"] / out["steps"] if out["steps"] else 0.0
+        for part in (self.compressor, self.memory):
+            if hasattr(part, "stats"):      # method-specific figures, e.g. DGC's current ratio
+                out.update(part.stats())
         return out
 
     # -- checkpointing ----------------------------------------------------------

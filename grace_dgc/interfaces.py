@@ -13,14 +13,22 @@ class Compressor:
     Class attributes:
       summable: two ranks' payloads may be summed elementwise (only then is allreduce valid).
       average:  divide the aggregate by the world size (False for majority vote).
+      rounds:   exchanges per tensor; a method with rounds > 1 (PowerSGD) gets each
+                earlier round's payload summed over ranks in ``next_round`` and returns
+                the next payload. Intermediate rounds need a summable payload.
     """
     summable = False
     average = True
+    rounds = 1
 
     def compress(self, tensor, name):
         raise NotImplementedError
 
     def decompress(self, payload, ctx):
+        raise NotImplementedError
+
+    def next_round(self, summed_payload, ctx):
+        """``(payload, ctx)`` of the next round, given the previous round's sum over ranks."""
         raise NotImplementedError
 
     def aggregate(self, tensors):

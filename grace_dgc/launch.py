@@ -5,7 +5,9 @@ Results come back in rank order; a rank that raises makes the whole call raise w
 traceback, and a run that exceeds ``timeout`` is killed rather than left hanging.
 """
 import os
+import pickle
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -27,7 +29,9 @@ def _worker(rank, world_size, port, backend, fn, args, results):
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            # plain pickle: torch's queue reducer would pass tensors through shared memory,
+            # which is gone once this process exits
+            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -47,7 +51,6 @@ def run_local(fn, world_size, args=(), backend="gloo", timeout=300):
     for proc in procs:
         proc.start()
     collected, failures = {}, []
-    import time
     deadline = time.monotonic() + timeout
     while len(collected) + len(failures) < world_size:
         if results.empty():
@@ -57,7 +60,10 @@ def run_local(fn, world_size, args=(), backend="gloo", timeout=300):
             time.sleep(0.02)
             continue
         rank, ok, value = results.get()
-        (collected.__setitem__(rank, value) if ok else failures.append((rank, value)))
+        if ok:
+            collected[rank] = pickle.loads(value)
+        else:
+            failures.append((rank, value))
         if failures:
             break   # the other ranks may be blocked in a collective: stop them
     for proc in procs:
