@@ -1,0 +1,73 @@
+"""The ``grace-dgc`` command: ``list`` the registry, run a ``demo``, and the survey tools."""
+import argparse
+import inspect
+import sys
+
+from . import registry
+
+
+def _params(cls):
+    sig = inspect.signature(cls.__init__)
+    return ", ".join(f"{p.name}={p.default!r}" for p in list(sig.parameters.values())[1:]
+                     if p.name != "engine" and p.default is not p.empty)
+
+
+def _summary(cls):
+    return (inspect.getdoc(cls) or "").split("\n")[0].rstrip(".:")
+
+
+def registry_table(markdown=False):
+    """The methods table (as in the README): one row per registered name."""
+    rows = []
+    for kind, reg in (("compressor", registry.COMPRESSORS), ("memory", registry.MEMORIES),
+                      ("communicator", registry.COMMUNICATORS)):
+        for name in reg.names():
+            cls = reg.get(name)
+            aliases = sorted(a for a, n in reg._aliases.items() if n == name and a != name)
+            extra = ""
+            if kind == "compressor":
+                extra = "allreduce, allgather, broadcast" if cls.summable else "allgather, broadcast"
+                extra = ", ".join(getattr(cls, "communicators", None) or extra.split(", "))
+            rows.append((kind, name, ", ".join(aliases), _params(cls), extra, _summary(cls)))
+    header = ("kind", "name", "aliases", "parameters (defaults)", "communicators", "what it is")
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(f"`{c}`" if i == 1 else c.replace("|", "\\|")
+                                    for i, c in enumerate(row)) + " |" for row in rows]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(5)]
+    fmt = "  ".join(f"{{:{w}}}" for w in widths) + "  {}"
+    return "\n".join(fmt.format(*r) for r in [header] + rows)
+
+
+def _cmd_list(args):
+    print(registry_table(markdown=args.markdown))
+
+
+def _add_demo(sub):
+    p = sub.add_parser("demo", help="2-rank demo training on generated data: loss and bytes per method")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--methods", default="none,fp16,topk:residual,randomk:residual,threshold:residual",
+                   help="comma-separated compressor[:memory] names")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args):
+    from .demo import run_demo
+    run_demo([m.split(":") for m in args.methods.split(",")], args.workers, args.steps)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="grace-dgc", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="print the registered compressors, memories and communicators")
+    p.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
+    p.set_defaults(func=_cmd_list)
+    _add_demo(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

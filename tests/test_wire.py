@@ -1,0 +1,42 @@
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grace_dgc import wire
+
+dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(dtypes), st.integers(0, 9)), min_size=1, max_size=4))
+def test_encode_decode_round_trip(spec):
+    payload = [(torch.rand(n) * 100).to(dt) for dt, n in spec]
+    buffer, header = wire.encode(payload)
+    assert buffer.dtype == torch.uint8 and header.tolist() == [t.numel() * t.element_size() for t in payload]
+    back = wire.decode(buffer, header, payload)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(payload, back))
+
+
+def test_decode_uses_the_template_trailing_shape_with_other_lengths():
+    mine = [torch.zeros(2, 3), torch.zeros(2, dtype=torch.int32)]
+    theirs = [torch.arange(12.0).reshape(4, 3), torch.arange(4, dtype=torch.int32)]
+    back = wire.decode(*wire.encode(theirs), mine)
+    assert back[0].shape == (4, 3) and torch.equal(back[0], theirs[0]) and torch.equal(back[1], theirs[1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 100), st.integers(0, 2**32 - 1))
+def test_pack_bits_round_trip_and_size(bits, n, seed):
+    rng = np.random.default_rng(seed)
+    codes = torch.from_numpy(rng.integers(0, 2 ** bits, n).astype(np.uint8))
+    packed = wire.pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == wire.packed_nbytes(n, bits) == -(-n * bits // 8)
+    assert torch.equal(wire.unpack_bits(packed, bits, n), codes)
+
+
+def test_pack_bits_layout_is_little_endian_within_bytes():
+    # independent reference: numpy packbits with little bit order on the codes' bits
+    codes = torch.tensor([1, 0, 3, 2, 1], dtype=torch.uint8)
+    bits = np.array([[c >> i & 1 for i in range(2)] for c in codes.tolist()], dtype=np.uint8).reshape(-1)
+    assert wire.pack_bits(codes, 2).tolist() == np.packbits(bits, bitorder="little").tolist()
