@@ -78,3 +78,18 @@ def unpack_bits(packed, bits, n):
 def packed_nbytes(n, bits):
     """Bytes :func:`pack_bits` produces for ``n`` codes of ``bits`` bits."""
     return (n * bits + 7) // 8
+
+
+# -- signs: the 1-bit format of the sign family (signsgd, signum, efsignsgd, onebit) -----
+
+def pack_signs(tensor):
+    """Bit i = 1 where ``tensor_i ≥ 0``, else 0, packed by :func:`pack_bits` (8 per byte).
+
+    One bit cannot say 0, so an exact zero travels as +1 (as in GRACE).
+    """
+    return pack_bits(tensor.reshape(-1) >= 0, 1)
+
+
+def unpack_signs(packed, n, dtype=torch.float32):
+    """Inverse of :func:`pack_signs`: ``n`` values of ±1 in ``dtype`` (1-D)."""
+    return unpack_bits(packed, 1, n).to(dtype) * 2 - 1

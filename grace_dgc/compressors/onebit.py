@@ -1,0 +1,50 @@
+import torch
+
+from .. import wire
+from ..interfaces import Compressor
+from ..registry import register_compressor
+
+
+@register_compressor("onebit", aliases=("1bit",))
+class OneBitCompressor(Compressor):
+    """1-bit SGD (Seide, Fu, Droppo, Li & Yu 2014, "1-Bit Stochastic Gradient Descent and
+    its Application to Data-Parallel Distributed Training of Speech DNNs"):
+
+        P = { i : g_i ≥ 0 },   N = { i : g_i < 0 }
+        μ₊ = (1/|P|) Σ_{i∈P} g_i,   μ₋ = (1/|N|) Σ_{i∈N} g_i     (0 for an empty group)
+        Q(g)_i = μ₊ if i ∈ P else μ₋
+
+    with error feedback ("quantization with error feedback", the paper's key step), which
+    is the ``residual`` memory: build("onebit", "residual", ...). Without it the
+    quantization error is lost each step and training degrades, as the paper shows.
+
+    μ₊ and μ₋ are the reconstruction values that minimise the squared error of each
+    group, so Σ_i Q(g)_i = Σ_i g_i: the sum of the tensor is sent exactly.
+    Granularity: one pair of means per tensor (as GRACE), not per matrix column as in the
+    paper's implementation.
+
+    Wire: ⌈n/8⌉ bytes of packed sign bits (bit 1 ⇔ g_i ≥ 0) + [μ₋, μ₊] as two fp32
+    (8 bytes). Zero rule: an exact zero belongs to P (bit 1) and counts in μ₊, as in
+    GRACE. Aggregation: the average over ranks of Q(g_m) (``average = True``); sign bits
+    cannot be summed, so allgather or broadcast only.
+    """
+
+    def compress(self, tensor, name):
+        flat = tensor.reshape(-1).float()      # means are computed and sent in fp32
+        positive = flat >= 0
+        count_pos = positive.sum(dtype=torch.float32)
+        count_neg = flat.numel() - count_pos
+        sum_pos = torch.where(positive, flat, 0).sum()
+        sum_neg = torch.where(positive, 0, flat).sum()
+        means = torch.stack([sum_neg / count_neg.clamp(min=1), sum_pos / count_pos.clamp(min=1)])
+        return [wire.pack_signs(flat), means], (tensor.shape, tensor.dtype)
+
+    def decompress(self, payload, ctx):
+        shape, dtype = ctx
+        packed, means = payload
+        positive = wire.unpack_bits(packed, 1, shape.numel()).bool()
+        return torch.where(positive, means[1], means[0]).to(dtype).view(shape)
+
+    def sent_mask(self, payload, ctx):
+        # every element is sent (a sign, or a mean), even where it decodes to 0
+        return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)

@@ -1,0 +1,52 @@
+import torch
+
+from .. import wire
+from ..interfaces import Compressor
+from ..registry import register_compressor
+
+
+def majority_vote(signs):
+    """sign(Σ_m s_m) of the ranks' ±1 tensors; 0 where the vote is tied.
+
+    The sum is taken in fp32 so that it stays exact for any realistic number of ranks
+    even when the signs are fp16/bf16 (bf16 counts exactly only up to 256).
+    """
+    total = torch.stack(signs).sum(dim=0, dtype=torch.float32)
+    return torch.sign(total).to(signs[0].dtype)
+
+
+@register_compressor("signsgd")
+class SignSGDCompressor(Compressor):
+    """signSGD with majority vote (Bernstein, Wang, Azizzadenesheli & Anandkumar 2018,
+    "signSGD: Compressed Optimisation for Non-Convex Problems", Algorithm 3):
+
+        worker m sends      s_m = sign(g_m)                 (1 bit per element)
+        every rank takes    ĝ = sign( Σ_m s_m )             (majority vote)
+        the optimizer does  x ← x − η·ĝ
+
+    Wire: ⌈n/8⌉ bytes of packed sign bits (``wire.pack_signs``: bit 1 ⇔ g_i ≥ 0) and
+    nothing else: the vote needs no magnitude.
+
+    Zero rule: an exact zero is sent as +1 (one bit has no zero; GRACE does the same).
+    Tie rule: where the vote is tied (Σ_m s_m = 0, possible only with an even number of
+    ranks) the aggregate is 0: no majority, no move. (GRACE maps ties to +1, which
+    pushes every tied coordinate the same way.)
+
+    The vote is already the step direction, so ``average = False`` (Grace must not divide
+    it by the world size); sign bits cannot be summed, so allgather or broadcast only.
+    """
+    average = False
+
+    def compress(self, tensor, name):
+        return [wire.pack_signs(tensor)], (tensor.shape, tensor.dtype)
+
+    def decompress(self, payload, ctx):
+        shape, dtype = ctx
+        return wire.unpack_signs(payload[0], shape.numel(), dtype).view(shape)
+
+    def sent_mask(self, payload, ctx):
+        # every element is sent (a sign, or a mean), even where it decodes to 0
+        return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
+
+    def aggregate(self, tensors):
+        return majority_vote(tensors)

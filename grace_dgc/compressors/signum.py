@@ -1,0 +1,40 @@
+from ..errors import check_range
+from ..registry import register_compressor
+from .signsgd import SignSGDCompressor
+
+
+@register_compressor("signum")
+class SignumCompressor(SignSGDCompressor):
+    """Signum: signSGD with momentum (Bernstein et al. 2018, "signSGD: Compressed
+    Optimisation for Non-Convex Problems", Algorithm 1 with majority vote):
+
+        m_t = β·m_{t−1} + (1 − β)·g_t,    m_0 = 0,  β = ``momentum``
+        worker m sends  sign(m_t)          (1 bit per element, as signsgd)
+        every rank takes  ĝ = sign( Σ_m sign(m_t^(m)) )
+
+    The momentum buffer m is per tensor name and per rank (each worker's own momentum,
+    as in the paper's multi-worker Signum); it is part of ``state_dict``. β = 0 is
+    signSGD. Wire format, zero rule (0 → +1), tie rule (tie → 0), ``average = False``
+    and the communicators (allgather, broadcast) are those of ``signsgd``.
+
+    Unlike GRACE (m_1 = g_1), the buffer starts at 0 as in the paper, so
+    m_1 = (1 − β)·g_1; the first sign is the same, later ones may differ.
+    """
+
+    def __init__(self, momentum=0.9):
+        self.momentum = check_range("momentum", momentum, 0, 1, high_open=True)
+        self.momentums = {}     # name -> m_t (a new tensor every step, never updated in place)
+
+    def compress(self, tensor, name):
+        previous = self.momentums.get(name)
+        momentum = (1 - self.momentum) * tensor
+        if previous is not None:
+            momentum = momentum + self.momentum * previous
+        self.momentums[name] = momentum
+        return super().compress(momentum, name)
+
+    def state_dict(self):
+        return {"momentums": dict(self.momentums)}
+
+    def load_state_dict(self, state):
+        self.momentums = dict(state["momentums"])
