@@ -24,8 +24,10 @@ def _worker(rank, world_size, port, backend, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
+        import torch
+        # ranks share the machine's cores: don't let each spin up a full-size thread pool
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if backend == "nccl":
-            import torch
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
