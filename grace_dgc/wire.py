@@ -5,6 +5,8 @@ plus a header of per-tensor byte lengths (int64). Receivers rebuild each tensor 
 dtype and trailing shape of their own payload in the same position: every rank runs the
 same compressor, so only the leading dimension may differ between ranks.
 """
+import numbers
+
 import torch
 
 
@@ -44,14 +46,76 @@ def nbytes(payload):
 
 # -- bit packing: the one implementation every packed method uses ------------------------
 
+MAX_BITS = 32
+
+
+def _check_bits(bits):
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"bits={bits!r} is out of range; accepted: integers 1..{MAX_BITS}")
+
+
+def _pack_aligned(codes, bits):
+    """:func:`pack_bits` for bits ∈ {1, 2, 4}, the same bit stream: 8/bits codes per byte,
+    code j of a byte at bits [j·bits, (j+1)·bits), OR-ed column by column (no bit expansion)."""
+    per_byte = 8 // bits
+    n = codes.numel()
+    columns = torch.nn.functional.pad(codes.reshape(-1).to(torch.uint8), (0, (-n) % per_byte))
+    columns = columns.view(-1, per_byte)
+    packed = columns[:, 0].clone()
+    for j in range(1, per_byte):
+        packed |= columns[:, j] << (j * bits)
+    return packed
+
+
+def _unpack_aligned(packed, bits, n):
+    """Inverse of :func:`_pack_aligned`: ``n`` codes as uint8."""
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+    return ((packed[: packed_nbytes(n, bits)].unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
+
+
+def _pack_wide(codes, bits):
+    """:func:`pack_bits` for 8 < bits ≤ 32, the same bit stream.
+
+    Eight codes fill exactly ``bits`` bytes, and code j of a group starts at the fixed bit
+    j·bits of it, so each output byte is an OR of shifted code slices at static
+    positions: ≤ 8·5 vectorised ops over the groups instead of an n·bits bit expansion.
+    """
+    n = codes.numel()
+    groups = torch.nn.functional.pad(codes.reshape(-1).to(torch.int64), (0, (-n) % 8)).reshape(-1, 8)
+    columns = [None] * bits
+    for j in range(8):
+        start = j * bits
+        for byte in range(start // 8, (start + bits - 1) // 8 + 1):
+            part = ((groups[:, j] << (start % 8)) >> (8 * (byte - start // 8))) & 0xFF
+            columns[byte] = part if columns[byte] is None else columns[byte] | part
+    return torch.stack(columns, dim=1).to(torch.uint8).reshape(-1)[: packed_nbytes(n, bits)]
+
+
+def _unpack_wide(packed, bits, n):
+    """Inverse of :func:`_pack_wide`: ``n`` codes as int64."""
+    size = packed_nbytes(n, bits)
+    groups = torch.nn.functional.pad(packed[:size], (0, (-size) % bits)).to(torch.int64).reshape(-1, bits)
+    codes = []
+    for j in range(8):
+        start = j * bits
+        window = 0      # the bytes code j touches, little-endian
+        for byte in range(start // 8, (start + bits - 1) // 8 + 1):
+            window = window | (groups[:, byte] << (8 * (byte - start // 8)))
+        codes.append((window >> (start % 8)) & ((1 << bits) - 1))
+    return torch.stack(codes, dim=1).reshape(-1)[:n]
+
+
 def pack_bits(codes, bits):
-    """Pack unsigned integer ``codes`` (each < 2**bits, 1 ≤ bits ≤ 8) into uint8 bytes.
+    """Pack unsigned integer ``codes`` (each < 2**bits, 1 ≤ bits ≤ 32) into uint8 bytes.
 
     Element i occupies bits [i·bits, (i+1)·bits) of the little-endian bit stream, so
     ⌈n·bits/8⌉ bytes hold n codes (e.g. 8 one-bit codes per byte, 4 two-bit codes).
     """
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits={bits} is out of range; accepted: 1..8")
+    _check_bits(bits)
+    if bits > 8:
+        return _pack_wide(codes, bits)
+    if bits in (1, 2, 4):
+        return _pack_aligned(codes, bits)
     n = codes.numel()
     codes = codes.reshape(-1).to(torch.uint8)
     if bits == 8:
@@ -64,9 +128,12 @@ def pack_bits(codes, bits):
 
 
 def unpack_bits(packed, bits, n):
-    """Inverse of :func:`pack_bits`: the first ``n`` codes as uint8."""
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits={bits} is out of range; accepted: 1..8")
+    """Inverse of :func:`pack_bits`: the first ``n`` codes, as uint8 (bits ≤ 8) or int64."""
+    _check_bits(bits)
+    if bits > 8:
+        return _unpack_wide(packed, bits, n)
+    if bits in (1, 2, 4):
+        return _unpack_aligned(packed, bits, n)
     if bits == 8:
         return packed[:n].clone()
     shifts8 = torch.arange(8, device=packed.device, dtype=torch.uint8)
