@@ -23,6 +23,8 @@ class Grace:
         self.memory = memory
         self.communicator = communicator
         self.engine = engine
+        if hasattr(memory, "bind"):     # memories that need the world size (momentum's clipping)
+            memory.bind(engine)
         self._worker = None
         self.reset_stats()
 

@@ -35,6 +35,16 @@ class Compressor:
         """Combine the decompressed tensors of all ranks (default: their sum)."""
         return torch.stack(tensors).sum(dim=0) if len(tensors) > 1 else tensors[0]
 
+    def sent_mask(self, payload, ctx):
+        """Bool tensor shaped like the gradient: True where this rank's own payload carried
+        the element (used by memories such as ``momentum`` for momentum factor masking).
+
+        Default: ``decompress(payload, ctx) != 0``, so a sent exact zero reads as not sent;
+        sparsifiers (topk, threshold, dgc) override it with their exact index set, and a
+        method that sends every element should return all True.
+        """
+        return self.decompress(payload, ctx) != 0
+
     def state_dict(self):
         return {}
 

@@ -41,7 +41,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self._names]
         if hasattr(grace.memory, "attach_optimizer"):   # e.g. momentum memories take over momentum
-            grace.memory.attach_optimizer(optimizer, grace)
+            grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self._names.items()})
 
     @staticmethod
     def _name_parameters(optimizer, named_parameters):

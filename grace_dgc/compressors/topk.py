@@ -18,6 +18,13 @@ def scatter_dense(payload, shape, dtype):
     return dense.view(shape)
 
 
+def index_mask(payload, shape):
+    """Where a :func:`sparse_payload` put values (a sent zero included): the exact sent set."""
+    mask = torch.zeros(torch.Size(shape).numel(), dtype=torch.bool, device=payload[1].device)
+    mask[payload[1].long()] = True
+    return mask.view(shape)
+
+
 @register_compressor("topk")
 class TopKCompressor(Compressor):
     """Exact top-k by magnitude (Aji & Heafield 2017; Stich et al. 2018).
@@ -37,3 +44,6 @@ class TopKCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         return scatter_dense(payload, *ctx)
+
+    def sent_mask(self, payload, ctx):
+        return index_mask(payload, ctx[0])

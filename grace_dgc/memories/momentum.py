@@ -1,0 +1,120 @@
+import logging
+import math
+
+import torch
+
+from ..errors import GraceConfigError, check_range
+from ..interfaces import Memory
+from ..registry import register_memory
+
+log = logging.getLogger("grace_dgc")
+
+
+@register_memory("momentum", aliases=("dgc",))
+class MomentumMemory(Memory):
+    """DGC's momentum correction with factor masking and local clipping (Lin et al. 2018).
+
+    For the gradient g of one tensor on one of N ranks (parameters w):
+
+        g ← g · min(1, (gradient_clipping·N^-1/2) / (‖g‖₂ + 1e-6))   (local clipping, per tensor)
+        g ← g + weight_decay · w                                     (decay before accumulation)
+        u ← m·u + g,          v ← v + u                              (momentum correction)
+        u ← m·(u + g),        v ← v + u + g                          (nesterov=True)
+        compensate returns v; after compression, with M = compressor.sent_mask(...):
+        v ← v ⊙ ¬M,  u ← u ⊙ ¬M                                      (momentum factor masking)
+
+    A step in which every element with v ≠ 0 was sent (a dense payload) keeps u: that is
+    plain momentum SGD, as the reference keeps momentum on the tensors it does not
+    compress. With m = 0 this is error feedback for sparsifiers. Any compressor works;
+    ``sent_mask`` (see :class:`~grace_dgc.interfaces.Compressor`) is the only thing read.
+
+    With ``DistributedOptimizer`` over ``torch.optim.SGD``: every param group whose
+    momentum or weight_decay is > 0 hands them (and nesterov) to this memory for its
+    parameters and gets 0 instead, logged once — momentum must not be applied twice.
+    """
+
+    def __init__(self, momentum=0.9, nesterov=False, weight_decay=0.0, gradient_clipping=None,
+                 momentum_masking=True):
+        self.momentum = check_range("momentum", momentum, 0, 1, high_open=True)
+        self.nesterov = bool(nesterov)
+        self.weight_decay = check_range("weight_decay", weight_decay, 0)
+        self.gradient_clipping = None if gradient_clipping is None else check_range(
+            "gradient_clipping", gradient_clipping, 0, low_open=True)
+        self.momentum_masking = bool(momentum_masking)
+        self.world_size = 1
+        self.parameters = {}     # name -> parameter (for weight decay), from attach_optimizer
+        self.settings = {}       # name -> (momentum, nesterov, weight_decay) taken from SGD groups
+        self.momentums = {}      # u
+        self.velocities = {}     # v
+
+    def bind(self, engine):
+        """Called by Grace: clipping scales its threshold by the world size."""
+        self.world_size = engine.size
+
+    def attach_optimizer(self, optimizer, grace, named_parameters):
+        """Called by DistributedOptimizer: learn the parameters; take over SGD's momentum."""
+        self.parameters = dict(named_parameters)
+        if not isinstance(optimizer, torch.optim.SGD):
+            return
+        names = {id(p): n for n, p in self.parameters.items()}
+        moved = []
+        for index, group in enumerate(optimizer.param_groups):
+            momentum, decay = group.get("momentum", 0), group.get("weight_decay", 0)
+            if not (momentum > 0 or decay > 0):
+                continue
+            if momentum > 0 and group.get("dampening", 0) != 0:
+                raise GraceConfigError(
+                    f"SGD param group {index} has dampening={group['dampening']}; the momentum memory "
+                    f"implements u ← m·u + g only; accepted: dampening=0")
+            setting = (momentum if momentum > 0 else self.momentum,
+                       bool(group.get("nesterov")) if momentum > 0 else self.nesterov,
+                       decay if decay > 0 else self.weight_decay)
+            for param in group["params"]:
+                if id(param) in names:
+                    self.settings[names[id(param)]] = setting
+            moved.append(f"group {index}: momentum={momentum}, nesterov={group.get('nesterov', False)}, "
+                         f"weight_decay={decay}")
+            group.update(momentum=0, weight_decay=0, nesterov=False)
+        if moved:
+            log.warning("momentum memory took over SGD's momentum/weight decay (SGD's set to 0, "
+                        "applied before compression instead): %s", "; ".join(moved))
+
+    def compensate(self, tensor, name):
+        momentum, nesterov, decay = self.settings.get(name, (self.momentum, self.nesterov, self.weight_decay))
+        grad = tensor
+        if self.gradient_clipping is not None:
+            max_norm = self.gradient_clipping / math.sqrt(self.world_size)
+            grad = grad * torch.clamp(max_norm / (grad.norm() + 1e-6), max=1.0)
+        if decay:
+            if name not in self.parameters:
+                raise GraceConfigError(
+                    f"weight_decay needs the parameter {name!r}: wrap the optimizer with "
+                    f"DistributedOptimizer(optimizer, grace, model.named_parameters()) or call "
+                    f"memory.attach_optimizer(optimizer, grace, dict(model.named_parameters()))")
+            grad = grad + decay * self.parameters[name].detach().reshape(grad.shape)
+        u, v = self.momentums.get(name), self.velocities.get(name)
+        if u is None:
+            u, v = torch.zeros_like(grad), torch.zeros_like(grad)
+        if nesterov:
+            u = momentum * (u + grad)
+            v = v + u + grad
+        else:
+            u = momentum * u + grad
+            v = v + u
+        self.momentums[name], self.velocities[name] = u, v
+        return v
+
+    def update(self, tensor, name, compressor, payload, ctx):
+        sent = compressor.sent_mask(payload, ctx).reshape(self.velocities[name].shape)
+        v = self.velocities[name]
+        dense_step = (sent | (v == 0)).all()      # a 0-d tensor: no host sync on CUDA
+        self.velocities[name] = v.masked_fill(sent, 0)
+        if self.momentum_masking:
+            self.momentums[name] = self.momentums[name].masked_fill(sent & ~dense_step, 0)
+
+    def state_dict(self):
+        return {"momentums": dict(self.momentums), "velocities": dict(self.velocities)}
+
+    def load_state_dict(self, state):
+        self.momentums = dict(state["momentums"])
+        self.velocities = dict(state["velocities"])
