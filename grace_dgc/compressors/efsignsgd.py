@@ -7,8 +7,10 @@ from ..registry import register_compressor
 
 @register_compressor("efsignsgd")
 class EFSignSGDCompressor(Compressor):
-    """Scaled sign of EF-SignSGD (Karimireddy, Rebjock, Stich & Jaggi 2019, "Error
-    Feedback Fixes SignSGD and other Gradient Compression Schemes", Algorithm 1):
+    """Scaled sign of EF-SignSGD, (‖p‖₁/d)·sign(p): 1 bit per element + one fp32
+
+    Karimireddy, Rebjock, Stich & Jaggi 2019, "Error Feedback Fixes SignSGD and other
+    Gradient Compression Schemes", Algorithm 1:
 
         C(p) = (‖p‖₁ / d) · sign(p)            d = number of elements of p
         p_t = γ·g_t + e_t,   Δ_t = C(p_t),   x_{t+1} = x_t − Δ_t,   e_{t+1} = p_t − Δ_t

@@ -7,8 +7,10 @@ from ..registry import register_compressor
 
 @register_compressor("onebit", aliases=("1bit",))
 class OneBitCompressor(Compressor):
-    """1-bit SGD (Seide, Fu, Droppo, Li & Yu 2014, "1-Bit Stochastic Gradient Descent and
-    its Application to Data-Parallel Distributed Training of Speech DNNs"):
+    """1-bit SGD: sign bits + the means of the non-negative and of the negative entries
+
+    Seide, Fu, Droppo, Li & Yu 2014, "1-Bit Stochastic Gradient Descent and its
+    Application to Data-Parallel Distributed Training of Speech DNNs":
 
         P = { i : g_i ≥ 0 },   N = { i : g_i < 0 }
         μ₊ = (1/|P|) Σ_{i∈P} g_i,   μ₋ = (1/|N|) Σ_{i∈N} g_i     (0 for an empty group)

@@ -17,8 +17,10 @@ def majority_vote(signs):
 
 @register_compressor("signsgd")
 class SignSGDCompressor(Compressor):
-    """signSGD with majority vote (Bernstein, Wang, Azizzadenesheli & Anandkumar 2018,
-    "signSGD: Compressed Optimisation for Non-Convex Problems", Algorithm 3):
+    """signSGD with majority vote: 1 sign bit per element, aggregate = sign of their sum
+
+    Bernstein, Wang, Azizzadenesheli & Anandkumar 2018, "signSGD: Compressed Optimisation
+    for Non-Convex Problems", Algorithm 3:
 
         worker m sends      s_m = sign(g_m)                 (1 bit per element)
         every rank takes    ĝ = sign( Σ_m s_m )             (majority vote)

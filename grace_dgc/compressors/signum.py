@@ -5,8 +5,10 @@ from .signsgd import SignSGDCompressor
 
 @register_compressor("signum")
 class SignumCompressor(SignSGDCompressor):
-    """Signum: signSGD with momentum (Bernstein et al. 2018, "signSGD: Compressed
-    Optimisation for Non-Convex Problems", Algorithm 1 with majority vote):
+    """Signum: momentum, then 1 sign bit per element, majority vote
+
+    Bernstein et al. 2018, "signSGD: Compressed Optimisation for Non-Convex Problems",
+    Algorithm 1, with the majority vote of Algorithm 3:
 
         m_t = β·m_{t−1} + (1 − β)·g_t,    m_0 = 0,  β = ``momentum``
         worker m sends  sign(m_t)          (1 bit per element, as signsgd)

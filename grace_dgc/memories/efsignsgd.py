@@ -5,7 +5,9 @@ from ..registry import register_memory
 
 @register_memory("efsignsgd")
 class EFSignSGDMemory(Memory):
-    """Error feedback of EF-SignSGD (Karimireddy et al. 2019, Algorithm 1), γ = ``lr``:
+    """Error feedback of EF-SignSGD with the step size inside: p = lr·g + e, e ← p − C(p)
+
+    Karimireddy et al. 2019, "Error Feedback Fixes SignSGD...", Algorithm 1, γ = ``lr``:
 
         p_t = γ·g_t + e_t,   Δ_t = C(p_t),   x_{t+1} = x_t − Δ_t,   e_{t+1} = p_t − Δ_t
 
