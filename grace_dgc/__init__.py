@@ -4,6 +4,7 @@
     optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
 """
 from . import communicators, compressors, memories  # noqa: F401  (register the built-ins)
+from .ddp import ddp_comm_hook
 from .engines import create_engine
 from .errors import GraceConfigError
 from .grace import Grace, build, from_params
@@ -19,5 +20,5 @@ __all__ = [
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "list_compressors", "list_memories", "list_communicators",
     "register_compressor", "register_memory", "register_communicator",
-    "create_engine", "GraceConfigError",
+    "create_engine", "GraceConfigError", "ddp_comm_hook",
 ]

@@ -28,7 +28,7 @@ def create_engine(engine="auto", **kwargs):
         return engine
     if engine == "auto":
         import torch.distributed as dist
-        if _horovod_initialized() and "horovod" in ENGINES:
+        if _horovod_initialized():      # registers on first import, below
             engine = "horovod"
         elif dist.is_available() and dist.is_initialized():
             engine = "torch"

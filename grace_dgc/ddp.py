@@ -1,0 +1,105 @@
+"""Gradient compression inside ``DistributedDataParallel`` through its communication hook.
+
+    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.01)
+    ddp_model = DistributedDataParallel(model)
+    state, hook = grace_dgc.ddp_comm_hook(grace, ddp_model)
+    ddp_model.register_comm_hook(state, hook)
+
+DDP hands the hook one bucket at a time: a flat buffer holding several parameters' local
+(un-averaged) gradients. The hook exchanges each parameter's gradient separately through
+``grace.step_async`` under the parameter's name, so compression and error-feedback memory
+are per parameter, exactly as with :class:`~grace_dgc.DistributedOptimizer`, and do not
+depend on how DDP groups parameters into buckets (it regroups them after the first
+iteration). Grace averages over ranks, which is the division DDP's built-in allreduce does.
+"""
+import torch
+
+from .errors import GraceConfigError
+
+
+class GraceHookState:
+    """What the hook needs: the :class:`~grace_dgc.Grace` and each parameter's name.
+
+    Names come from the model's ``named_parameters()`` (DDP's ``module.`` prefix removed,
+    so they match ``DistributedOptimizer(opt, grace, model.named_parameters())``). Without
+    a model, parameters are named ``param.<k>`` in the order the hook first sees them,
+    which is DDP's initial bucket order: the same on every rank and in every run of the
+    same model, so checkpoints still line up.
+
+    ``state_dict()`` (grace's compressor and memory state, keyed by those names) is plain
+    picklable data: save it with the model and optimizer, ``load_state_dict`` it on resume.
+    """
+
+    def __init__(self, grace, model=None, optimizer=None):
+        self.grace = grace
+        self.names = {}         # parameter -> name
+        if model is not None:
+            module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+            if not isinstance(module, torch.nn.Module):
+                raise GraceConfigError(f"model must be a torch.nn.Module or its DDP wrapper, got {type(model).__name__}")
+            self.names = {param: name for name, param in module.named_parameters()}
+            if hasattr(grace.memory, "attach_optimizer"):   # e.g. momentum memories take over momentum
+                grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self.names.items()})
+        elif optimizer is not None:
+            raise GraceConfigError("ddp_comm_hook(grace, model, optimizer): optimizer needs the model")
+        self._named_by_model = model is not None
+
+    def name_of(self, param):
+        name = self.names.get(param)
+        if name is None:
+            if self._named_by_model:
+                raise GraceConfigError(
+                    f"DDP bucket holds a parameter of shape {tuple(param.shape)} that is not in the model "
+                    f"given to ddp_comm_hook; pass the model wrapped by this DistributedDataParallel")
+            name = self.names[param] = f"param.{len(self.names)}"
+        return name
+
+    def state_dict(self):
+        return {"grace": self.grace.state_dict()}
+
+    def load_state_dict(self, state):
+        self.grace.load_state_dict(state["grace"])
+
+    def __getstate__(self):
+        raise TypeError("GraceHookState holds a live Grace (threads, process group) and is not picklable; "
+                        "checkpoint state.state_dict() and restore it with load_state_dict()")
+
+
+def grace_hook(state, bucket):
+    """DDP communication hook: exchange each parameter of ``bucket`` through grace.
+
+    Returns a Future of the bucket's flat buffer, overwritten with the averaged gradients;
+    it completes on grace's communication thread when the bucket's last exchange is done
+    (exchanges run in submission order, so the others are done by then).
+    """
+    grads, params = bucket.gradients(), bucket.parameters()
+    # Views into the bucket buffer: read by the exchanges, overwritten once all are done.
+    futures = [state.grace.step_async(grad, state.name_of(param)) for grad, param in zip(grads, params)]
+    buffer = bucket.buffer()
+    result = torch.futures.Future()
+
+    def write_back(_):
+        try:
+            for grad, future in zip(grads, futures):
+                grad.copy_(future.result())
+            if buffer.is_cuda:      # DDP reads the buffer on its own thread's stream
+                torch.cuda.current_stream(buffer.device).synchronize()
+            result.set_result(buffer)
+        except BaseException as error:      # DDP re-raises it from backward's end
+            result.set_exception(error)
+
+    futures[-1].add_done_callback(write_back)
+    return result
+
+
+def ddp_comm_hook(grace, model=None, optimizer=None):
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
+
+    ``model``: the DDP model (or the module it wraps) — names the parameters after
+    ``named_parameters()``; recommended, and needed by memories that read parameters.
+    ``optimizer``: handed to memories that take over the optimizer's momentum (``momentum``).
+    Build ``grace`` on the same process group as DDP (``grace_dgc.build(..., process_group=pg)``).
+    """
+    if not hasattr(grace, "step_async"):
+        raise GraceConfigError(f"ddp_comm_hook needs a Grace (grace_dgc.build(...)), got {type(grace).__name__}")
+    return GraceHookState(grace, model, optimizer), grace_hook

@@ -1,0 +1,214 @@
+"""DistributedDataParallel with grace's communication hook, on 2 real gloo ranks.
+
+References: DDP's built-in allreduce and torch's fp16_compress_hook (bit for bit),
+DistributedOptimizer on the same model and data (bit for bit), an uninterrupted run
+(checkpoint → reload → continue). One run_local call does every case.
+"""
+import io
+import pickle
+
+import pytest
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import grace_dgc
+from grace_dgc.ddp import grace_hook
+from grace_dgc.launch import run_local
+
+WORLD, STEPS = 2, 5
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, 3))
+
+
+def batches(rank, steps=STEPS, per_rank=8):
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(per_rank, 8, generator=gen), torch.randint(0, 3, (per_rank,), generator=gen))
+            for _ in range(steps)]
+
+
+def flat(tensors):
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
+
+
+def train(model, opt, data):
+    """Per step: (gradients as the optimizer saw them, parameters after the step)."""
+    trace = []
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()          # DistributedOptimizer writes the averaged gradients into .grad
+        trace.append((flat(p.grad for p in model.parameters()), flat(model.parameters())))
+    return trace
+
+
+def ddp_with(seed, hook=None, state=None):
+    """A DDP model with small buckets (~500 floats: several buckets, several parameters in some)."""
+    ddp = DDP(make_model(seed), bucket_cap_mb_list=[0.002])
+    if hook is not None:
+        ddp.register_comm_hook(state, hook)
+    return ddp
+
+
+def recording(hook, log):
+    """``hook`` that also logs, per bucket: (parameter count, local buffer in, buffer out)."""
+    def logged(state, bucket):
+        entry = [len(bucket.parameters()), bucket.buffer().clone(), None]
+        log.append(entry)       # in call order (completions may come in another order)
+
+        def done(future):
+            entry[2] = future.value().clone()
+            return future.value()
+        return hook(state, bucket).then(done)
+    return logged
+
+
+def grace_ddp(rank, method, data, model_names=True, seed=0):
+    comp, mem, comm, params = method
+    grace = grace_dgc.build(comp, mem, comm, **params)
+    ddp = ddp_with(seed)
+    state, hook = grace_dgc.ddp_comm_hook(grace, ddp if model_names else None)
+    buckets = []
+    ddp.register_comm_hook(state, recording(hook, buckets))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    return ddp, opt, state, buckets
+
+
+TOPK = ("topk", "residual", "allgather", {"compress_ratio": 0.1})
+RANDOMK = ("randomk", "residual", "allreduce", {"compress_ratio": 0.2})
+
+
+def ddp_job(rank, world_size):
+    data = batches(rank)
+    out = {}
+    # built-in DDP allreduce vs grace none/allreduce
+    ddp = ddp_with(0)
+    out["builtin"] = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), data)
+    ddp, _, _, out["buckets"] = grace_ddp(rank, ("none", "none", "allreduce", {}), data)
+    out["grace_none"] = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), data)
+    # torch's fp16 hook vs grace fp16/allreduce, on the same parameters (lr=0) every step
+    out["builtin_fp16_buckets"] = []
+    ddp = ddp_with(0, recording(fp16_compress_hook, out["builtin_fp16_buckets"]), None)
+    out["builtin_fp16"] = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.0), data)
+    ddp, _, _, out["grace_fp16_buckets"] = grace_ddp(rank, ("fp16", "none", "allreduce", {}), data)
+    out["grace_fp16"] = train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.0), data)
+
+    # topk + residual: DDP hook vs DistributedOptimizer
+    ddp, opt, state, _ = grace_ddp(rank, TOPK, data)
+    out["grace_topk"] = train(ddp, opt, data)
+    out["topk_stats"] = state.grace.stats()
+    model = make_model(0)
+    dopt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                          grace_dgc.build(TOPK[0], TOPK[1], TOPK[2], **TOPK[3]),
+                                          model.named_parameters())
+    out["dopt_topk"] = train(model, dopt, data)
+
+    # checkpoint after 2 steps → fresh objects (another init) → load → continue
+    for key, method, model_names in (("topk", TOPK, True), ("randomk", RANDOMK, False)):
+        ddp, opt, state, _ = grace_ddp(rank, method, data, model_names)
+        uninterrupted = train(ddp, opt, data)
+        ddp, opt, state, _ = grace_ddp(rank, method, data, model_names)
+        first = train(ddp, opt, data[:2])
+        buffer = io.BytesIO()
+        torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "grace": state.state_dict()}, buffer)
+        del ddp, opt, state
+        ddp, opt, state, _ = grace_ddp(rank, method, data, model_names, seed=5)
+        checkpoint = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+        ddp.module.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["opt"])
+        state.load_state_dict(checkpoint["grace"])
+        out[f"resume_{key}"] = (uninterrupted, first + train(ddp, opt, data[2:]), sorted(checkpoint["grace"]["grace"]["memory"]["residuals"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_local(ddp_job, WORLD)
+
+
+def assert_traces_equal(a, b, what):
+    assert len(a) == len(b) == STEPS or len(a) == len(b), what
+    for step, ((grad_a, param_a), (grad_b, param_b)) in enumerate(zip(a, b)):
+        assert torch.equal(grad_a, grad_b), (what, "gradients", step, (grad_a - grad_b).abs().max())
+        assert torch.equal(param_a, param_b), (what, "parameters", step)
+
+
+def test_none_equals_ddps_builtin_allreduce_bit_for_bit(results):
+    for rank, r in enumerate(results):
+        assert_traces_equal(r["grace_none"], r["builtin"], ("none vs DDP allreduce", rank))
+    # the hook ran per bucket: several buckets, several parameters in some, DDP rebuilt them
+    iterations, current = [], []
+    for count, _, _ in results[0]["buckets"]:
+        current.append(count)
+        if sum(current) == 6:       # the model has 6 parameters
+            iterations.append(tuple(current))
+            current = []
+    assert len(iterations) == STEPS and not current
+    assert all(len(it) > 1 for it in iterations) and max(map(max, iterations)) > 1
+    assert iterations[0] != iterations[1] == iterations[-1], iterations     # rebuilt after the first
+
+
+def test_fp16_equals_fp16_compress_hook_where_no_half_is_subnormal(results):
+    """Per bucket, against both formulas written here from the ranks' local gradients h_r:
+    torch's hook sums fp16(h_r / N) in fp16; grace (average after decompression) sums h_r
+    in fp16 and divides the fp32 result by N. With N = 2 they are equal bit for bit unless
+    some h_r / N is an fp16 subnormal (|h_r / N| < 2^-14), where torch's halving rounds."""
+    differing = total = 0
+    for key, formula in (("grace_fp16_buckets", lambda h: sum(h).float() / WORLD),
+                         ("builtin_fp16_buckets", lambda h: sum(x / WORLD for x in h).float())):
+        for calls in zip(*(r[key] for r in results)):
+            halves = [local.half() for _, local, _ in calls]
+            for _, _, out in calls:
+                assert torch.equal(out, formula(halves)), key
+    for grace_calls, torch_calls in zip(zip(*(r["grace_fp16_buckets"] for r in results)),
+                                        zip(*(r["builtin_fp16_buckets"] for r in results))):
+        assert all(torch.equal(a[1], b[1]) for a, b in zip(grace_calls, torch_calls))   # same inputs
+        halves = [local.half() for _, local, _ in grace_calls]
+        subnormal = torch.stack([((h / WORLD).abs() < 2.0 ** -14) & (h != 0) for h in halves]).any(dim=0)
+        differ = grace_calls[0][2] != torch_calls[0][2]
+        assert not (differ & ~subnormal).any(), "fp16 hook differs from torch's where no half is subnormal"
+        differing, total = differing + int(differ.sum()), total + differ.numel()
+    print(f"fp16: grace hook vs fp16_compress_hook differ at {differing} of {total} elements (fp16 subnormals)")
+    assert differing < total * 0.01
+    assert len(results[0]["grace_fp16_buckets"]) == len(results[0]["builtin_fp16_buckets"]) > STEPS
+
+
+def test_topk_residual_equals_distributed_optimizer(results):
+    for rank, r in enumerate(results):
+        assert_traces_equal(r["grace_topk"], r["dopt_topk"], ("topk hook vs DistributedOptimizer", rank))
+        assert not torch.equal(r["grace_topk"][-1][0], r["grace_none"][-1][0])
+    stats = results[0]["topk_stats"]
+    assert stats["steps"] == STEPS and stats["compression_ratio"] < 0.5
+
+
+def test_ranks_stay_identical(results):
+    for key in ("builtin", "grace_none", "builtin_fp16", "grace_fp16", "grace_topk"):
+        for (_, params_0), (_, params_1) in zip(results[0][key], results[1][key]):
+            assert torch.equal(params_0, params_1), key
+
+
+def test_checkpoint_resume_equals_uninterrupted(results):
+    for rank, r in enumerate(results):
+        for key in ("topk", "randomk"):
+            uninterrupted, resumed, names = r[f"resume_{key}"]
+            assert_traces_equal(resumed, uninterrupted, (key, "resume", rank))
+        # memory is keyed by the model's parameter names, or param.<k> without a model
+        assert r["resume_topk"][2] == sorted(n for n, _ in make_model().named_parameters())
+        assert r["resume_randomk"][2] == sorted(f"param.{k}" for k in range(6))
+
+
+def test_bad_input_and_pickling():
+    grace = grace_dgc.build(engine="local")
+    with pytest.raises(grace_dgc.GraceConfigError, match="needs a Grace"):
+        grace_dgc.ddp_comm_hook(object())
+    with pytest.raises(grace_dgc.GraceConfigError, match="optimizer needs the model"):
+        grace_dgc.ddp_comm_hook(grace, None, torch.optim.SGD(make_model().parameters(), lr=0.1))
+    state, hook = grace_dgc.ddp_comm_hook(grace, make_model())
+    assert hook is grace_hook
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(state)
+    assert pickle.loads(pickle.dumps(state.state_dict())) == {"grace": {"compressor": {}, "memory": {}}}
