@@ -145,10 +145,11 @@ def test_natural_outputs_signed_powers_of_two_bracketing_the_input():
     low = 2.0 ** torch.floor(torch.log2(x.double().abs()))
     assert torch.all((out.abs() == low) | (out.abs() == 2 * low))
     assert torch.all(torch.sign(out) == torch.sign(x.double()))
-    special = torch.tensor([0.0, -0.0, 1.0, -0.25, 2.0 ** -126, 2.0 ** 127, 3e38, float("inf"), -float("inf")])
+    special = torch.tensor([0.0, -0.0, 1.0, -0.25, 2.0 ** -126, 2.0 ** 127, 3e38, float("inf"), -float("inf"),
+                            float("nan")])
     out = roundtrip(make("natural"), special)
-    assert out.tolist() == [0.0, 0.0, 1.0, -0.25, 2.0 ** -126, 2.0 ** 127, 2.0 ** 127,
-                            float("inf"), -float("inf")]
+    assert out.tolist() == [0.0, 0.0, 1.0, -0.25, 2.0 ** -126, 2.0 ** 127, 2.0 ** 127,   # saturates at 2^127
+                            float("inf"), -float("inf"), float("inf")]
     assert torch.signbit(out[1])                    # even -0.0 keeps its sign
     tiny = roundtrip(make("natural"), torch.full((1000,), 1e-40))   # subnormal: 0 or 2^-126
     assert set(tiny.tolist()) == {0.0, 2.0 ** -126}
@@ -220,8 +221,10 @@ def test_pack_bits_rejects_bad_widths(bits):
 @pytest.mark.parametrize("shape", [(3, 5, 7), (0,), (1,), (2, 0, 3)])
 def test_shape_and_dtype_preserved(name, dtype, shape):
     x = torch.randn(shape).to(dtype)
+    original = x.clone()
     out = roundtrip(make(name), x)
     assert out.shape == x.shape and out.dtype == dtype
+    assert torch.equal(x, original)         # the input is never written to
 
 
 @pytest.mark.parametrize("name", STOCHASTIC)
@@ -290,3 +293,12 @@ def test_two_ranks_average_each_ranks_decompressed_tensor():
         for rank in range(2):
             torch.testing.assert_close(per_rank[rank][case], expected, rtol=1e-6, atol=1e-7,
                                        msg=f"{name} over {comm}, rank {rank}")
+
+
+def test_sent_mask_every_element_for_unbiased_methods_and_pm_tau_for_twobit():
+    x = torch.tensor([[0.7, -0.2], [0.0, -0.6]])
+    for name in STOCHASTIC:
+        compressor = make(name)
+        assert compressor.sent_mask(*compressor.compress(x, "m")).tolist() == [[True, True], [True, True]]
+    twobit = make("twobit", threshold=0.5)
+    assert twobit.sent_mask(*twobit.compress(x, "m")).tolist() == [[True, False], [False, True]]

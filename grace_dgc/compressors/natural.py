@@ -5,6 +5,7 @@ from ..registry import register_compressor
 from .qsgd import StochasticCompressor
 
 MANTISSA_BITS = 23
+INF_BITS = 0x7F800000   # fp32 bits of +inf; larger magnitudes are NaN
 INF_EXPONENT = 255      # fp32 biased exponent of inf / NaN
 MAX_EXPONENT = 254      # of the largest finite power of two, 2**127
 
@@ -19,7 +20,9 @@ class NaturalCompressor(StochasticCompressor):
     so E[C_nat(t)] = t (unbiased) and E[C_nat(t)²] ≤ (9/8)·t² (ω = 1/8).
 
     On fp32 bits this is exact integer arithmetic: |t| = 2^(e−127)·(1 + m/2²³), so
-    p = m/2²³ and rounding up is e + 1. It also holds below 2^−126 (subnormals round to 0
+    p = m/2²³ and rounding up is e + 1. Adding u ~ U{0, …, 2²³−1} to the bits of |t| carries
+    into the exponent iff u ≥ 2²³ − m, i.e. with probability exactly m/2²³, so the rounded
+    exponent is (bits(|t|) + u) >> 23 (one add, one shift). It also holds below 2^−126 (subnormals round to 0
     or 2^−126 with p = m/2²³, still unbiased), and 0 (e = m = 0) never rounds up, so zeros
     round-trip exactly. Unbiased on |t| ≤ 2^127: beyond, the result saturates at 2^127
     rather than overflowing to inf; ±inf and NaN travel as ±inf. Inputs of other dtypes
@@ -33,12 +36,14 @@ class NaturalCompressor(StochasticCompressor):
 
     def compress(self, tensor, name):
         bits = tensor.reshape(-1).float().view(torch.int32)
-        exponent = (bits >> MANTISSA_BITS) & 0xFF
-        mantissa = bits & ((1 << MANTISSA_BITS) - 1)
+        magnitude = bits & 0x7FFFFFFF
+        finite = magnitude < INF_BITS
+        magnitude.clamp_(max=INF_BITS)      # NaN → inf: the add below cannot overflow int32
         uniform = torch.randint(0, 1 << MANTISSA_BITS, bits.shape, dtype=torch.int32, device=bits.device,
                                 generator=self.generator(name, tensor.device))
-        rounded = (exponent + (uniform < mantissa).to(torch.int32)).clamp_(max=MAX_EXPONENT)
-        exponent = torch.where(exponent == INF_EXPONENT, exponent, rounded).to(torch.uint8)
+        exponent = uniform.add_(magnitude).bitwise_right_shift_(MANTISSA_BITS).to(torch.uint8)
+        # finite inputs saturate at 2^127 instead of carrying into inf
+        exponent = torch.where(finite, exponent.clamp_(max=MAX_EXPONENT), INF_EXPONENT)
         return [exponent, wire.pack_bits(bits < 0, 1)], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):

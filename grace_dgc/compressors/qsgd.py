@@ -1,5 +1,6 @@
 import hashlib
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,13 @@ from ..registry import register_compressor
 
 
 def process_rank():
-    """This process's rank in the default torch.distributed group (0 when there is none)."""
+    """This process's rank: Horovod's once hvd.init() ran, else torch.distributed's, else 0."""
+    hvd = sys.modules.get("horovod.torch")
+    try:
+        if hvd is not None and hvd.is_initialized():
+            return hvd.rank()
+    except Exception:   # noqa: BLE001  horovod present but its library failed to load
+        pass
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -26,8 +33,8 @@ class StochasticCompressor(Compressor):
         draws — that is how a test reproduces another rank locally;
       * the state is just t per name, equal on all ranks, so loading one rank's
         checkpoint on every rank resumes each rank's own stream exactly.
-    rank is the torch.distributed rank (0 without a process group; with Horovod alone,
-    pass ``seed=base + hvd.rank()`` to decorrelate the ranks).
+    rank is Horovod's rank after hvd.init(), else the default torch.distributed group's,
+    else 0 (a single process).
     """
 
     def __init__(self, seed=0):
@@ -52,11 +59,12 @@ class StochasticCompressor(Compressor):
         self.steps = dict(state["steps"])
 
 
-def stochastic_round(x, generator):
-    """⌊x⌋ + Bernoulli(x − ⌊x⌋) for x ≥ 0: an unbiased integer, E = x."""
+def stochastic_round_(x, generator):
+    """⌊x⌋ + Bernoulli(x − ⌊x⌋) for x ≥ 0: an unbiased integer, E = x. Overwrites x."""
     floor = x.floor()
+    fraction = x.sub_(floor)
     uniform = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-    return floor + (uniform < x - floor).to(x.dtype)
+    return floor.add_(uniform.lt_(fraction))     # in place: large tensors, few passes
 
 
 @register_compressor("qsgd")
@@ -82,23 +90,27 @@ class QSGDCompressor(StochasticCompressor):
         self.bucket_size = check_range("bucket_size", bucket_size, 1, kind=int)
         self.bits = math.ceil(math.log2(2 * self.quantum_num + 1))
 
+    def buckets(self, flat):
+        """``flat`` as rows of ``bucket_size``, zero-padded (a copy only when padding)."""
+        padding = (-flat.numel()) % self.bucket_size
+        return (torch.nn.functional.pad(flat, (0, padding)) if padding else flat).view(-1, self.bucket_size)
+
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()
         n, s = flat.numel(), self.quantum_num
-        buckets = torch.nn.functional.pad(flat, (0, (-n) % self.bucket_size)).view(-1, self.bucket_size)
+        buckets = self.buckets(flat)
         norms = buckets.norm(dim=1)
         # a zero-norm bucket has only zeros: divide by 1 instead (levels stay 0)
-        scaled = buckets.abs() * (s / torch.where(norms > 0, norms, 1.0)).unsqueeze(1)
-        levels = stochastic_round(scaled.clamp_(max=s), self.generator(name, tensor.device))
-        signed = torch.where(buckets < 0, -levels, levels).reshape(-1)[:n]
-        codes = (signed + s).to(torch.uint8 if self.bits <= 8 else torch.int64)
+        scaled = buckets.abs().mul_((s / torch.where(norms > 0, norms, 1.0)).unsqueeze(1))
+        levels = stochastic_round_(scaled.clamp_(max=s), self.generator(name, tensor.device))
+        codes = torch.copysign(levels, buckets).add_(s).reshape(-1)[:n]     # in [0, 2s]
+        codes = codes.to(torch.uint8 if self.bits <= 8 else torch.int64)
         return [wire.pack_bits(codes, self.bits), norms], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         packed, norms = payload
         shape, dtype = ctx
         n, s = torch.Size(shape).numel(), self.quantum_num
-        signed = wire.unpack_bits(packed, self.bits, n).float() - s
-        signed = torch.nn.functional.pad(signed, (0, (-n) % self.bucket_size)).view(-1, self.bucket_size)
-        values = signed * (norms / s).unsqueeze(1)
+        signed = self.buckets(wire.unpack_bits(packed, self.bits, n).float().sub_(s))
+        values = signed.mul_((norms / s).unsqueeze(1))
         return values.reshape(-1)[:n].to(dtype).view(shape)

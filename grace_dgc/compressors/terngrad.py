@@ -34,21 +34,22 @@ class TernGradCompressor(StochasticCompressor):
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()
         if flat.numel():
-            sigma = (flat - flat.mean()).square().mean().sqrt()
+            sigma = flat.std(correction=0)
             bound = torch.where(sigma > 0, self.clip_factor * sigma, torch.inf)
-            flat = torch.maximum(torch.minimum(flat, bound), -bound)
-        scale = flat.abs().max().reshape(1) if flat.numel() else flat.new_zeros(1)
-        probability = flat.abs() / torch.where(scale > 0, scale, 1.0)
+            flat = flat.clamp(-bound, bound)
+        magnitude = flat.abs()
+        scale = magnitude.max().reshape(1) if flat.numel() else flat.new_zeros(1)
+        probability = magnitude.div_(torch.where(scale > 0, scale, 1.0))
         generator = self.generator(name, tensor.device)
         uniform = torch.rand(flat.shape, generator=generator, device=flat.device)
         sent = (uniform < probability).to(torch.uint8)     # b_i; never where g_i = 0
-        codes = sent * (POSITIVE + (flat < 0).to(torch.uint8) * (NEGATIVE - POSITIVE))
+        codes = sent.mul_((flat < 0).to(torch.uint8).add_(POSITIVE))   # NEGATIVE = POSITIVE + 1
         return [wire.pack_bits(codes, 2), scale], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         packed, scale = payload
         shape, dtype = ctx
         codes = wire.unpack_bits(packed, 2, torch.Size(shape).numel())
-        zero = scale.new_zeros(())
-        table = torch.stack([zero, scale[0], -scale[0], zero]).to(dtype)
-        return table[codes.long()].view(shape)
+        # sgn = low bit − high bit: 1 → +1, 2 → −1, 0 and 3 → 0 (byte arithmetic, ~3× a lookup)
+        signs = (codes & 1).view(torch.int8) - (codes >> 1).view(torch.int8)
+        return signs.to(dtype).mul_(scale.to(dtype)).view(shape)

@@ -25,8 +25,7 @@ class TwoBitCompressor(Compressor):
     (wire.pack_bits), i.e. 4 per byte and 16 per 32-bit little-endian word, element 16w+j
     at bits 2j..2j+1 of word w; ⌈n/4⌉ bytes (the last word is not padded). τ is a
     parameter every rank shares, so it does not travel. Codes cannot be summed, so it
-    needs allgather or broadcast. For masking memories an element counts as sent where
-    its code is ±τ (the default ``sent_mask``, decompress ≠ 0): a 0 means "keep it".
+    needs allgather or broadcast.
     """
 
     def __init__(self, threshold=0.5):
@@ -42,6 +41,12 @@ class TwoBitCompressor(Compressor):
     def decompress(self, payload, ctx):
         shape, dtype = ctx
         codes = wire.unpack_bits(payload[0], 2, torch.Size(shape).numel())
-        tau = self.threshold
-        table = torch.tensor([0.0, 0.0, -tau, tau], dtype=dtype, device=codes.device)
-        return table[codes.long()].view(shape)
+        # sgn = high bit · (2·low bit − 1): 3 → +1, 2 → −1, 0 and 1 → 0 (byte arithmetic,
+        # ~3× a table lookup)
+        signs = (codes >> 1).view(torch.int8) * ((codes & 1).view(torch.int8) * 2 - 1)
+        return signs.to(dtype).mul_(self.threshold).view(shape)
+
+    def sent_mask(self, payload, ctx):
+        """Sent = quantised to ±τ; a 0 code means "keep accumulating" (for masking memories)."""
+        shape, _ = ctx
+        return (wire.unpack_bits(payload[0], 2, torch.Size(shape).numel()) >= NEGATIVE).view(shape)
