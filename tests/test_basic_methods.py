@@ -3,7 +3,7 @@ against references written here."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -53,6 +53,8 @@ def test_compress_decompress_keeps_shape_and_dtype(values, name, dtype):
 @given(arrays(np.float32, st.integers(1, 300), elements=finite, unique=True),
        st.floats(0.001, 1.0))
 def test_topk_returns_exactly_the_k_largest_magnitudes(values, ratio):
+    values = np.abs(values) * np.where(np.arange(len(values)) % 2, -1, 1).astype(np.float32)
+    assume(len(np.unique(np.abs(values))) == len(values))     # no ties in magnitude
     tensor = torch.from_numpy(values)
     comp = make("topk", compress_ratio=ratio).compressor
     (sent, indices), out = roundtrip(comp, tensor)
@@ -165,3 +167,23 @@ def test_state_dict_round_trip_resumes_exactly():
     b.load_state_dict(a.state_dict())
     for x in xs[2:]:
         assert torch.equal(a.step(x, "w"), b.step(x, "w"))
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "randomk", "topk", "threshold"])
+def test_sent_mask_is_the_exact_sent_set_even_for_zeros(name):
+    """Memories learn what was sent from sent_mask; a sent exact zero counts as sent."""
+    x = torch.tensor([0.0, 1e-30, 0.0, 5.0, -4.0, 0.0, 3.0, 0.0])
+    comp = make(name, **({"compress_ratio": 0.5} if name in ("topk", "randomk") else
+                         {"threshold": 0.0} if name == "threshold" else {})).compressor
+    payload, ctx = comp.compress(x, "w")
+    mask = comp.sent_mask(payload, ctx)
+    if name == "randomk":
+        expected = torch.zeros(8, dtype=torch.bool)
+        expected[ctx[0]] = True
+    elif name == "topk":
+        expected = torch.tensor([False, False, False, True, True, False, True, False])
+        expected[payload[1][~expected[payload[1].long()]].long()] = True    # the 4th pick: a zero
+        assert int(expected.sum()) == 4
+    else:
+        expected = torch.ones(8, dtype=torch.bool)           # dense casts and threshold 0 send all
+    assert torch.equal(mask, expected)

@@ -1,3 +1,5 @@
+import torch
+
 from ..interfaces import Compressor
 from ..registry import register_compressor
 
@@ -12,3 +14,6 @@ class NoneCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         return payload[0]
+
+    def sent_mask(self, payload, ctx):
+        return torch.ones_like(payload[0], dtype=torch.bool)    # every element is sent

@@ -42,6 +42,12 @@ class RandomKCompressor(Compressor):
         dense[indices] = payload[0]
         return dense.view(shape)
 
+    def sent_mask(self, payload, ctx):
+        indices, shape = ctx      # the shared index set, a sent zero included
+        mask = torch.zeros(torch.Size(shape).numel(), dtype=torch.bool, device=payload[0].device)
+        mask[indices] = True
+        return mask.view(shape)
+
     def state_dict(self):
         return {"steps": dict(self.steps)}
 
