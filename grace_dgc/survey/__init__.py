@@ -1,0 +1,1 @@
+"""The comparative survey: workloads, runner, metrics and reports (``grace-dgc survey``)."""
