@@ -2,7 +2,10 @@
 
 The whole data path of one gradient is :meth:`Grace._exchange`, top to bottom:
 
-    grad → compensate → compress → memory update → exchange → decompress → aggregate → average
+    grad → compensate → compress → exchange [→ next_round → exchange …] → memory update
+         → decompress → aggregate → average
+
+(the bracket: multi-round methods such as PowerSGD; see ``Compressor.rounds``)
 """
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,13 +57,21 @@ class Grace:
         with self._timed("compress"):
             compensated = self.memory.compensate(tensor, name)
             payload, ctx = comp.compress(compensated, name)
-        for _ in range(comp.rounds - 1):    # multi-round methods (PowerSGD: P, then Q)
-            summed = self._sum_payloads(self._communicate(payload, name))
-            with self._timed("compress"):
-                payload, ctx = comp.next_round(summed, ctx)
-        with self._timed("compress"):
-            self.memory.update(compensated, name, comp, payload, ctx)
         gathered = self._communicate(payload, name)
+        exchanges = 1
+        while comp.rounds > 1:      # multi-round methods (PowerSGD: P, then Q) see each round's sum
+            with self._timed("compress"):
+                following = comp.next_round(self._sum_payloads(gathered), ctx)
+            if following is None:   # done: the round just exchanged was this tensor's last
+                break
+            if exchanges == comp.rounds:
+                raise RuntimeError(f"{type(comp).__name__}.next_round asked for more than "
+                                   f"rounds={comp.rounds} exchanges")
+            payload, ctx = following
+            gathered = self._communicate(payload, name)
+            exchanges += 1
+        with self._timed("compress"):       # the local payload of the last round
+            self.memory.update(compensated, name, comp, payload, ctx)
         with self._timed("decompress"):
             if self.communicator.reduces:       # payloads were already summed on the wire
                 result = comp.decompress(gathered[0], ctx)

@@ -13,9 +13,10 @@ class Compressor:
     Class attributes:
       summable: two ranks' payloads may be summed elementwise (only then is allreduce valid).
       average:  divide the aggregate by the world size (False for majority vote).
-      rounds:   exchanges per tensor; a method with rounds > 1 (PowerSGD) gets each
-                earlier round's payload summed over ranks in ``next_round`` and returns
-                the next payload. Intermediate rounds need a summable payload.
+      rounds:   the most exchanges per tensor. With rounds > 1 (PowerSGD) Grace calls
+                ``next_round`` with each round's payload summed over ranks, the last round
+                included; it returns the next payload, or None once the tensor is done.
+                Such payloads must be summable (with any communicator).
     """
     summable = False
     average = True
@@ -28,7 +29,11 @@ class Compressor:
         raise NotImplementedError
 
     def next_round(self, summed_payload, ctx):
-        """``(payload, ctx)`` of the next round, given the previous round's sum over ranks."""
+        """``(payload, ctx)`` of the next round, given the round just exchanged summed over
+        ranks; or None when that round was the last (its payloads are then decompressed with
+        ``ctx``, and the memory is updated with this rank's payload of that round). Seeing the
+        last sum lets a method keep state that must be equal on all ranks (PowerSGD's Q).
+        """
         raise NotImplementedError
 
     def aggregate(self, tensors):
