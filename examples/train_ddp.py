@@ -1,4 +1,4 @@
-"""Train a small MLP with DistributedDataParallel, compressing through grace's DDP
+r"""Train a small MLP with DistributedDataParallel, compressing through grace's DDP
 communication hook, under torchrun.
 
     torchrun --nproc_per_node 2 examples/train_ddp.py \

@@ -1,4 +1,4 @@
-"""Train a small MLP with gradient compression under horovodrun (grace_dgc.DistributedOptimizer
+r"""Train a small MLP with gradient compression under horovodrun (grace_dgc.DistributedOptimizer
 over Horovod's own collectives: after ``hvd.init()``, ``engine="auto"`` picks Horovod).
 
     horovodrun -np 2 --gloo -H localhost:2 python examples/train_horovodrun.py \

@@ -1,4 +1,4 @@
-"""Train a small MLP with gradient compression under torchrun (grace_dgc.DistributedOptimizer).
+r"""Train a small MLP with gradient compression under torchrun (grace_dgc.DistributedOptimizer).
 
     torchrun --nproc_per_node 2 examples/train_torchrun.py \
         --compressor topk --memory residual --communicator allgather --param compress_ratio=0.01
