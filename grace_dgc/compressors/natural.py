@@ -12,7 +12,9 @@ MAX_EXPONENT = 254      # of the largest finite power of two, 2**127
 
 @register_compressor("natural")
 class NaturalCompressor(StochasticCompressor):
-    """Natural compression (Horváth et al. 2019): stochastic rounding to a power of two,
+    """Natural compression (Horváth et al. 2019): unbiased rounding to ±2^k; 8-bit exponent + sign bit.
+
+    Stochastic rounding of each element to one of the two nearest powers of two:
 
         C_nat(t) = sgn(t) · 2^⌊log2|t|⌋ · (1 + λ),   λ ~ Bernoulli(p),
         p = (|t| − 2^⌊log2|t|⌋) / 2^⌊log2|t|⌋,
@@ -22,12 +24,12 @@ class NaturalCompressor(StochasticCompressor):
     On fp32 bits this is exact integer arithmetic: |t| = 2^(e−127)·(1 + m/2²³), so
     p = m/2²³ and rounding up is e + 1. Adding u ~ U{0, …, 2²³−1} to the bits of |t| carries
     into the exponent iff u ≥ 2²³ − m, i.e. with probability exactly m/2²³, so the rounded
-    exponent is (bits(|t|) + u) >> 23 (one add, one shift). It also holds below 2^−126 (subnormals round to 0
-    or 2^−126 with p = m/2²³, still unbiased), and 0 (e = m = 0) never rounds up, so zeros
-    round-trip exactly. Unbiased on |t| ≤ 2^127: beyond, the result saturates at 2^127
-    rather than overflowing to inf; ±inf and NaN travel as ±inf. Inputs of other dtypes
-    are rounded in fp32 and the result cast back (fp16 saturates at its own max, 65504,
-    only through that cast: 2^16 becomes inf).
+    exponent is (bits(|t|) + u) >> 23 (one add, one shift). It also holds below 2^−126
+    (subnormals round to 0 or 2^−126 with p = m/2²³, still unbiased), and 0 (e = m = 0)
+    never rounds up, so zeros round-trip exactly. Unbiased on |t| ≤ 2^127: beyond, the
+    result saturates at 2^127 rather than overflowing to inf; ±inf and NaN travel as ±inf.
+    Inputs of other dtypes are rounded in fp32 and the result cast back (fp16: a value in
+    (2^15, 65504] that rounds up to 2^16 becomes inf in that cast).
 
     Wire: the 8-bit exponent e per element (uint8, e = 0 means zero) + the sign bits packed
     8 per byte (wire.pack_bits): n + ⌈n/8⌉ bytes, ≤ 9 bits per element. Codes cannot be

@@ -69,8 +69,10 @@ def stochastic_round_(x, generator):
 
 @register_compressor("qsgd")
 class QSGDCompressor(StochasticCompressor):
-    """QSGD (Alistarh et al. 2017) with s = ``quantum_num`` levels, per bucket of
-    ``bucket_size`` elements (the last bucket may be shorter):
+    """QSGD (Alistarh et al. 2017): unbiased stochastic levels, ⌈log2(2s+1)⌉ bits/element + bucket norms.
+
+    s = ``quantum_num`` levels, per bucket of ``bucket_size`` elements (the last bucket may
+    be shorter):
 
         Q_s(v_i) = ‖v‖₂ · sgn(v_i) · ξ_i(v, s) / s,
         ξ_i = l + 1 with probability |v_i|/‖v‖₂ · s − l, else l,   l = ⌊|v_i|/‖v‖₂ · s⌋,

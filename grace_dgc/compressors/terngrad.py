@@ -11,7 +11,9 @@ POSITIVE, NEGATIVE = 1, 2
 
 @register_compressor("terngrad")
 class TernGradCompressor(StochasticCompressor):
-    """TernGrad (Wen et al. 2017), per tensor, with gradient clipping (paper §3.3, c = 2.5):
+    """TernGrad (Wen et al. 2017): clip at c·σ, unbiased ternary {−s, 0, s}; 2 bits/element + fp32 s.
+
+    Per tensor, with the paper's gradient clipping (§3.3, c = ``clip_factor`` = 2.5):
 
         σ = sqrt(mean((g − mean g)²)),   ĝ = clip(g, −c·σ, c·σ),
         s = max_i |ĝ_i|,   b_i ~ Bernoulli(|ĝ_i| / s),   t_i = s · sgn(ĝ_i) · b_i,

@@ -11,8 +11,9 @@ NEGATIVE, POSITIVE = 2, 3
 
 @register_compressor("twobit", aliases=("2bit",))
 class TwoBitCompressor(Compressor):
-    """MXNet's 2-bit quantisation (MXNet FAQ "Gradient Compression"; Strom 2015) with
-    threshold τ = ``threshold``:
+    """MXNet 2-bit quantisation: ±τ where |g| ≥ τ, else 0; 2 bits/element; use with memory residual.
+
+    MXNet FAQ "Gradient Compression" (after Strom 2015), threshold τ = ``threshold``:
 
         q_i = +τ if g_i ≥ τ,   −τ if g_i ≤ −τ,   0 otherwise,
 
