@@ -51,6 +51,6 @@ class NaturalCompressor(StochasticCompressor):
     def decompress(self, payload, ctx):
         exponent, signs = payload
         shape, dtype = ctx
-        negative = wire.unpack_bits(signs, 1, exponent.numel()).to(torch.int32)
-        bits = (negative << 31) | (exponent.to(torch.int32) << MANTISSA_BITS)
+        sign_bits = wire.unpack_bits(signs, 1, exponent.numel()).to(torch.int32).bitwise_left_shift_(31)
+        bits = exponent.to(torch.int32).bitwise_left_shift_(MANTISSA_BITS).bitwise_or_(sign_bits)
         return bits.view(torch.float32).to(dtype).view(shape)
