@@ -36,7 +36,8 @@ class GraceHookState:
         if model is not None:
             module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
             if not isinstance(module, torch.nn.Module):
-                raise GraceConfigError(f"model must be a torch.nn.Module or its DDP wrapper, got {type(model).__name__}")
+                raise GraceConfigError(
+                    f"model must be a torch.nn.Module or its DDP wrapper, got {type(model).__name__}")
             self.names = {param: name for name, param in module.named_parameters()}
             if hasattr(grace.memory, "attach_optimizer"):   # e.g. momentum memories take over momentum
                 grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self.names.items()})
@@ -101,5 +102,6 @@ def ddp_comm_hook(grace, model=None, optimizer=None):
     Build ``grace`` on the same process group as DDP (``grace_dgc.build(..., process_group=pg)``).
     """
     if not hasattr(grace, "step_async"):
-        raise GraceConfigError(f"ddp_comm_hook needs a Grace (grace_dgc.build(...)), got {type(grace).__name__}")
+        raise GraceConfigError(
+            f"ddp_comm_hook needs a Grace (grace_dgc.build(...)), got {type(grace).__name__}")
     return GraceHookState(grace, model, optimizer), grace_hook

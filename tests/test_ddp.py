@@ -121,7 +121,8 @@ def ddp_job(rank, world_size):
         ddp.module.load_state_dict(checkpoint["model"])
         opt.load_state_dict(checkpoint["opt"])
         state.load_state_dict(checkpoint["grace"])
-        out[f"resume_{key}"] = (uninterrupted, first + train(ddp, opt, data[2:]), sorted(checkpoint["grace"]["grace"]["memory"]["residuals"]))
+        resumed = first + train(ddp, opt, data[2:])
+        out[f"resume_{key}"] = (uninterrupted, resumed, sorted(checkpoint["grace"]["grace"]["memory"]["residuals"]))
     return out
 
 
@@ -212,3 +213,44 @@ def test_bad_input_and_pickling():
     with pytest.raises(TypeError, match="state_dict"):
         pickle.dumps(state)
     assert pickle.loads(pickle.dumps(state.state_dict())) == {"grace": {"compressor": {}, "memory": {}}}
+
+
+class FakeBucket:
+    """What the hook reads from DDP's GradBucket: a flat buffer and per-parameter views."""
+
+    def __init__(self, params):
+        self._params = params
+        self._buffer = torch.cat([torch.arange(p.numel(), dtype=torch.float32) - 2.5 for p in params])
+        sizes = [p.numel() for p in params]
+        self._grads = [v.view(p.shape) for v, p in zip(self._buffer.split(sizes), params)]
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        return self._grads
+
+    def parameters(self):
+        return self._params
+
+
+def test_hook_writes_each_parameters_exchange_into_the_bucket_and_reports_errors():
+    """One process (local engine): topk keeps k = ⌊0.34·n⌋ largest of each parameter's gradient;
+    without a model, parameters are named in the order the hook first sees them."""
+    a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))
+    state, hook = grace_dgc.ddp_comm_hook(grace_dgc.build("topk", "residual", "allgather", engine="local",
+                                                          compress_ratio=0.34))
+    bucket = FakeBucket([b, a])
+    out = hook(state, bucket).wait()
+    assert out is bucket.buffer()
+    # b: [-2.5, -1.5, -0.5, 0.5] keeps k=1: -2.5; a: [-2.5, ..., 2.5] keeps k=2: -2.5, 2.5
+    assert out.tolist() == [-2.5, 0, 0, 0, -2.5, 0, 0, 0, 0, 2.5]
+    assert state.names == {b: "param.0", a: "param.1"}
+    residuals = state.state_dict()["grace"]["memory"]["residuals"]
+    assert residuals["param.0"].tolist() == [0, -1.5, -0.5, 0.5]
+
+    def broken(tensor, name):
+        raise ValueError(f"compensate failed for {name}")
+    state.grace.memory.compensate = broken
+    with pytest.raises(ValueError, match="compensate failed for param.1"):
+        hook(state, FakeBucket([a])).wait()

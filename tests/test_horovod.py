@@ -88,7 +88,8 @@ def test_ranks_agree_bitwise_on_each_engine(runs):
             for key, case in first["cases"].items():
                 for step, tensors in enumerate(case["steps"]):
                     for name, value in tensors.items():
-                        assert torch.equal(value, other["cases"][key]["steps"][step][name]), (engine, key, step, name)
+                        theirs = other["cases"][key]["steps"][step][name]
+                        assert torch.equal(value, theirs), (engine, key, step, name)
             assert torch.equal(first["optimizer"]["params"], other["optimizer"]["params"]), engine
 
 
