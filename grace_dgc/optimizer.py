@@ -4,6 +4,8 @@ a :class:`~grace_dgc.grace.Grace` as soon as backward produces them.
 It is a plain wrapper (no dynamically built subclass): it shares the wrapped optimizer's
 ``param_groups`` and ``state`` objects, so LR schedulers and ``zero_grad`` act on it.
 """
+from contextlib import contextmanager
+
 import torch
 
 from .engines import create_engine
@@ -19,7 +21,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
        the rest of backward). Gradients of several passes are summed, as in Horovod.
     2. ``synchronize()`` submits parameters no hook saw (in parameter order, with zero
        gradients where ``grad`` is None), waits, and writes the averages into ``p.grad``.
-    3. ``step()`` synchronizes if needed, then steps the wrapped optimizer.
+    3. ``step()`` synchronizes unless ``synchronize()`` was already called for this step
+       (e.g. to clip the averaged gradients first), then steps the wrapped optimizer.
 
     Every rank must produce gradients for the same parameters in the same order (true
     for identical models); the engine's collectives match by order.
@@ -38,6 +41,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._names = self._name_parameters(optimizer, named_parameters)
         self._passes = {}       # param -> backward passes since the last exchange
         self._pending = {}      # param -> Future of its averaged gradient
+        self._synchronized = False  # averaged gradients are in p.grad, awaiting step()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self._names]
         if hasattr(grace.memory, "attach_optimizer"):   # e.g. momentum memories take over momentum
@@ -63,6 +67,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- the exchange ------------------------------------------------------------
     def _on_grad_ready(self, param):
+        if self._synchronized:
+            raise RuntimeError("backward() ran between synchronize() and step(); call step() "
+                               "(or zero_grad()) before the next backward pass")
         if param in self._pending:
             raise RuntimeError(
                 f"gradient of {self._names[param]!r} was computed again before step()/synchronize(); "
@@ -83,12 +90,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
             param.grad.copy_(future.result())
         self._pending.clear()
         self._passes.clear()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Horovod's idiom ``synchronize(); clip; with skip_synchronize(): step()`` (step()
+        already skips a second exchange after synchronize(); this is for ported scripts)."""
+        self._synchronized = True
+        yield
 
     def step(self, closure=None):
         if closure is not None:
             raise GraceConfigError("DistributedOptimizer.step does not take a closure "
                                    "(the closure's backward would need its own exchange)")
-        self.synchronize()
+        if not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
         return self.optimizer.step()
 
     def zero_grad(self, set_to_none=True):
@@ -96,6 +113,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("zero_grad() called while gradient exchanges are in flight; "
                                "call step() or synchronize() first")
         self._passes.clear()
+        self._synchronized = False
         return self.optimizer.zero_grad(set_to_none=set_to_none)
 
     # -- what the wrapped optimizer owns ---------------------------------------------

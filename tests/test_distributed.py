@@ -264,3 +264,26 @@ def test_unused_parameter_gets_a_zero_gradient_exchange():
     opt.step()
     assert torch.equal(model["unused"].weight, before)
     assert opt.grace.stats()["tensors"] == 4
+
+
+def test_synchronize_then_step_exchanges_once_and_allows_clipping():
+    model = make_model()
+    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                         grace_dgc.build(engine="local"), model.named_parameters())
+    x, y = batches(0, 1)[0]
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)     # acts on the averaged gradients
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert opt.grace.stats()["tensors"] == 4                      # one exchange per parameter
+    moved = torch.sqrt(sum(((p - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
+    assert float(moved) == pytest.approx(1e-3, rel=1e-4)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    with pytest.raises(RuntimeError, match="between synchronize\\(\\) and step\\(\\)"):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    with opt.skip_synchronize():
+        opt.step()
+    assert opt.grace.stats()["tensors"] == 8
