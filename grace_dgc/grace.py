@@ -26,8 +26,9 @@ class Grace:
         self.memory = memory
         self.communicator = communicator
         self.engine = engine
-        if hasattr(memory, "bind"):     # memories that need the world size (momentum's clipping)
-            memory.bind(engine)
+        for part in (compressor, memory):   # parts that need the world size (fp16's
+            if hasattr(part, "bind"):       # pre-division, momentum's clipping)
+                part.bind(engine)
         self._worker = None
         self.reset_stats()
 

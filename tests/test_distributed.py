@@ -277,7 +277,7 @@ def test_synchronize_then_step_exchanges_once_and_allows_clipping():
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
     assert opt.grace.stats()["tensors"] == 4                      # one exchange per parameter
-    moved = torch.sqrt(sum(((p - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
+    moved = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
     assert float(moved) == pytest.approx(1e-3, rel=1e-4)
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
