@@ -1,0 +1,225 @@
+"""``grace-dgc project``: step time and speedup over dense allreduce on N nodes, projected
+from a survey's measured figures with the α-β cost model.
+
+Notation: N nodes, α latency per message (seconds; ``--latency`` in ms), β = 8 / bandwidth
+seconds per byte, n bytes one rank contributes. Collective costs (Thakur et al. 2005;
+Chan et al. 2007):
+
+    ring allreduce         T_ar(N, n) = 2(N−1)·α + 2(N−1)/N · n·β
+    ring allgather         T_ag(N, n) = (N−1)·α + (N−1) · n·β
+    broadcast, each rank   T_bc(N, n) = N · (⌈log2 N⌉·α + n·β)
+      in turn (pipelined tree per broadcast: log2 N latency hops, n bytes of bandwidth)
+
+Per optimizer step, with the survey's measured per-step figures of a method — compute c
+(forward + backward), compress s, decompress d (measured at W workers), payload bytes b
+per worker (size headers included), e gradient exchanges (tensors) per step and r rounds
+per exchange (PowerSGD: 2):
+
+    communication  allreduce  m·2(N−1)·α + 2(N−1)/N · b·β,      m = e·r
+                   allgather  2m·(N−1)·α + (N−1) · b·β          (size headers, then data)
+                   broadcast  m·(N−1)·α + m·N·⌈log2 N⌉·α + N · b·β
+    decompress     d for allreduce (one summed payload); d·N/W otherwise (one per rank)
+    step time      T(N) = c + s + decompress + communication    (no overlap assumed)
+
+Dense baseline: the survey's ``none``/allreduce run projected by the same formula (its
+measured c, s, d and bytes B); without one, T_dense(N) = c + e·2(N−1)·α + 2(N−1)/N · B·β
+with the method's own compute and B its measured fp32 bytes per step (one allreduce per
+tensor, no fusion either way). Speedup = T_dense(N) / T(N).
+Weak scaling: each node keeps the measured per-worker batch, so c does not change with N.
+The model ignores compute/communication overlap (real dense allreduce overlaps part of
+backward, so compression's advantage is an upper bound), congestion and stragglers.
+"""
+import argparse
+import csv
+import math
+import os
+import sys
+
+from ..errors import GraceConfigError
+from .units import format_rate, human_bytes, parse_latency, parse_rate
+
+
+# -- the cost model ------------------------------------------------------------------------
+def ring_allreduce(nodes, nbytes, alpha, beta, messages=1):
+    if nodes <= 1:
+        return 0.0
+    return messages * 2 * (nodes - 1) * alpha + 2 * (nodes - 1) / nodes * nbytes * beta
+
+
+def allgather(nodes, nbytes, alpha, beta, messages=1):
+    if nodes <= 1:
+        return 0.0
+    return messages * (nodes - 1) * alpha + (nodes - 1) * nbytes * beta
+
+
+def broadcast_each(nodes, nbytes, alpha, beta, messages=1):
+    if nodes <= 1:
+        return 0.0
+    return messages * nodes * math.ceil(math.log2(nodes)) * alpha + nodes * nbytes * beta
+
+
+def communication_time(communicator, nodes, nbytes, exchanges, alpha, beta):
+    """Seconds per step to move ``nbytes`` (this rank's payload, per step) in ``exchanges``
+    exchanges with ``communicator`` among ``nodes`` ranks."""
+    if communicator == "allreduce":
+        return ring_allreduce(nodes, nbytes, alpha, beta, exchanges)
+    if communicator == "allgather":         # the size-header allgather, then the data
+        return allgather(nodes, nbytes, alpha, beta, 2 * exchanges)
+    if communicator == "broadcast":         # the header allgather, then N broadcasts
+        return (allgather(nodes, 0, alpha, beta, exchanges)
+                + broadcast_each(nodes, nbytes, alpha, beta, exchanges))
+    raise GraceConfigError(f"no cost model for communicator {communicator!r}; "
+                           f"accepted: allreduce, allgather, broadcast")
+
+
+def project_step(method, nodes, alpha, beta):
+    """Projected seconds per step of one measured method (a dict of the summary's
+    per-step figures: compute_s, compress_s, decompress_s, bytes_per_step,
+    exchanges_per_step, rounds, communicator, workers)."""
+    exchanges = method["exchanges_per_step"] * method.get("rounds", 1)
+    comm = communication_time(method["communicator"], nodes, method["bytes_per_step"], exchanges, alpha, beta)
+    decompress = method["decompress_s"]
+    if method["communicator"] != "allreduce":
+        decompress = decompress * nodes / method["workers"]
+    return method["compute_s"] + method["compress_s"] + decompress + comm, comm
+
+
+def dense_step(compute_s, dense_bytes, exchanges, nodes, alpha, beta):
+    return compute_s + ring_allreduce(nodes, dense_bytes, alpha, beta, exchanges)
+
+
+# -- from a survey directory ---------------------------------------------------------------
+def measured_methods(records):
+    """One entry per method label: mean over seeds of its unshaped runs at the largest
+    measured worker count (shaped runs are used only when there is no unshaped one)."""
+    from ..registry import COMPRESSORS
+    from .runner import latest_summaries
+    runs = latest_summaries(records)
+    if not runs:
+        raise GraceConfigError("no finished runs (summary lines) in this directory; run `grace-dgc survey` first")
+    local = [r for r in runs if r.get("network", "local") == "local"] or runs
+    by_label = {}
+    for run in local:
+        by_label.setdefault(run["label"], []).append(run)
+    methods = []
+    for label, rows in by_label.items():
+        workers = max(r["workers"] for r in rows)
+        rows = [r for r in rows if r["workers"] == workers]
+        keys = ("compute_s", "compress_s", "decompress_s", "communicate_s", "bytes_per_step",
+                "dense_bytes_per_step", "exchanges_per_step", "batch_size")
+        mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+        try:
+            rounds = COMPRESSORS.get(rows[0]["compressor"]).rounds
+        except GraceConfigError:
+            rounds = 1
+        methods.append(dict(mean, label=label, workers=workers, rounds=rounds,
+                            compressor=rows[0]["compressor"], communicator=rows[0]["communicator"]))
+    return methods
+
+
+def project(methods, nodes_list, bandwidths_bps, latency_ms):
+    """Rows: (label, nodes, bandwidth, step time, communication, dense step time, speedup, samples/s)."""
+    dense = next((m for m in methods if m["compressor"] == "none" and m["communicator"] == "allreduce"), None)
+    alpha = latency_ms / 1000
+    rows = []
+    for bandwidth in bandwidths_bps:
+        beta = 8 / bandwidth
+        for nodes in nodes_list:
+            for method in methods:
+                step, comm = project_step(method, nodes, alpha, beta)
+                if dense is not None:       # the measured dense run, through the same model
+                    dense_time = project_step(dense, nodes, alpha, beta)[0]
+                else:
+                    dense_time = dense_step(method["compute_s"], method["dense_bytes_per_step"],
+                                            method["exchanges_per_step"], nodes, alpha, beta)
+                rows.append({"label": method["label"], "nodes": nodes, "bandwidth_bps": bandwidth,
+                             "latency_ms": latency_ms, "step_s": step, "communication_s": comm,
+                             "dense_step_s": dense_time, "speedup": dense_time / step,
+                             "samples_per_s": method["batch_size"] * nodes / step,
+                             "bytes_per_step": method["bytes_per_step"],
+                             "measured_workers": method["workers"]})
+    return rows
+
+
+def format_table(rows):
+    lines = ["| Method | Nodes | Bandwidth | Latency | Step time | Communication | Dense step | "
+             "Speedup vs dense | Samples/s | Bytes/step/worker |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['nodes']} | {format_rate(r['bandwidth_bps'])} | {r['latency_ms']:g} ms | "
+                     f"{r['step_s'] * 1000:.2f} ms | {r['communication_s'] * 1000:.2f} ms | "
+                     f"{r['dense_step_s'] * 1000:.2f} ms | {r['speedup']:.2f}× | {r['samples_per_s']:.0f} | "
+                     f"{human_bytes(r['bytes_per_step'])} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    bandwidths = sorted({r["bandwidth_bps"] for r in rows})
+    fig, axes = plt.subplots(1, len(bandwidths), figsize=(5 * len(bandwidths), 4), squeeze=False)
+    for ax, bandwidth in zip(axes[0], bandwidths):
+        subset = [r for r in rows if r["bandwidth_bps"] == bandwidth]
+        for label in dict.fromkeys(r["label"] for r in subset):
+            points = sorted((r["nodes"], r["speedup"]) for r in subset if r["label"] == label)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("nodes")
+        ax.set_ylabel("projected speedup over dense allreduce")
+        ax.set_title(f"{format_rate(bandwidth)}, α = {subset[0]['latency_ms']:g} ms")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def add_project_args(parser):
+    parser.add_argument("dir", help="a survey output directory (results.jsonl)")
+    parser.add_argument("--nodes", default="8,16,64", help="comma-separated node counts (default 8,16,64)")
+    parser.add_argument("--bandwidth", default="1gbit,10gbit", help="comma-separated rates (default 1gbit,10gbit)")
+    parser.add_argument("--latency", default="0.1", help="per-message latency α in ms (default 0.1)")
+    parser.add_argument("--out", help="where to write projection.{md,csv,png} (default: DIR)")
+    return parser
+
+
+def run_project(args):
+    from .runner import read_records
+    if not os.path.isdir(args.dir):
+        raise GraceConfigError(f"{args.dir!r} is not a directory")
+    try:
+        nodes = [int(n) for n in str(args.nodes).split(",") if n.strip()]
+    except ValueError:
+        raise GraceConfigError(f"--nodes {args.nodes!r} must be comma-separated integers, e.g. 8,16,64") from None
+    if not nodes or min(nodes) < 1:
+        raise GraceConfigError(f"--nodes {args.nodes!r} must be integers >= 1")
+    bandwidths = [parse_rate(b) for b in str(args.bandwidth).split(",") if b.strip()]
+    latency = parse_latency(args.latency)
+    rows = project(measured_methods(read_records(args.dir)), nodes, bandwidths, latency)
+    out = args.out or args.dir
+    os.makedirs(out, exist_ok=True)
+    table = format_table(rows)
+    with open(os.path.join(out, "projection.md"), "w") as f:
+        f.write("# Projected step time and speedup over dense allreduce\n\n"
+                "α-β model (see `grace_dgc.survey.project`); compute, compress/decompress times and "
+                "payload bytes measured by the survey.\n\n" + table + "\n")
+    with open(os.path.join(out, "projection.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, os.path.join(out, "projection.png"))
+    print(table)
+    print(f"\nwrote {os.path.join(out, 'projection.md')}, projection.csv, projection.png")
+    return 0
+
+
+def main(argv=None):
+    parser = add_project_args(argparse.ArgumentParser(prog="grace-dgc project", description=__doc__,
+                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
+    return run_project(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
