@@ -33,8 +33,9 @@ def add_survey_args(parser):
     parser.add_argument("--max-steps", type=int, metavar="S", help="at most S steps per epoch (overrides)")
     parser.add_argument("--data-dir", metavar="D", help="dataset files (never downloaded); presets switch "
                                                         "to MNIST where they have a file workload")
-    parser.add_argument("--bandwidth", metavar="RATE", help="run every rank on a loopback shaped to RATE "
-                                                            "(e.g. 1gbit; needs root/CAP_NET_ADMIN and tc)")
+    parser.add_argument("--bandwidth", metavar="RATE",
+                        help="run every rank on a loopback shaped to RATE, shared by all ranks (e.g. 1gbit; "
+                             "N ranks ≈ hosts with RATE/N links each); needs root/CAP_NET_ADMIN and tc")
     parser.add_argument("--latency", metavar="MS", help="one-way delay in ms added on the shaped loopback "
                                                         "(needs the netem qdisc)")
     parser.add_argument("--no-report", action="store_true", help="skip writing report.md and the plots")

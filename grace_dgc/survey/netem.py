@@ -15,9 +15,13 @@ shaped with ``tc``, so rank-to-rank traffic on 127.0.0.1 really is limited.
    ``GLOO_SOCKET_IFNAME=lo`` in its environment.
 
 Semantics: R limits every frame leaving the loopback, headers included (TCP goodput is
-about 95% of R with 1500-byte frames); all ranks share that one link, as hosts behind one
-switch port would not — it emulates the slowest shared link. L is added to each packet
-once (so a round trip takes 2·L). NCCL bypasses the loopback, so shaped runs use gloo.
+about 95% of R with 1500-byte frames), and all ranks share it: R is the total rate of all
+rank-to-rank traffic, like N hosts on one shared R link. For the symmetric collectives
+(ring allreduce, allgather: every rank sends the same bytes at once) that equals N hosts
+with their own R/N links, so to emulate a cluster whose hosts have B links give N·B
+(measured: FC-heavy, 2 ranks, shaped 1gbit ran as ``grace-dgc project`` predicts for
+2 nodes at 500mbit, within 3%). L is added to each packet once (a round trip takes 2·L).
+NCCL bypasses the loopback, so shaped runs use gloo.
 
 Needs root or CAP_NET_ADMIN (or user namespaces), ``unshare`` (util-linux), iproute2's
 ``ip`` and ``tc``, and the kernel's ``tbf`` (and, for a latency, ``netem``) qdiscs.
