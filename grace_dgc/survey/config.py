@@ -316,7 +316,10 @@ def load_config(path):
         with open(path) as f:
             raw = json.load(f)
     else:
-        import tomllib
+        try:
+            import tomllib
+        except ImportError:         # Python 3.10: the same parser as the tomli package
+            import tomli as tomllib
         with open(path, "rb") as f:
             try:
                 raw = tomllib.load(f)
