@@ -22,6 +22,7 @@ test: venv horovod
 
 survey: venv
 	$(VENV)/bin/grace-dgc list
-	$(VENV)/bin/grace-dgc demo --workers 2
+	$(VENV)/bin/grace-dgc survey --preset quick --out runs/quick
+	@echo "report: runs/quick/report.md (plots: runs/quick/*.png)"
 
 .PHONY: venv horovod test survey

@@ -1,4 +1,5 @@
-"""The ``grace-dgc`` command: ``list`` the registry, run a ``demo``, and the survey tools."""
+"""The ``grace-dgc`` command: ``list`` the registry, a ``demo``, and the survey tools
+(``survey``, ``report``, ``project``)."""
 import argparse
 import inspect
 import sys
@@ -65,6 +66,8 @@ def main(argv=None):
     p.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
     p.set_defaults(func=_cmd_list)
     _add_demo(sub)
+    from .survey.cli import add_subcommands
+    add_subcommands(sub)        # survey, report, project
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import tomllib
 import re
 
 from ..errors import GraceConfigError
@@ -316,10 +317,6 @@ def load_config(path):
         with open(path) as f:
             raw = json.load(f)
     else:
-        try:
-            import tomllib
-        except ImportError:         # Python 3.10: the same parser as the tomli package
-            import tomli as tomllib
         with open(path, "rb") as f:
             try:
                 raw = tomllib.load(f)
