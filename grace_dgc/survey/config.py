@@ -11,8 +11,8 @@ import hashlib
 import json
 import math
 import os
-import tomllib
 import re
+import tomllib
 
 from ..errors import GraceConfigError
 from .units import format_rate, parse_latency, parse_rate
