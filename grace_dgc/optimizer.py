@@ -44,8 +44,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False  # averaged gradients are in p.grad, awaiting step()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self._names]
-        if hasattr(grace.memory, "attach_optimizer"):   # e.g. momentum memories take over momentum
-            grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self._names.items()})
+        self._attach_memory()
+
+    def _attach_memory(self):
+        if hasattr(self.grace.memory, "attach_optimizer"):  # e.g. momentum memories take over momentum
+            self.grace.memory.attach_optimizer(self.optimizer, self.grace,
+                                               {n: p for p, n in self._names.items()})
 
     @staticmethod
     def _name_parameters(optimizer, named_parameters):
@@ -146,6 +150,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.grace.load_state_dict(state_dict["grace"])
         else:                  # a plain optimizer checkpoint
             self.optimizer.load_state_dict(state_dict)
+            self._attach_memory()   # its momentum must move into the memory again, not apply twice
 
     def remove_hooks(self):
         for hook in self._hooks:

@@ -383,3 +383,17 @@ def test_two_ranks_dgc_momentum_allgather():
         nonzero = int((s != 0).sum())
         assert (nonzero == numel) if name == "bias" else (k <= nonzero <= high)
     assert bytes0 > 0
+
+
+def test_plain_sgd_checkpoint_does_not_bring_momentum_back():
+    """Loading a plain SGD state dict (momentum 0.9 in its groups) into a DistributedOptimizer
+    whose memory is `momentum` hands the momentum to the memory again."""
+    import grace_dgc
+    model = torch.nn.Linear(4, 2)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()
+    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         grace_dgc.build("none", "momentum", engine="local"),
+                                         model.named_parameters())
+    opt.load_state_dict(plain)
+    assert opt.param_groups[0]["momentum"] == 0
+    assert all(s[0] == 0.9 for s in opt.grace.memory.settings.values())
