@@ -14,12 +14,11 @@ compress them. A method that fails is skipped with the reason printed, so method
 later are picked up (or reported) without editing this script.
 """
 import argparse
-import statistics
-import time
 
 import torch
 
 import grace_dgc
+from timing import timed
 from grace_dgc import wire
 from grace_dgc.registry import COMPRESSORS
 
@@ -27,24 +26,6 @@ from grace_dgc.registry import COMPRESSORS
 PARAMS = {
     "threshold": {"threshold": 2.576},      # |x| ≥ 2.576: ~1% of N(0, 1), like topk's default
 }
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device, repeats):
-    """(median, min) seconds of ``repeats`` calls after one warm-up call."""
-    fn()    # warm-up: allocator, lazy initialisation
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times)
 
 
 def roundtrip(compressor, tensor):

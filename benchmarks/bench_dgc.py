@@ -14,28 +14,11 @@ and the ratio exact/DGC (> 1: DGC is faster), plus the mean sent count / k over 
 """
 import argparse
 import statistics
-import time
 
 import torch
 
 import grace_dgc
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device, repeats):
-    fn()        # warm-up
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
+from timing import timed
 
 
 def main(argv=None):
@@ -60,10 +43,10 @@ def main(argv=None):
         importance = grad.reshape(-1).abs()
         k = max(1, int(n * args.ratio))
         sent = []
-        exact_sel = timed(lambda: torch.topk(importance, k, sorted=False), device, args.repeats)
-        dgc_sel = timed(lambda: sent.append(dgc.select(importance, k).numel()), device, args.repeats)
-        exact_cmp = timed(lambda: topk.compress(grad, "g"), device, args.repeats)
-        dgc_cmp = timed(lambda: dgc.compress(grad, "g"), device, args.repeats)
+        _, exact_sel = timed(lambda: torch.topk(importance, k, sorted=False), device, args.repeats)
+        _, dgc_sel = timed(lambda: sent.append(dgc.select(importance, k).numel()), device, args.repeats)
+        _, exact_cmp = timed(lambda: topk.compress(grad, "g"), device, args.repeats)
+        _, dgc_cmp = timed(lambda: dgc.compress(grad, "g"), device, args.repeats)
         print(f"{n:>10} {k:>7} | {exact_sel * 1e3:>11.2f} {dgc_sel * 1e3:>10.2f} {exact_sel / dgc_sel:>7.1f}x | "
               f"{exact_cmp * 1e3:>11.2f} {dgc_cmp * 1e3:>10.2f} {exact_cmp / dgc_cmp:>7.1f}x | "
               f"{statistics.mean(sent) / k:.3f}")
