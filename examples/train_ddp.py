@@ -12,70 +12,26 @@ Data are generated (a random teacher network labels Gaussian inputs), so the scr
 anywhere: gloo on CPU, NCCL when every rank has a GPU. Rank 0 prints the loss (averaged
 over ranks) and, at the end, the bytes each rank put on the wire.
 """
-import argparse
-import ast
 import os
 
 import torch
 import torch.distributed as dist
 
 import grace_dgc
-
-
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compressor", default="topk", help=f"one of {', '.join(grace_dgc.list_compressors())}")
-    parser.add_argument("--memory", default="residual", help=f"one of {', '.join(grace_dgc.list_memories())}")
-    parser.add_argument("--communicator", default="allgather",
-                        help=f"one of {', '.join(grace_dgc.list_communicators())}")
-    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                        help="a method parameter, e.g. compress_ratio=0.01 (repeatable)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
-    parser.add_argument("--checkpoint", metavar="DIR", help="resume from / save to DIR/rank<r>.pt")
-    return parser.parse_args()
-
-
-def method_params(pairs):
-    """``["compress_ratio=0.01", "seed=3"]`` → ``{"compress_ratio": 0.01, "seed": 3}``."""
-    params = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--param {pair!r}: expected NAME=VALUE, e.g. compress_ratio=0.01")
-        try:
-            params[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            params[name] = value        # a plain string
-    return params
-
-
-def generated_data(steps, batch, world_size, seed, dim=16, classes=4):
-    """The same (inputs, labels) on every rank; rank r trains on rows r, r+N, r+2N, ..."""
-    gen = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(dim, classes, generator=gen)
-    x = torch.randn(steps, batch * world_size, dim, generator=gen)
-    return x, (x @ teacher).argmax(dim=-1)
+from common import generated_data, make_model, parse_args, report_loss, report_wire, select_device
 
 
 def main():
-    args = parse_args()
-    params = method_params(args.param)
+    args = parse_args(__doc__, checkpoint=True)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    device = select_device(cuda, int(os.environ.get("LOCAL_RANK", 0)))
 
-    torch.manual_seed(args.seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).to(device)
+    model = make_model(device, args.seed)
     model = torch.nn.parallel.DistributedDataParallel(model)      # broadcasts rank 0's parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    grace = grace_dgc.build(args.compressor, args.memory, args.communicator, **params)
+    grace = grace_dgc.build(args.compressor, args.memory, args.communicator, **args.params)
     state, hook = grace_dgc.ddp_comm_hook(grace, model, optimizer)
     model.register_comm_hook(state, hook)
 
@@ -93,26 +49,21 @@ def main():
         print(f"{grace} in a DDP hook on {world_size} ranks ({device.type})"
               + (f", resumed at step {start}" if start else ""), flush=True)
 
-    inputs, labels = generated_data(start + args.steps, args.batch, world_size, args.seed)
-    for step in range(start, start + args.steps):
-        x, y = inputs[step, rank::world_size].to(device), labels[step, rank::world_size].to(device)
+    end = start + args.steps
+    inputs, labels = generated_data(end, args.batch, rank, world_size, args.seed, device)
+    for step in range(start, end):
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = torch.nn.functional.cross_entropy(model(inputs[step]), labels[step])
         loss.backward()
         optimizer.step()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
-        if rank == 0 and (step % args.log_every == 0 or step == start + args.steps - 1):
-            print(f"step {step:4d}  loss {mean_loss.item() / world_size:.4f}", flush=True)
+        report_loss(rank, step, end - 1, args.log_every, mean_loss.item() / world_size)
 
     if path:
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "grace": state.state_dict(), "step": start + args.steps}, path)
-    stats = grace.stats()
-    if rank == 0:
-        print(f"bytes sent per step (rank 0): {stats['bytes_per_step']:.0f}  "
-              f"dense fp32: {stats['dense_bytes'] / stats['steps']:.0f}  "
-              f"ratio: {stats['compression_ratio']:.4f}", flush=True)
+                    "grace": state.state_dict(), "step": end}, path)
+    report_wire(grace, rank)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,88 @@
+"""What the example scripts share: options, device, model, generated data and the printed report.
+
+Each script imports it with ``from common import ...``: ``python``, ``torchrun`` and
+``horovodrun ... python`` put the script's own folder first on ``sys.path``.
+"""
+import argparse
+import ast
+
+import torch
+
+import grace_dgc
+
+
+def parse_args(description, checkpoint=False):
+    """The command line; ``args.params`` holds the ``--param`` pairs as a dict (see ``method_params``).
+    With ``checkpoint``, ``--checkpoint DIR`` is accepted too."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compressor", default="topk", help=f"one of {', '.join(grace_dgc.list_compressors())}")
+    parser.add_argument("--memory", default="residual", help=f"one of {', '.join(grace_dgc.list_memories())}")
+    parser.add_argument("--communicator", default="allgather",
+                        help=f"one of {', '.join(grace_dgc.list_communicators())}")
+    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                        help="a method parameter, e.g. compress_ratio=0.01 (repeatable)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
+    if checkpoint:
+        parser.add_argument("--checkpoint", metavar="DIR", help="resume from / save to DIR/rank<r>.pt")
+    args = parser.parse_args()
+    args.params = method_params(args.param)
+    return args
+
+
+def method_params(pairs):
+    """``["compress_ratio=0.01", "seed=3"]`` → ``{"compress_ratio": 0.01, "seed": 3}``."""
+    params = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--param {pair!r}: expected NAME=VALUE, e.g. compress_ratio=0.01")
+        try:
+            params[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            params[name] = value        # a plain string
+    return params
+
+
+def select_device(cuda, local_rank):
+    """GPU ``local_rank``, made the current one, when ``cuda``; else the CPU."""
+    if not cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def make_model(device, seed):
+    """The small MLP (16 inputs, 4 classes), initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).to(device)
+
+
+def generated_data(steps, batch, rank, world_size, seed, device, dim=16, classes=4):
+    """This rank's (inputs, labels), one batch per step: every rank generates the same data
+    (a random teacher network labels Gaussian inputs) and keeps rows r, r+N, r+2N, ..."""
+    gen = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(dim, classes, generator=gen)
+    x = torch.randn(steps, batch * world_size, dim, generator=gen)
+    y = (x @ teacher).argmax(dim=-1)
+    return x[:, rank::world_size].to(device), y[:, rank::world_size].to(device)
+
+
+def report_loss(rank, step, last_step, every, loss):
+    """Rank 0 prints ``loss`` (a float, the mean over ranks) every ``every`` steps and at ``last_step``."""
+    if rank == 0 and (step % every == 0 or step == last_step):
+        print(f"step {step:4d}  loss {loss:.4f}", flush=True)
+
+
+def report_wire(grace, rank):
+    """Rank 0 prints the bytes it put on the wire per step, against a dense fp32 exchange."""
+    stats = grace.stats()
+    if rank == 0:
+        print(f"bytes sent per step (rank 0): {stats['bytes_per_step']:.0f}  "
+              f"dense fp32: {stats['dense_bytes'] / stats['steps']:.0f}  "
+              f"ratio: {stats['compression_ratio']:.4f}", flush=True)
