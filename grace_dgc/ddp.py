@@ -6,8 +6,9 @@
     ddp_model.register_comm_hook(state, hook)
 
 DDP hands the hook one bucket at a time: a flat buffer holding several parameters' local
-(un-averaged) gradients. The hook exchanges each parameter's gradient separately through
-``grace.step_async`` under the parameter's name, so compression and error-feedback memory
+(un-averaged) gradients. The hook hands the bucket to ``grace.step_group_async``: each
+parameter's gradient is compressed separately under the parameter's name and the payloads
+travel together (one fused exchange per bucket), so compression and error-feedback memory
 are per parameter, exactly as with :class:`~grace_dgc.DistributedOptimizer`, and do not
 depend on how DDP groups parameters into buckets (it regroups them after the first
 iteration). Grace averages over ranks, which is the division DDP's built-in allreduce does.
@@ -67,29 +68,28 @@ class GraceHookState:
 
 
 def grace_hook(state, bucket):
-    """DDP communication hook: exchange each parameter of ``bucket`` through grace.
+    """DDP communication hook: exchange the parameters of ``bucket`` through grace.
 
     Returns a Future of the bucket's flat buffer, overwritten with the averaged gradients;
-    it completes on grace's communication thread when the bucket's last exchange is done
-    (exchanges run in submission order, so the others are done by then).
+    it completes on grace's communication thread when the bucket's exchange is done.
     """
     grads, params = bucket.gradients(), bucket.parameters()
-    # Views into the bucket buffer: read by the exchanges, overwritten once all are done.
-    futures = [state.grace.step_async(grad, state.name_of(param)) for grad, param in zip(grads, params)]
+    # Views into the bucket buffer: read by the exchange, overwritten once it is done.
+    group = state.grace.step_group_async(grads, [state.name_of(param) for param in params])
     buffer = bucket.buffer()
     result = torch.futures.Future()
 
     def write_back(_):
         try:
-            for grad, future in zip(grads, futures):
-                grad.copy_(future.result())
+            for grad, average in zip(grads, group.result()):
+                grad.copy_(average)
             if buffer.is_cuda:      # DDP reads the buffer on its own thread's stream
                 torch.cuda.current_stream(buffer.device).synchronize()
             result.set_result(buffer)
         except BaseException as error:      # DDP re-raises it from backward's end
             result.set_exception(error)
 
-    futures[-1].add_done_callback(write_back)
+    group.add_done_callback(write_back)
     return result
 
 

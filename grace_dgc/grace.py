@@ -38,57 +38,79 @@ class Grace:
         return self.step_async(tensor, name).result()
 
     def step_async(self, tensor, name):
-        """Start :meth:`step` on the communication thread; returns a Future.
+        """Start :meth:`step` on the communication thread; returns a Future of the average."""
+        group = self.step_group_async([tensor], [name])
+        single = Future()
+        group.add_done_callback(lambda done: single.set_exception(done.exception()) if done.exception()
+                                else single.set_result(done.result()[0]))
+        return single
 
-        Exchanges run one at a time in submission order, so ranks that submit the same
-        names in the same order issue matching collectives.
+    def step_group_async(self, tensors, names):
+        """Exchange a fusion group: each tensor is compressed (and remembered) on its own,
+        their payloads travel together (one size exchange and one data collective per round).
+        Returns a Future of the list of averages.
+
+        Groups run one at a time in submission order, so ranks that submit the same groups
+        in the same order issue matching collectives.
         """
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grace-comm")
         ready = None
-        if tensor.is_cuda:      # the gradient is produced on the caller's stream
+        if any(t.is_cuda for t in tensors):     # the gradients are produced on the caller's stream
             ready = torch.cuda.Event()
             ready.record()
-        return self._worker.submit(self._exchange, tensor, name, ready)
+        return self._worker.submit(self._exchange, list(tensors), list(names), ready)
 
-    def _exchange(self, tensor, name, ready=None):
+    def _exchange(self, tensors, names, ready=None):
         if ready is not None:
-            torch.cuda.current_stream(tensor.device).wait_event(ready)
-        comp = self.compressor
+            torch.cuda.current_stream(tensors[0].device).wait_event(ready)
+        comp, count = self.compressor, len(tensors)
         with self._timed("compress"):
-            compensated = self.memory.compensate(tensor, name)
-            payload, ctx = comp.compress(compensated, name)
-        gathered = self._communicate(payload, name)
-        exchanges = 1
-        while comp.rounds > 1:      # multi-round methods (PowerSGD: P, then Q) see each round's sum
+            compensated = [self.memory.compensate(t, n) for t, n in zip(tensors, names)]
+            payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, names))))
+        gathered = self._communicate(payloads, names)
+        active, rounds = list(range(count)), 1
+        while comp.rounds > 1 and active:   # multi-round methods (PowerSGD: P, then Q) see each round's sum
+            following = {}
             with self._timed("compress"):
-                following = comp.next_round(self._sum_payloads(gathered), ctx)
-            if following is None:   # done: the round just exchanged was this tensor's last
-                break
-            if exchanges == comp.rounds:
+                for i in active:
+                    step = comp.next_round(self._sum_payloads(gathered[i]), ctxs[i])
+                    if step is not None:    # None: the round just exchanged was this tensor's last
+                        following[i] = step
+            if following and rounds == comp.rounds:
                 raise RuntimeError(f"{type(comp).__name__}.next_round asked for more than "
                                    f"rounds={comp.rounds} exchanges")
-            payload, ctx = following
-            gathered = self._communicate(payload, name)
-            exchanges += 1
-        with self._timed("compress"):       # the local payload of the last round
-            self.memory.update(compensated, name, comp, payload, ctx)
+            active = sorted(following)
+            for i in active:
+                payloads[i], ctxs[i] = following[i]
+            if active:
+                for i, got in zip(active, self._communicate([payloads[i] for i in active],
+                                                            [names[i] for i in active])):
+                    gathered[i] = got
+                rounds += 1
+        with self._timed("compress"):       # each tensor's local payload of its last round
+            for c, n, payload, ctx in zip(compensated, names, payloads, ctxs):
+                self.memory.update(c, n, comp, payload, ctx)
+        results = []
         with self._timed("decompress"):
-            if self.communicator.reduces:       # payloads were already summed on the wire
-                result = comp.decompress(gathered[0], ctx)
-            else:
-                result = comp.aggregate([comp.decompress(p, ctx) for p in gathered])
-            if comp.average:
-                result = result / self.engine.size
-        self._stats["tensors"] += 1
-        self._stats["dense_bytes"] += tensor.numel() * 4
-        self._steps[name] = self._steps.get(name, 0) + 1
-        return result.reshape(tensor.shape).to(tensor.dtype)
+            for tensor, got, ctx in zip(tensors, gathered, ctxs):
+                if self.communicator.reduces:       # payloads were already summed on the wire
+                    result = comp.decompress(got[0], ctx)
+                else:
+                    result = comp.aggregate([comp.decompress(p, ctx) for p in got])
+                if comp.average:
+                    result = result / self.engine.size
+                results.append(result.reshape(tensor.shape).to(tensor.dtype))
+        for tensor, name in zip(tensors, names):
+            self._stats["tensors"] += 1
+            self._stats["dense_bytes"] += tensor.numel() * 4
+            self._steps[name] = self._steps.get(name, 0) + 1
+        return results
 
-    def _communicate(self, payload, name):
+    def _communicate(self, payloads, names):
         with self._timed("communicate"):
             sent_before = self.engine.bytes_sent
-            gathered = self.communicator.exchange(payload, name)
+            gathered = self.communicator.exchange_many(payloads, names)
             self._stats["bytes_sent"] += self.engine.bytes_sent - sent_before
         return gathered
 

@@ -82,6 +82,7 @@ class Communicator:
 
     ``exchange(payload, name)`` returns a list of payloads: every rank's (allgather,
     broadcast) or a single summed one when ``reduces`` is True (allreduce).
+    ``exchange_many`` moves several tensors' payloads in one exchange (a fusion group).
     """
     reduces = False
     needs_summable = False
@@ -91,3 +92,16 @@ class Communicator:
 
     def exchange(self, payload, name):
         raise NotImplementedError
+
+    def exchange_many(self, payloads, names):
+        """Exchange several payloads at once: they travel as one payload (their tensors
+        concatenated into one list), so one size exchange and one data collective serve the
+        whole group. Returns, per payload, what :meth:`exchange` would have returned."""
+        if len(payloads) == 1:
+            return [self.exchange(payloads[0], names[0])]
+        gathered = self.exchange([t for payload in payloads for t in payload], ",".join(names))
+        out, start = [], 0
+        for payload in payloads:
+            out.append([tensors[start:start + len(payload)] for tensors in gathered])
+            start += len(payload)
+        return out

@@ -15,36 +15,59 @@ from .errors import GraceConfigError
 class DistributedOptimizer(torch.optim.Optimizer):
     """Horovod-style distributed optimizer over a ``Grace``.
 
-    1. A post-accumulate-grad hook on each parameter counts backward passes; on the
-       ``backward_passes_per_step``-th it submits ``p.grad`` to ``grace.step_async``
-       (compression and collectives run on grace's communication thread, overlapping
-       the rest of backward). Gradients of several passes are summed, as in Horovod.
-    2. ``synchronize()`` submits parameters no hook saw (in parameter order, with zero
+    1. Parameters are grouped into fusion buckets of up to ``fusion_bytes`` of gradient,
+       in reverse registration order (the order backward tends to produce them), as DDP
+       does; ``fusion_bytes=0`` gives every parameter its own exchange.
+    2. A post-accumulate-grad hook on each parameter counts backward passes; once every
+       parameter of a bucket has had its ``backward_passes_per_step``-th, the bucket goes
+       to ``grace.step_group_async``: each gradient is compressed on its own, the payloads
+       travel together (compression and collectives run on grace's communication thread,
+       overlapping the rest of backward). Gradients of several passes are summed, as in
+       Horovod.
+    3. ``synchronize()`` submits the buckets no hook completed (in bucket order, with zero
        gradients where ``grad`` is None), waits, and writes the averages into ``p.grad``.
-    3. ``step()`` synchronizes unless ``synchronize()`` was already called for this step
+    4. ``step()`` synchronizes unless ``synchronize()`` was already called for this step
        (e.g. to clip the averaged gradients first), then steps the wrapped optimizer.
 
     Every rank must produce gradients for the same parameters in the same order (true
     for identical models); the engine's collectives match by order.
     """
 
-    def __init__(self, optimizer, grace, named_parameters=None, backward_passes_per_step=1):
+    def __init__(self, optimizer, grace, named_parameters=None, backward_passes_per_step=1,
+                 fusion_bytes=4 * 2**20):
         # Deliberately no super().__init__: the wrapped optimizer owns groups and state.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise GraceConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise GraceConfigError(
                 f"backward_passes_per_step={backward_passes_per_step!r}; accepted: an int >= 1")
+        if isinstance(fusion_bytes, bool) or not isinstance(fusion_bytes, int) or fusion_bytes < 0:
+            raise GraceConfigError(f"fusion_bytes={fusion_bytes!r}; accepted: an int >= 0 (0: no fusion)")
         self.optimizer = optimizer
         self.grace = grace
         self.backward_passes_per_step = backward_passes_per_step
         self._names = self._name_parameters(optimizer, named_parameters)
+        self._buckets = self._make_buckets(list(self._names), fusion_bytes)
+        self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
         self._passes = {}       # param -> backward passes since the last exchange
-        self._pending = {}      # param -> Future of its averaged gradient
+        self._ready = {}        # bucket index -> its parameters whose gradients are final
+        self._pending = {}      # bucket index -> Future of its averaged gradients
         self._synchronized = False  # averaged gradients are in p.grad, awaiting step()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self._names]
         self._attach_memory()
+
+    @staticmethod
+    def _make_buckets(params, fusion_bytes):
+        buckets, size = [], 0
+        for param in reversed(params):
+            nbytes = param.numel() * param.element_size()
+            if not buckets or size + nbytes > fusion_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(param)
+            size += nbytes
+        return buckets
 
     def _attach_memory(self):
         if hasattr(self.grace.memory, "attach_optimizer"):  # e.g. momentum memories take over momentum
@@ -74,25 +97,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._synchronized:
             raise RuntimeError("backward() ran between synchronize() and step(); call step() "
                                "(or zero_grad()) before the next backward pass")
-        if param in self._pending:
+        bucket = self._bucket_of[param]
+        if bucket in self._pending or param in self._ready.get(bucket, ()):
             raise RuntimeError(
                 f"gradient of {self._names[param]!r} was computed again before step()/synchronize(); "
                 f"use backward_passes_per_step={self.backward_passes_per_step + 1} to accumulate passes")
         count = self._passes.get(param, 0) + 1
         self._passes[param] = count
         if count == self.backward_passes_per_step:
-            self._pending[param] = self.grace.step_async(param.grad, self._names[param])
+            ready = self._ready.setdefault(bucket, set())
+            ready.add(param)
+            if len(ready) == len(self._buckets[bucket]):
+                self._submit(bucket)
+
+    def _submit(self, bucket):
+        params = self._buckets[bucket]
+        for param in params:
+            if param.grad is None:      # unused this step (on every rank): exchange zeros
+                param.grad = torch.zeros_like(param)
+        self._pending[bucket] = self.grace.step_group_async(
+            [p.grad for p in params], [self._names[p] for p in params])
 
     def synchronize(self):
         """Wait for every parameter's exchange and write the averaged gradients."""
-        for param, name in self._names.items():
-            if param not in self._pending:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                self._pending[param] = self.grace.step_async(param.grad, name)
-        for param, future in self._pending.items():
-            param.grad.copy_(future.result())
+        for bucket in range(len(self._buckets)):
+            if bucket not in self._pending:
+                self._submit(bucket)
+        for bucket, future in self._pending.items():
+            for param, average in zip(self._buckets[bucket], future.result()):
+                param.grad.copy_(average)
         self._pending.clear()
+        self._ready.clear()
         self._passes.clear()
         self._synchronized = True
 
@@ -117,6 +152,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("zero_grad() called while gradient exchanges are in flight; "
                                "call step() or synchronize() first")
         self._passes.clear()
+        self._ready.clear()
         self._synchronized = False
         return self.optimizer.zero_grad(set_to_none=set_to_none)
 
