@@ -97,7 +97,7 @@ class Grace:
                 if self.communicator.reduces:       # payloads were already summed on the wire
                     result = comp.decompress(got[0], ctx)
                 else:
-                    result = comp.aggregate([comp.decompress(p, ctx) for p in got])
+                    result = comp.decompress_aggregate(got, ctx)
                 if comp.average:
                     result = result / self.engine.size
                 results.append(result.reshape(tensor.shape).to(tensor.dtype))

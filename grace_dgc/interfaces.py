@@ -36,6 +36,11 @@ class Compressor:
         """
         raise NotImplementedError
 
+    def decompress_aggregate(self, payloads, ctx):
+        """``aggregate`` of every rank's decompressed payload. Sparse methods override it to
+        add all ranks' values into one dense tensor instead of building one per rank."""
+        return self.aggregate([self.decompress(p, ctx) for p in payloads])
+
     def aggregate(self, tensors):
         """Combine the decompressed tensors of all ranks (default: their sum)."""
         return torch.stack(tensors).sum(dim=0) if len(tensors) > 1 else tensors[0]

@@ -185,3 +185,18 @@ def test_sent_mask_is_the_exact_sent_set_even_for_zeros(name):
     else:
         expected = torch.ones(8, dtype=torch.bool)           # dense casts and threshold 0 send all
     assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("name, params", [("topk", {"compress_ratio": 0.4}), ("threshold", {"threshold": 0.5}),
+                                          ("dgc", {"compress_ratio": 0.4, "min_compress_size": 1}),
+                                          ("dgc", {"compress_ratio": 0.4})])
+def test_decompress_aggregate_equals_the_sum_of_decompressed(name, params):
+    """The sparse fast path (one scatter-add over all ranks) equals decompress-then-sum,
+    including indices several ranks sent."""
+    comp = make(name, **params).compressor
+    gen = torch.Generator().manual_seed(0)
+    ranks = [torch.randn(6, 5, generator=gen) for _ in range(3)]
+    ranks[1][0, 0] = ranks[2][0, 0] = 10.0          # an index all send
+    payloads, ctxs = zip(*(comp.compress(x, "w") for x in ranks))
+    expected = sum(comp.decompress(p, ctxs[0]) for p in payloads)
+    assert torch.allclose(comp.decompress_aggregate(list(payloads), ctxs[0]), expected, atol=1e-6)

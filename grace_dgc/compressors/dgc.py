@@ -6,7 +6,7 @@ import torch
 from ..errors import GraceConfigError, check_range
 from ..interfaces import Compressor
 from ..registry import register_compressor
-from .topk import index_mask, scatter_dense, sparse_payload
+from .topk import index_mask, scatter_dense, scatter_sum, sparse_payload
 
 OVERSHOOT = 1.3     # the paper's tolerance: up to 1.3·k candidates are sent as they are
 
@@ -146,6 +146,10 @@ class DGCCompressor(Compressor):
         if dense:
             return payload[0].to(dtype).view(shape)
         return scatter_dense(payload, shape, dtype)
+
+    def decompress_aggregate(self, payloads, ctx):
+        shape, dtype, dense = ctx
+        return super().decompress_aggregate(payloads, ctx) if dense else scatter_sum(payloads, shape, dtype)
 
     def sent_mask(self, payload, ctx):
         shape, _, dense = ctx

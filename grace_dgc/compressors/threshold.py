@@ -3,7 +3,7 @@ import torch
 from ..errors import check_range
 from ..interfaces import Compressor
 from ..registry import register_compressor
-from .topk import index_mask, scatter_dense, sparse_payload
+from .topk import index_mask, scatter_dense, scatter_sum, sparse_payload
 
 
 @register_compressor("threshold")
@@ -25,6 +25,9 @@ class ThresholdCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         return scatter_dense(payload, *ctx)
+
+    def decompress_aggregate(self, payloads, ctx):
+        return scatter_sum(payloads, *ctx)
 
     def sent_mask(self, payload, ctx):
         return index_mask(payload, ctx[0])

@@ -18,6 +18,15 @@ def scatter_dense(payload, shape, dtype):
     return dense.view(shape)
 
 
+def scatter_sum(payloads, shape, dtype):
+    """Σ of :func:`scatter_dense` over several ranks' payloads, into one dense tensor
+    (values at an index sent by several ranks add up, in rank order)."""
+    values = torch.cat([p[0] for p in payloads]).to(dtype)
+    indices = torch.cat([p[1] for p in payloads]).long()
+    dense = torch.zeros(torch.Size(shape).numel(), dtype=dtype, device=values.device)
+    return dense.index_put_((indices,), values, accumulate=True).view(shape)
+
+
 def index_mask(payload, shape):
     """Where a :func:`sparse_payload` put values (a sent zero included): the exact sent set."""
     mask = torch.zeros(torch.Size(shape).numel(), dtype=torch.bool, device=payload[1].device)
@@ -44,6 +53,9 @@ class TopKCompressor(Compressor):
 
     def decompress(self, payload, ctx):
         return scatter_dense(payload, *ctx)
+
+    def decompress_aggregate(self, payloads, ctx):
+        return scatter_sum(payloads, *ctx)
 
     def sent_mask(self, payload, ctx):
         return index_mask(payload, ctx[0])
