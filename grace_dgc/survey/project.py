@@ -154,9 +154,8 @@ def format_table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .report import _plt, _save
+    plt = _plt()
     bandwidths = sorted({r["bandwidth_bps"] for r in rows})
     fig, axes = plt.subplots(1, len(bandwidths), figsize=(5 * len(bandwidths), 4), squeeze=False)
     for ax, bandwidth in zip(axes[0], bandwidths):
@@ -170,10 +169,7 @@ def plot(rows, path):
         ax.set_ylabel("projected speedup over dense allreduce")
         ax.set_title(f"{format_rate(bandwidth)}, α = {subset[0]['latency_ms']:g} ms")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def add_project_args(parser):

@@ -184,6 +184,13 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_curves(groups, path):
     plt = _plt()
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -198,10 +205,7 @@ def plot_curves(groups, path):
     if any(v > 0 for g in groups for v in g.curve("test_loss") if v == v):
         ax_loss.set_yscale("log")
     ax_acc.legend(fontsize=7, ncol=1 + len(groups) // 12)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_accuracy_vs_ratio(groups, path):
@@ -217,10 +221,7 @@ def plot_accuracy_vs_ratio(groups, path):
     ax.set(xlabel="measured compression ratio (bytes sent / dense fp32 bytes)", ylabel="final test accuracy",
            title="Accuracy vs measured compression ratio")
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_time_split(groups, path):
@@ -239,10 +240,7 @@ def plot_time_split(groups, path):
     for label in ax.get_xticklabels():
         label.set_horizontalalignment("right")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 # -- the report ----------------------------------------------------------------------------
