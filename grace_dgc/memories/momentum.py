@@ -95,22 +95,23 @@ class MomentumMemory(Memory):
         u, v = self.momentums.get(name), self.velocities.get(name)
         if u is None:
             u, v = torch.zeros_like(grad), torch.zeros_like(grad)
+            self.momentums[name], self.velocities[name] = u, v
+        # In place: on large layers, fresh full-size buffers every step cost more than the math.
         if nesterov:
-            u = momentum * (u + grad)
-            v = v + u + grad
+            u.add_(grad).mul_(momentum)
+            v.add_(u).add_(grad)
         else:
-            u = momentum * u + grad
-            v = v + u
-        self.momentums[name], self.velocities[name] = u, v
-        return v
+            u.mul_(momentum).add_(grad)
+            v.add_(u)
+        return v    # the memory's own buffer: compressors copy what they send
 
     def update(self, tensor, name, compressor, payload, ctx):
-        sent = compressor.sent_mask(payload, ctx).reshape(self.velocities[name].shape)
-        v = self.velocities[name]
-        dense_step = (sent | (v == 0)).all()      # a 0-d tensor: no host sync on CUDA
-        self.velocities[name] = v.masked_fill(sent, 0)
+        v, u = self.velocities[name], self.momentums[name]
+        sent = compressor.sent_mask(payload, ctx).reshape(v.shape)
         if self.momentum_masking:
-            self.momentums[name] = self.momentums[name].masked_fill(sent & ~dense_step, 0)
+            dense_step = (sent | (v == 0)).all()      # a 0-d tensor: no host sync on CUDA
+            u.masked_fill_(sent & ~dense_step, 0)
+        v.masked_fill_(sent, 0)
 
     def state_dict(self):
         return {"momentums": dict(self.momentums), "velocities": dict(self.velocities)}
