@@ -5,7 +5,9 @@ The whole data path of one gradient is :meth:`Grace._exchange`, top to bottom:
     grad → compensate → compress → exchange [→ next_round → exchange …] → memory update
          → decompress → aggregate → average
 
-(the bracket: multi-round methods such as PowerSGD; see ``Compressor.rounds``)
+(the bracket: multi-round methods such as PowerSGD; see ``Compressor.rounds``). A fusion
+group of gradients takes the path together: each is compensated, compressed, remembered and
+decompressed on its own, and their payloads share each exchange.
 """
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +23,12 @@ TIMERS = ("compress", "communicate", "decompress")
 
 
 class Grace:
+    """Composes a compressor, a memory and a communicator over an engine (see :func:`build`).
+
+    ``step``/``step_async``/``step_group_async`` run the data path; ``stats()`` reports what
+    was measured; ``state_dict()`` carries the compressor's and memory's state.
+    """
+
     def __init__(self, compressor, memory, communicator, engine):
         self.compressor = compressor
         self.memory = memory
