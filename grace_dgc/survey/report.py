@@ -16,7 +16,7 @@ import statistics
 import sys
 
 from ..errors import GraceConfigError
-from .runner import CONFIG_JSON, read_records
+from .runner import CONFIG_JSON, latest_summaries, read_records
 from .units import human_bytes, human_seconds
 
 TIME_PARTS = (("compute_s", "compute (fwd+bwd)"), ("compress_s", "compress"),
@@ -63,11 +63,7 @@ class Group:
 
 def gather(records):
     """Groups (in first-run order), tuning records, failures without a later success."""
-    latest = {}
-    for r in records:
-        if r.get("type") == "summary":
-            latest.pop(r["run_id"], None)
-            latest[r["run_id"]] = r
+    latest = {r["run_id"]: r for r in latest_summaries(records)}
     epochs_by_attempt = {}
     for r in records:
         if r.get("type") == "epoch":
