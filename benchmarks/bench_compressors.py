@@ -1,35 +1,53 @@
-"""Compress + decompress time of every registered compressor, against one clone().
+"""Compress + decompress of every registered compressor, as a multiple of one ``copy_``.
 
-    .venv/bin/python benchmarks/bench_compressors.py [--sizes 1000000 25000000] [--repeats 3]
-        [--device cpu|cuda] [--only 'q*']
+    .venv/bin/python benchmarks/bench_compressors.py [--sizes 1000000 25000000] [--repeats 5]
+        [--device cpu|cuda] [--only 'q*'] [--check] [--threads N]
 
-For each method and size: the wall time of compress (all rounds; a multi-round method
-gets its own payload back as the "sum", i.e. one worker) + decompress, median and minimum
-of the repeats (the minimum is the least disturbed by other processes on a shared
-machine), the ratio of the minimum to the minimum of one ``tensor.clone()`` timed in the
-same run, and the bytes on the wire (the
-payload tensors' bytes, summed over rounds; no collective header). Inputs are fp32 N(0, 1)
-of shape (n/1000, 1000): 2-D, so methods that keep 1-D tensors dense (DGC, PowerSGD)
-compress them. A method that fails is skipped with the reason printed, so methods added
-later are picked up (or reported) without editing this script.
+For each method and size, on fp32 N(0, 1) of shape (n/1000, 1000) (2-D, so methods that keep
+1-D tensors dense, DGC and PowerSGD, compress them): the time of compress (all rounds; a
+multi-round method gets its own payload back as the "sum", i.e. one worker) followed by
+``decompress_into`` a preallocated gradient-sized tensor — what the data path does — timed
+alternately with one ``copy_`` of the gradient into a preallocated buffer (the limit: one read
+and one write of the gradient). ``x copy`` is the median over the repeats of each pair's ratio
+(method / the copy_ timed right before it), so the figure is robust to load on a shared machine.
+
+Also printed: the bytes on the wire (payload tensors' bytes summed over rounds, no collective
+header), and ``scratch``: the compressor's reusable work buffers as a multiple of the gradient's
+bytes (the memory the method needs beyond its payload and its state).
+
+Bounds (``--check`` exits 1 when a method exceeds one, naming it):
+  * time: 8 × copy_; for the stochastic methods (qsgd, terngrad, natural), 8 × copy_ plus one
+    draw of n random numbers from their ``torch.Generator``, measured in the same run
+    (``rng`` below): on a CPU that draw (a serial Mersenne Twister) alone costs more than
+    8 × copy_, and it is the method's own arithmetic: every element needs its random number,
+    and the stream is what makes runs reproducible;
+  * memory: scratch ≤ 1 gradient.
+A method that fails is skipped with the reason printed (and fails ``--check``).
 """
 import argparse
+import statistics
+import sys
+import time
 
 import torch
 
 import grace_dgc
-from timing import timed
 from grace_dgc import wire
+from grace_dgc.compressors.qsgd import StochasticCompressor
 from grace_dgc.registry import COMPRESSORS
+from grace_dgc.workspace import chunks
+from timing import sync
 
 # parameters that make a method do its typical job on N(0, 1) data
 PARAMS = {
     "threshold": {"threshold": 2.576},      # |x| ≥ 2.576: ~1% of N(0, 1), like topk's default
 }
+TIME_BOUND = 8.0        # × copy_
+SCRATCH_BOUND = 1.0     # × the gradient's bytes
 
 
-def roundtrip(compressor, tensor):
-    """compress (all rounds) + decompress; returns the bytes this rank would send."""
+def roundtrip(compressor, tensor, out):
+    """compress (all rounds) + decompress_into ``out``; returns the bytes this rank would send."""
     payload, ctx = compressor.compress(tensor, "bench")
     sent = wire.nbytes(payload)
     for _ in range(compressor.rounds if compressor.rounds > 1 else 0):
@@ -38,38 +56,89 @@ def roundtrip(compressor, tensor):
             break
         payload, ctx = following
         sent += wire.nbytes(payload)
-    compressor.decompress(payload, ctx)
+    compressor.decompress_into(payload, ctx, out)
     return sent
 
 
-def main():
+def ratios(fn, reference, device, repeats):
+    """Per-pair ratios fn/reference, timed alternately (reference first), after a warm-up."""
+    fn(), reference()
+    out = []
+    for _ in range(repeats):
+        pair = []
+        for call in (reference, fn):
+            sync(device)
+            start = time.perf_counter()
+            call()
+            sync(device)
+            pair.append(time.perf_counter() - start)
+        out.append((pair[1] / pair[0], pair[1]))
+    return out
+
+
+def rng_draw(n, device):
+    """One draw of n uniform floats from a torch.Generator, in the chunks the methods use."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    buffer = torch.empty(min(n, max(stop - start for start, stop in chunks(n, device))), device=device)
+
+    def draw():
+        for start, stop in chunks(n, device):
+            torch.rand(stop - start, generator=generator, device=device, out=buffer[: stop - start])
+    return draw
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", default="*", help="shell pattern of compressor names")
-    args = parser.parse_args()
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a method is over its bound")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
-          f"{args.repeats} repeats after 1 warm-up")
-    header = (f"{'method':<10} {'elements':>10} {'median ms':>10} {'min ms':>9} {'x clone':>8} "
-              f"{'wire bytes':>12} {'bits/elem':>9}")
+          f"{args.repeats} alternating repeats after 1 warm-up; x copy = median of the per-pair ratios")
+    failures = []
     for n in args.sizes:
         tensor = torch.randn(n // 1000, 1000, generator=torch.Generator().manual_seed(0)).to(device)
         numel = tensor.numel()
-        clone_median, clone_min = timed(tensor.clone, device, max(args.repeats, 10))
-        print(f"\n{numel} elements; clone(): median {clone_median * 1e3:.2f} ms, "
-              f"min {clone_min * 1e3:.2f} ms\n{header}")
+        target, out = torch.empty_like(tensor), torch.empty_like(tensor)
+
+        def copy():
+            target.copy_(tensor)
+        copy_ms = statistics.median(t for _, t in ratios(copy, copy, device, args.repeats)) * 1e3
+        rng = statistics.median(r for r, _ in ratios(rng_draw(numel, device), copy, device, args.repeats))
+        print(f"\n{numel} elements: copy_ {copy_ms:.2f} ms (median); rng = one draw of n uniforms = "
+              f"{rng:.1f} x copy\n{'method':<10} {'median ms':>10} {'x copy':>7} {'min x':>6} {'bound':>6} "
+              f"{'scratch':>7} {'wire bytes':>12} {'bits/elem':>9}")
         for name in grace_dgc.list_compressors(args.only):
             try:
                 compressor = COMPRESSORS.get(name)(**PARAMS.get(name, {}))
-                sent = roundtrip(compressor, tensor)
-                median, fastest = timed(lambda: roundtrip(compressor, tensor), device, args.repeats)
+                sent = roundtrip(compressor, tensor, out)
+                measured = ratios(lambda: roundtrip(compressor, tensor, out), copy, device, args.repeats)
             except Exception as error:      # noqa: BLE001  report and go on with the others
                 print(f"{name:<10} skipped: {type(error).__name__}: {error}")
+                failures.append(f"{name}: {type(error).__name__}")
                 continue
-            print(f"{name:<10} {numel:>10} {median * 1e3:>10.1f} {fastest * 1e3:>9.1f} "
-                  f"{fastest / clone_min:>8.1f} {sent:>12} {8 * sent / numel:>9.3f}")
+            ratio = statistics.median(r for r, _ in measured)
+            bound = TIME_BOUND + (rng if isinstance(compressor, StochasticCompressor) else 0.0)
+            scratch = compressor.workspace.nbytes() / (numel * tensor.element_size())
+            flag = ""
+            if ratio > bound or scratch > SCRATCH_BOUND:
+                flag = "  OVER"
+                failures.append(f"{name} at {numel}: {ratio:.1f} x copy (bound {bound:.1f}), "
+                                f"scratch {scratch:.2f} (bound {SCRATCH_BOUND})")
+            print(f"{name:<10} {statistics.median(t for _, t in measured) * 1e3:>10.1f} {ratio:>7.1f} "
+                  f"{min(r for r, _ in measured):>6.1f} {bound:>6.1f} {scratch:>7.2f} {sent:>12} "
+                  f"{8 * sent / numel:>9.3f}{flag}")
+    if args.check:
+        if failures:
+            print("\nover the bound: " + "; ".join(failures))
+            sys.exit(1)
+        print("\nevery method within its bound")
 
 
 if __name__ == "__main__":

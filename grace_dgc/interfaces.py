@@ -3,8 +3,15 @@
 A *payload* is the list of tensors a compressor puts on the wire; *ctx* is whatever
 it needs locally to decompress them. ``ctx`` must not depend on the rank, because a
 rank decompresses every other rank's payload with its own ctx.
+
+Aliasing: a payload may alias the tensor given to ``compress`` (``none`` sends the tensor
+itself) but never a compressor's scratch workspace, and ``compress`` never writes to its
+input. ``decompress`` returns a tensor the caller owns; ``decompress_into`` writes into the
+caller's ``out``.
 """
 import torch
+
+from .workspace import Workspace
 
 
 class Compressor:
@@ -40,6 +47,32 @@ class Compressor:
         """``aggregate`` of every rank's decompressed payload. Sparse methods override it to
         add all ranks' values into one dense tensor instead of building one per rank."""
         return self.aggregate([self.decompress(p, ctx) for p in payloads])
+
+    # -- the allocation-free forms the data path uses (defaults: the plain forms + a copy) --
+    def decompress_into(self, payload, ctx, out):
+        """Write ``decompress(payload, ctx)`` into ``out`` (shaped and typed like the
+        gradient) and return ``out``. Built-in methods override it to skip the full-size
+        temporary; a plugin gets this copying default."""
+        return out.copy_(self.decompress(payload, ctx).reshape(out.shape))
+
+    def decompress_aggregate_into(self, payloads, ctx, out):
+        """``decompress_aggregate`` written into ``out``; returns ``out``."""
+        return out.copy_(self.decompress_aggregate(payloads, ctx).reshape(out.shape))
+
+    def subtract_sent_(self, tensor, payload, ctx):
+        """``tensor -= decompress(payload, ctx)`` in place (the residual of error feedback);
+        returns ``tensor``. Sparsifiers subtract at their indices only."""
+        scratch = self.workspace.like("decompressed", tensor)
+        return tensor.sub_(self.decompress_into(payload, ctx, scratch))
+
+    @property
+    def workspace(self):
+        """This compressor's scratch buffers (:class:`~grace_dgc.workspace.Workspace`),
+        created on first use; temporaries of one call, never part of a payload."""
+        workspace = self.__dict__.get("_workspace")
+        if workspace is None:
+            workspace = self.__dict__["_workspace"] = Workspace()
+        return workspace
 
     def aggregate(self, tensors):
         """Combine the decompressed tensors of all ranks (default: their sum)."""

@@ -4,15 +4,12 @@ import random
 import torch
 
 from ..errors import GraceConfigError, check_range
-from ..interfaces import Compressor
 from ..registry import register_compressor
-from .topk import index_mask, scatter_dense, scatter_sum, sparse_payload
-
-OVERSHOOT = 1.3     # the paper's tolerance: up to 1.3·k candidates are sent as they are
+from .topk import SparseCompressor, at_least, sparse_payload
 
 
 @register_compressor("dgc")
-class DGCCompressor(Compressor):
+class DGCCompressor(SparseCompressor):
     """Deep Gradient Compression's sparsifier (Lin et al. 2018, arXiv 1712.01887).
 
     Threshold by sampling, for ``n`` elements, kept ratio ``r`` and ``k = max(1, ⌊r·n⌋)``:
@@ -104,25 +101,27 @@ class DGCCompressor(Compressor):
         n = tensor.numel()
         return n == 0 or n < self.min_compress_size or (self.dense_1d and tensor.dim() <= 1)
 
-    def select(self, importance, k):
-        """Indices (int64) of between k and ⌊13k/10⌋ elements of the 1-D ``importance``."""
-        n = importance.numel()
+    def select(self, values, k):
+        """Indices (int64) of between k and ⌊13k/10⌋ elements of the 1-D ``values`` by
+        magnitude (``values`` may be the gradient or its magnitudes: |·| is taken)."""
+        n = values.numel()
         stride = n // max(math.ceil(self.sample_ratio * n), math.ceil(2 * n / k))
         if stride <= 1:         # the sample would be the whole tensor: select exactly
-            return torch.topk(importance, k, sorted=False).indices
+            return torch.topk(values.abs(), k, sorted=False).indices
         stride |= 1             # odd, so it does not keep hitting the same columns of 2^m-wide rows
-        samples = importance[self.rng.randrange(stride)::stride]
+        samples = values[self.rng.randrange(stride)::stride].abs()
         threshold = torch.topk(samples, math.ceil(samples.numel() * k / n), sorted=False).values.min()
         for attempt in range(self.max_adaptation_iters + 1):
             if attempt:         # too few passed: lower the threshold and retry
                 threshold = threshold * self.threshold_decay
-            candidates = torch.nonzero(importance >= threshold).view(-1)
+            # C = {i : |g_i| ≥ τ}, chunk by chunk, with |g_C|
+            candidates, magnitudes = at_least(values, threshold, self.workspace, keep_nan=False)
             if candidates.numel() >= k:
                 break
         else:                   # bounded retries exhausted (e.g. one huge element): exact top-k
-            return torch.topk(importance, k, sorted=False).indices
+            return torch.topk(values.abs(), k, sorted=False).indices
         if candidates.numel() > (13 * k) // 10:
-            candidates = candidates[torch.topk(importance[candidates], k, sorted=False).indices]
+            candidates = candidates[torch.topk(magnitudes, k, sorted=False).indices]
         return candidates
 
     # -- the compressor interface ----------------------------------------------------------
@@ -138,24 +137,34 @@ class DGCCompressor(Compressor):
         if dense:   # a copy: the payload must not alias a memory's state updated in place
             return [flat.to(values_dtype, copy=True)], ctx
         k = max(1, int(flat.numel() * self.current_ratio))
-        values, indices = sparse_payload(flat, self.select(flat.abs(), k))
+        values, indices = sparse_payload(flat, self.select(flat, k))
         return [values.to(values_dtype), indices], ctx
 
     def decompress(self, payload, ctx):
         shape, dtype, dense = ctx
-        if dense:
-            return payload[0].to(dtype).view(shape)
-        return scatter_dense(payload, shape, dtype)
+        return payload[0].to(dtype).view(shape) if dense else super().decompress(payload, ctx)
+
+    def decompress_into(self, payload, ctx, out):
+        return out.copy_(payload[0].view(out.shape)) if ctx[2] else super().decompress_into(payload, ctx, out)
 
     def decompress_aggregate(self, payloads, ctx):
-        shape, dtype, dense = ctx
-        return super().decompress_aggregate(payloads, ctx) if dense else scatter_sum(payloads, shape, dtype)
+        if ctx[2]:
+            return self.aggregate([self.decompress(p, ctx) for p in payloads])
+        return super().decompress_aggregate(payloads, ctx)
+
+    def decompress_aggregate_into(self, payloads, ctx, out):
+        if ctx[2]:
+            return out.copy_(self.decompress_aggregate(payloads, ctx))
+        return super().decompress_aggregate_into(payloads, ctx, out)
+
+    def subtract_sent_(self, tensor, payload, ctx):
+        return tensor.sub_(payload[0].view(tensor.shape)) if ctx[2] else super().subtract_sent_(tensor, payload, ctx)
 
     def sent_mask(self, payload, ctx):
         shape, _, dense = ctx
         if dense:
             return torch.ones(shape, dtype=torch.bool, device=payload[0].device)
-        return index_mask(payload, shape)
+        return super().sent_mask(payload, ctx)
 
     def state_dict(self):
         return {"epoch": self.epoch, "steps": dict(self.steps), "rng": self.rng.getstate(),

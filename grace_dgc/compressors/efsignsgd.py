@@ -29,14 +29,18 @@ class EFSignSGDCompressor(Compressor):
     def compress(self, tensor, name):
         numel = tensor.numel()
         # fp32 accumulation: the scale is one fp32 on the wire whatever the gradient dtype
-        scale = tensor.abs().sum(dtype=torch.float32) / max(numel, 1)
-        return [wire.pack_signs(tensor), scale.reshape(1)], (tensor.shape, tensor.dtype)
+        magnitude = torch.abs(tensor, out=self.workspace.like("abs", tensor))
+        scale = magnitude.sum(dtype=torch.float32) / max(numel, 1)
+        return [wire.pack_signs(tensor, self.workspace), scale.reshape(1)], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         shape, dtype = ctx
+        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
+
+    def decompress_into(self, payload, ctx, out):
         packed, scale = payload
-        signs = wire.unpack_signs(packed, shape.numel(), dtype)
-        return (signs * scale.to(dtype)).view(shape)
+        scale = float(scale)        # ±1 · scale is exactly ±scale
+        return wire.unpack_select(packed, out, scale, -scale, self.workspace)
 
     def sent_mask(self, payload, ctx):
         # every element is sent (a sign, or a mean), even where it decodes to 0

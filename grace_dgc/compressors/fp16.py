@@ -23,11 +23,17 @@ class FP16Compressor(Compressor):
         self.world_size = engine.size
 
     def compress(self, tensor, name):
-        return [tensor.to(self.wire_dtype).div_(self.world_size)], tensor.dtype
+        # a new wire tensor even when the input already has the wire dtype: never divide the input
+        wire = torch.empty(tensor.shape, dtype=self.wire_dtype, device=tensor.device).copy_(tensor)
+        return [wire if self.world_size == 1 else wire.div_(self.world_size)], tensor.dtype
 
     def decompress(self, payload, ctx):
-        decompressed = payload[0].to(ctx)
-        return decompressed if self.world_size == 1 else decompressed.mul_(self.world_size)
+        return self.decompress_into(payload, ctx, torch.empty(payload[0].shape, dtype=ctx,
+                                                              device=payload[0].device))
+
+    def decompress_into(self, payload, ctx, out):
+        out.copy_(payload[0].view(out.shape))
+        return out if self.world_size == 1 else out.mul_(self.world_size)
 
     def sent_mask(self, payload, ctx):
         # every element is sent, also those that underflow to zero in the wire dtype

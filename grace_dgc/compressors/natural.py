@@ -2,6 +2,7 @@ import torch
 
 from .. import wire
 from ..registry import register_compressor
+from ..workspace import chunks
 from .qsgd import StochasticCompressor
 
 MANTISSA_BITS = 23
@@ -38,19 +39,39 @@ class NaturalCompressor(StochasticCompressor):
 
     def compress(self, tensor, name):
         bits = tensor.reshape(-1).float().view(torch.int32)
-        magnitude = bits & 0x7FFFFFFF
-        finite = magnitude < INF_BITS
-        magnitude.clamp_(max=INF_BITS)      # NaN → inf: the add below cannot overflow int32
-        uniform = torch.randint(0, 1 << MANTISSA_BITS, bits.shape, dtype=torch.int32, device=bits.device,
-                                generator=self.generator(name, tensor.device))
-        exponent = uniform.add_(magnitude).bitwise_right_shift_(MANTISSA_BITS).to(torch.uint8)
-        # finite inputs saturate at 2^127 instead of carrying into inf
-        exponent = torch.where(finite, exponent.clamp_(max=MAX_EXPONENT), INF_EXPONENT)
-        return [exponent, wire.pack_bits(bits < 0, 1)], (tensor.shape, tensor.dtype)
+        n, scratch, device = bits.numel(), self.workspace, bits.device
+        exponent = torch.empty(n, dtype=torch.uint8, device=device)
+        generator = self.generator(name, tensor.device)
+        for start, stop in chunks(n, device):          # the same stream as one draw of n
+            size = stop - start
+            magnitude = torch.bitwise_and(bits[start:stop], 0x7FFFFFFF,
+                                          out=scratch.get("magnitude", size, torch.int32, device))
+            finite = torch.lt(magnitude, INF_BITS, out=scratch.get("finite", size, torch.bool, device))
+            magnitude.clamp_(max=INF_BITS)      # NaN → inf: the add below cannot overflow int32
+            uniform = torch.randint(0, 1 << MANTISSA_BITS, (size,), dtype=torch.int32, device=device,
+                                    generator=generator, out=scratch.get("uniform", size, torch.int32, device))
+            rounded = exponent[start:stop].copy_(uniform.add_(magnitude).bitwise_right_shift_(MANTISSA_BITS))
+            # finite inputs saturate at 2^127 instead of carrying into inf
+            rounded.clamp_(max=MAX_EXPONENT).masked_fill_(finite.logical_not_(), INF_EXPONENT)
+        negative = torch.lt(bits, 0, out=scratch.get("negative", n, torch.bool, device))
+        return [exponent, wire.pack_bits(negative, 1, scratch)], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
-        exponent, signs = payload
         shape, dtype = ctx
-        sign_bits = wire.unpack_bits(signs, 1, exponent.numel()).to(torch.int32).bitwise_left_shift_(31)
-        bits = exponent.to(torch.int32).bitwise_left_shift_(MANTISSA_BITS).bitwise_or_(sign_bits)
-        return bits.view(torch.float32).to(dtype).view(shape)
+        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
+
+    def decompress_into(self, payload, ctx, out):
+        exponent, signs = payload
+        n, scratch, device = exponent.numel(), self.workspace, exponent.device
+        negative = wire.unpack_bits(signs, 1, n, scratch)
+        direct = out.dtype == torch.float32
+        flat = out.view(-1)
+        for start, stop in chunks(n, device):
+            size = stop - start
+            word = flat[start:stop].view(torch.int32) if direct else scratch.get("word", size, torch.int32, device)
+            sign = scratch.get("sign", size, torch.int32, device).copy_(negative[start:stop])
+            word.copy_(exponent[start:stop]).bitwise_left_shift_(MANTISSA_BITS)
+            word.bitwise_or_(sign.bitwise_left_shift_(31))
+            if not direct:
+                flat[start:stop].copy_(word.view(torch.float32))
+        return out

@@ -33,19 +33,27 @@ class OneBitCompressor(Compressor):
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()      # means are computed and sent in fp32
-        positive = flat >= 0
-        count_pos = positive.sum(dtype=torch.float32)
-        count_neg = flat.numel() - count_pos
-        sum_pos = torch.where(positive, flat, 0).sum()
-        sum_neg = torch.where(positive, 0, flat).sum()
+        n, scratch = flat.numel(), self.workspace
+        positive = torch.ge(flat, 0, out=scratch.get("positive", n, torch.bool, flat.device))
+        count_pos = torch.count_nonzero(positive).to(torch.float32)     # exact at any size
+        count_neg = n - count_pos
+        # where(P, g, 0) and where(P, 0, g) on the fp32 bits (mask = −P: all ones on P), then
+        # the same full-tensor sums: several times faster than torch.where, the same bits
+        picked = scratch.get("picked", n, torch.int32, flat.device).copy_(positive).neg_()
+        bits = flat.view(torch.int32)
+        sum_pos = picked.bitwise_and_(bits).view(torch.float32).sum()
+        sum_neg = picked.bitwise_xor_(bits).view(torch.float32).sum()
         means = torch.stack([sum_neg / count_neg.clamp(min=1), sum_pos / count_pos.clamp(min=1)])
-        return [wire.pack_signs(flat), means], (tensor.shape, tensor.dtype)
+        return [wire.pack_bits(positive, 1, scratch), means], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         shape, dtype = ctx
+        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
+
+    def decompress_into(self, payload, ctx, out):
         packed, means = payload
-        positive = wire.unpack_bits(packed, 1, shape.numel()).bool()
-        return torch.where(positive, means[1], means[0]).to(dtype).view(shape)
+        negative_mean, positive_mean = means.tolist()
+        return wire.unpack_select(packed, out, positive_mean, negative_mean, self.workspace)
 
     def sent_mask(self, payload, ctx):
         # every element is sent (a sign, or a mean), even where it decodes to 0

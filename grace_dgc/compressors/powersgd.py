@@ -124,6 +124,12 @@ class PowerSGDCompressor(Compressor):
             return payload[0].reshape(ctx.shape)
         return (ctx.p @ payload[0].t()).reshape(ctx.shape)
 
+    def decompress_into(self, payload, ctx, out):
+        if isinstance(ctx, Dense) or out.dtype != ctx.p.dtype or not out.is_contiguous():
+            return super().decompress_into(payload, ctx, out)
+        torch.mm(ctx.p, payload[0].t(), out=out.view(ctx.shape[0], -1))
+        return out
+
     def state_dict(self):
         return {"q": dict(self.q), "draws": dict(self.draws)}
 

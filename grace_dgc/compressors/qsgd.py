@@ -9,6 +9,7 @@ from .. import wire
 from ..errors import check_range
 from ..interfaces import Compressor
 from ..registry import register_compressor
+from ..workspace import chunks
 
 
 def process_rank():
@@ -59,11 +60,13 @@ class StochasticCompressor(Compressor):
         self.steps = dict(state["steps"])
 
 
-def stochastic_round_(x, generator):
-    """⌊x⌋ + Bernoulli(x − ⌊x⌋) for x ≥ 0: an unbiased integer, E = x. Overwrites x."""
-    floor = x.floor()
+def stochastic_round_(x, generator, workspace):
+    """⌊x⌋ + Bernoulli(x − ⌊x⌋) for x ≥ 0: an unbiased integer, E = x. Overwrites x; the
+    result is the workspace's "floor" buffer."""
+    floor = torch.floor(x, out=workspace.get("floor", x.numel(), x.dtype, x.device).view(x.shape))
     fraction = x.sub_(floor)
-    uniform = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    uniform = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype,
+                         out=workspace.get("uniform", x.numel(), x.dtype, x.device).view(x.shape))
     return floor.add_(uniform.lt_(fraction))     # in place: large tensors, few passes
 
 
@@ -92,27 +95,53 @@ class QSGDCompressor(StochasticCompressor):
         self.bucket_size = check_range("bucket_size", bucket_size, 1, kind=int)
         self.bits = math.ceil(math.log2(2 * self.quantum_num + 1))
 
-    def buckets(self, flat):
-        """``flat`` as rows of ``bucket_size``, zero-padded (a copy only when padding)."""
-        padding = (-flat.numel()) % self.bucket_size
-        return (torch.nn.functional.pad(flat, (0, padding)) if padding else flat).view(-1, self.bucket_size)
+    def row_chunks(self, n, device):
+        """``(first row, last row, first element, last element)`` of each chunk of whole
+        buckets (the last bucket may be short): chunks keep the temporaries small and in
+        cache, and draw the same random stream, in the same order, as one pass."""
+        rows = -(-n // self.bucket_size)
+        return [(start // self.bucket_size, stop // self.bucket_size, start, min(stop, n))
+                for start, stop in chunks(rows * self.bucket_size, device, multiple=self.bucket_size)]
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()
-        n, s = flat.numel(), self.quantum_num
-        buckets = self.buckets(flat)
-        norms = buckets.norm(dim=1)
-        # a zero-norm bucket has only zeros: divide by 1 instead (levels stay 0)
-        scaled = buckets.abs().mul_((s / torch.where(norms > 0, norms, 1.0)).unsqueeze(1))
-        levels = stochastic_round_(scaled.clamp_(max=s), self.generator(name, tensor.device))
-        codes = torch.copysign(levels, buckets).add_(s).reshape(-1)[:n]     # in [0, 2s]
-        codes = codes.to(torch.uint8 if self.bits <= 8 else torch.int64)
-        return [wire.pack_bits(codes, self.bits), norms], (tensor.shape, tensor.dtype)
+        n, s, size, scratch = flat.numel(), self.quantum_num, self.bucket_size, self.workspace
+        norms = flat.new_empty(-(-n // size))
+        codes = torch.empty(n, dtype=torch.uint8 if self.bits <= 8 else torch.int64, device=flat.device)
+        generator = self.generator(name, tensor.device)
+        for row, last_row, start, stop in self.row_chunks(n, flat.device):
+            block = scratch.get("block", (last_row - row) * size, torch.float32, flat.device)
+            block[: stop - start].copy_(flat[start:stop])
+            block[stop - start:].zero_()        # a short last bucket is zero-padded
+            block = block.view(-1, size)
+            norm = norms[row:last_row]
+            norm.copy_(block.norm(dim=1))
+            # a zero-norm bucket has only zeros: divide by 1 instead (levels stay 0)
+            scaled = torch.abs(block, out=scratch.get("scaled", block.numel(), torch.float32, flat.device)
+                               .view(block.shape))
+            scaled.mul_((s / torch.where(norm > 0, norm, 1.0)).unsqueeze(1))
+            levels = stochastic_round_(scaled.clamp_(max=s), generator, scratch)
+            signed = torch.copysign(levels, block, out=scaled).add_(s)         # in [0, 2s]
+            codes[start:stop].copy_(signed.view(-1)[: stop - start])
+        packed = codes if self.bits == 8 else wire.pack_bits(codes, self.bits, scratch)
+        return [packed, norms], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
-        packed, norms = payload
         shape, dtype = ctx
-        n, s = torch.Size(shape).numel(), self.quantum_num
-        signed = self.buckets(wire.unpack_bits(packed, self.bits, n).float().sub_(s))
-        values = signed.mul_((norms / s).unsqueeze(1))
-        return values.reshape(-1)[:n].to(dtype).view(shape)
+        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
+
+    def decompress_into(self, payload, ctx, out):
+        packed, norms = payload
+        n, s, size = out.numel(), self.quantum_num, self.bucket_size
+        codes = packed if self.bits == 8 else wire.unpack_bits(packed, self.bits, n, self.workspace)
+        flat = out.view(-1)
+        for row, last_row, start, stop in self.row_chunks(n, out.device):
+            whole = stop - start == (last_row - row) * size and out.dtype == torch.float32
+            block = flat[start:stop] if whole else self.workspace.get(
+                "block", (last_row - row) * size, torch.float32, out.device)
+            block[: stop - start].copy_(codes[start:stop])
+            block[stop - start:].zero_()
+            block.view(-1, size).sub_(s).mul_((norms[row:last_row] / s).unsqueeze(1))
+            if not whole:
+                flat[start:stop].copy_(block[: stop - start])
+        return out

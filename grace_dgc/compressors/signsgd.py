@@ -40,11 +40,22 @@ class SignSGDCompressor(Compressor):
     average = False
 
     def compress(self, tensor, name):
-        return [wire.pack_signs(tensor)], (tensor.shape, tensor.dtype)
+        return [wire.pack_signs(tensor, self.workspace)], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         shape, dtype = ctx
-        return wire.unpack_signs(payload[0], shape.numel(), dtype).view(shape)
+        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
+
+    def decompress_into(self, payload, ctx, out):
+        return wire.unpack_select(payload[0], out, 1.0, -1.0, self.workspace)
+
+    def decompress_aggregate_into(self, payloads, ctx, out):
+        """The vote without a ±1 tensor per rank: count each element's positive signs p
+        (int16), then Σ_m s_m = 2p − N and the aggregate is its sign."""
+        votes = self.workspace.get("votes", out.numel(), torch.int16, out.device).zero_()
+        for payload in payloads:
+            votes.add_(wire.unpack_bits(payload[0], 1, out.numel(), self.workspace))
+        return out.copy_(votes.mul_(2).sub_(len(payloads)).view(out.shape)).sign_()
 
     def sent_mask(self, payload, ctx):
         # every element is sent (a sign, or a mean), even where it decodes to 0

@@ -1,5 +1,8 @@
+import torch
+
 from ..errors import check_range
 from ..registry import register_compressor
+from ..workspace import chunks
 from .signsgd import SignSGDCompressor
 
 
@@ -25,18 +28,23 @@ class SignumCompressor(SignSGDCompressor):
 
     def __init__(self, momentum=0.9):
         self.momentum = check_range("momentum", momentum, 0, 1, high_open=True)
-        self.momentums = {}     # name -> m_t (a new tensor every step, never updated in place)
+        self.momentums = {}     # name -> m_t, updated in place (state_dict hands out copies)
 
     def compress(self, tensor, name):
         previous = self.momentums.get(name)
-        momentum = (1 - self.momentum) * tensor
-        if previous is not None:
-            momentum = momentum + self.momentum * previous
-        self.momentums[name] = momentum
+        if previous is None:
+            momentum = self.momentums[name] = (1 - self.momentum) * tensor
+        else:       # β·m + (1 − β)·g, the two products rounded as in the formula; in cache
+            momentum, grad = previous.view(-1), tensor.reshape(-1)
+            for start, stop in chunks(momentum.numel(), momentum.device):
+                scaled = torch.mul(grad[start:stop], 1 - self.momentum,
+                                   out=self.workspace.get("scaled", stop - start, grad.dtype, grad.device))
+                momentum[start:stop].mul_(self.momentum).add_(scaled)
+            momentum = previous
         return super().compress(momentum, name)
 
     def state_dict(self):
-        return {"momentums": dict(self.momentums)}
+        return {"momentums": {name: m.clone() for name, m in self.momentums.items()}}
 
     def load_state_dict(self, state):
-        self.momentums = dict(state["momentums"])
+        self.momentums = {name: m.clone() for name, m in state["momentums"].items()}

@@ -35,23 +35,41 @@ class TernGradCompressor(StochasticCompressor):
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()
-        if flat.numel():
-            sigma = flat.std(correction=0)
-            bound = torch.where(sigma > 0, self.clip_factor * sigma, torch.inf)
-            flat = flat.clamp(-bound, bound)
-        magnitude = flat.abs()
-        scale = magnitude.max().reshape(1) if flat.numel() else flat.new_zeros(1)
-        probability = magnitude.div_(torch.where(scale > 0, scale, 1.0))
+        n, scratch, device = flat.numel(), self.workspace, flat.device
+        if not n:
+            return [wire.pack_bits(flat.new_empty(0, dtype=torch.uint8), 2), flat.new_zeros(1)], (tensor.shape,
+                                                                                                  tensor.dtype)
+        sigma = flat.std(correction=0)
+        bound = torch.where(sigma > 0, self.clip_factor * sigma, torch.inf)
+        # max |clip(g)| = min(max |g|, bound): clipping is monotone, so no clipped copy is needed
+        low, high = torch.aminmax(flat)
+        scale = torch.minimum(torch.maximum(-low, high), bound).reshape(1)
+        divisor = torch.where(scale > 0, scale, 1.0)
         generator = self.generator(name, tensor.device)
-        uniform = torch.rand(flat.shape, generator=generator, device=flat.device)
-        sent = (uniform < probability).to(torch.uint8)     # b_i; never where g_i = 0
-        codes = sent.mul_((flat < 0).to(torch.uint8).add_(POSITIVE))   # NEGATIVE = POSITIVE + 1
-        return [wire.pack_bits(codes, 2), scale], (tensor.shape, tensor.dtype)
+
+        def encode(start, stop):        # chunks in order: the same random stream as one draw of n
+            size = stop - start
+            clipped = torch.clamp(flat[start:stop], -bound, bound,
+                                  out=scratch.get("clipped", size, torch.float32, device))
+            codes = torch.lt(clipped, 0, out=scratch.get("negative", size, torch.bool, device)).view(torch.uint8)
+            probability = clipped.abs_().div_(divisor)
+            uniform = torch.rand(size, generator=generator, device=device,
+                                 out=scratch.get("uniform", size, torch.float32, device))
+            sent = torch.lt(uniform, probability, out=scratch.get("sent", size, torch.bool, device))
+            return codes.add_(POSITIVE).mul_(sent.view(torch.uint8))   # NEGATIVE = POSITIVE + 1; 0 unless b_i
+        return [wire.pack_chunks(n, 2, encode, device, scratch), scale], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
-        packed, scale = payload
         shape, dtype = ctx
-        codes = wire.unpack_bits(packed, 2, torch.Size(shape).numel())
-        # sgn = low bit − high bit: 1 → +1, 2 → −1, 0 and 3 → 0 (byte arithmetic, ~3× a lookup)
-        signs = (codes & 1).view(torch.int8) - (codes >> 1).view(torch.int8)
-        return signs.to(dtype).mul_(scale.to(dtype)).view(shape)
+        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
+
+    def decompress_into(self, payload, ctx, out):
+        packed, scale = payload
+        flat, scale = out.view(-1), scale.to(out.dtype)
+        for start, stop, codes in wire.unpack_chunks(packed, 2, out.numel(), self.workspace):
+            # sgn = low bit − high bit: 1 → +1, 2 → −1, 0 and 3 → 0 (byte arithmetic, ~3× a lookup)
+            high = torch.bitwise_right_shift(codes, 1, out=self.workspace.get("high", stop - start, torch.uint8,
+                                                                               out.device))
+            signs = codes.bitwise_and_(1).view(torch.int8).sub_(high.view(torch.int8))
+            flat[start:stop].copy_(signs).mul_(scale)
+        return out

@@ -1,13 +1,10 @@
-import torch
-
 from ..errors import check_range
-from ..interfaces import Compressor
 from ..registry import register_compressor
-from .topk import index_mask, scatter_dense, scatter_sum, sparse_payload
+from .topk import SparseCompressor, at_least, sparse_payload
 
 
 @register_compressor("threshold")
-class ThresholdCompressor(Compressor):
+class ThresholdCompressor(SparseCompressor):
     """Gradient dropping with one absolute threshold (Aji & Heafield 2017):
 
         S = { i : |g_i| ≥ τ },   payload = (g_S, S)  — a variable number of elements.
@@ -20,14 +17,5 @@ class ThresholdCompressor(Compressor):
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1)
-        indices = torch.nonzero(flat.abs() >= self.threshold).reshape(-1)
+        indices, _ = at_least(flat, self.threshold, self.workspace, keep_nan=False)
         return sparse_payload(flat, indices), (tensor.shape, tensor.dtype)
-
-    def decompress(self, payload, ctx):
-        return scatter_dense(payload, *ctx)
-
-    def decompress_aggregate(self, payloads, ctx):
-        return scatter_sum(payloads, *ctx)
-
-    def sent_mask(self, payload, ctx):
-        return index_mask(payload, ctx[0])

@@ -1,30 +1,55 @@
+import math
+import struct
+
 import torch
 
 from ..errors import check_range
 from ..interfaces import Compressor
 from ..registry import register_compressor
+from ..workspace import chunks
 
 
 def sparse_payload(flat, indices):
     """Values at ``indices`` and the indices as int32: the sparse wire format."""
-    return [flat[indices], indices.to(torch.int32)]
+    return [flat.index_select(0, indices), indices.to(torch.int32)]
 
 
 def scatter_dense(payload, shape, dtype):
     """Inverse of :func:`sparse_payload`: zeros with the values written at the indices."""
+    values = payload[0]
+    return scatter_into(torch.empty(shape, dtype=dtype, device=values.device), payload)
+
+
+def scatter_into(out, payload):
+    """:func:`scatter_dense` written into ``out``."""
     values, indices = payload
-    dense = torch.zeros(torch.Size(shape).numel(), dtype=dtype, device=values.device)
-    dense[indices.long()] = values.to(dtype)
-    return dense.view(shape)
+    flat = out.zero_().view(-1)
+    flat[indices.long()] = values.to(out.dtype)
+    return out
 
 
 def scatter_sum(payloads, shape, dtype):
     """Σ of :func:`scatter_dense` over several ranks' payloads, into one dense tensor
     (values at an index sent by several ranks add up, in rank order)."""
-    values = torch.cat([p[0] for p in payloads]).to(dtype)
+    values = payloads[0][0]
+    return scatter_sum_into(torch.empty(shape, dtype=dtype, device=values.device), payloads)
+
+
+def scatter_sum_into(out, payloads):
+    """:func:`scatter_sum` written into ``out``."""
+    values = torch.cat([p[0] for p in payloads]).to(out.dtype)
     indices = torch.cat([p[1] for p in payloads]).long()
-    dense = torch.zeros(torch.Size(shape).numel(), dtype=dtype, device=values.device)
-    return dense.index_put_((indices,), values, accumulate=True).view(shape)
+    out.zero_().view(-1).index_put_((indices,), values, accumulate=True)
+    return out
+
+
+def subtract_at_(tensor, payload):
+    """``tensor -= scatter_dense(payload)`` in place, touching only the sent indices (each
+    index is sent once, so a gather-subtract-scatter is exact)."""
+    values, indices = payload
+    flat, indices = tensor.view(-1), indices.long()
+    flat[indices] = flat[indices] - values.to(tensor.dtype)
+    return tensor
 
 
 def index_mask(payload, shape):
@@ -34,12 +59,144 @@ def index_mask(payload, shape):
     return mask.view(shape)
 
 
+def flat_nonzero(mask):
+    """``torch.nonzero(mask).view(-1)`` for a 1-D bool mask, in two levels: first the 8-byte
+    words with a hit, then the hits inside them (several times faster on a CPU for the
+    sparse masks of sparsifiers)."""
+    if mask.numel() % 8 or mask.storage_offset() % 8:
+        return torch.nonzero(mask).view(-1)
+    words = torch.nonzero(mask.view(torch.int64)).view(-1)
+    inside = torch.nonzero(mask.view(-1, 8).index_select(0, words))
+    return words.index_select(0, inside[:, 0]).mul_(8).add_(inside[:, 1])
+
+
+def at_least(flat, threshold, workspace, keep_nan=True):
+    """``(indices, magnitudes)`` of the elements with ``|x| ≥ threshold``, ascending, found
+    chunk by chunk without a full-size temporary; NaNs count as large with ``keep_nan`` (as
+    torch.topk ranks them), as small without.
+
+    On fp32 the test runs on the bits: for x ≥ 0, IEEE order is integer order of the bit
+    patterns (NaN above inf), so ``((bits(|x|) − bits(τ)) >> 31) + 1`` is 1 exactly where
+    |x| ≥ τ: integer passes that vectorise, where a bool-valued comparison does not.
+    """
+    threshold = float(threshold)
+    if flat.dtype != torch.float32 or math.isnan(threshold):
+        return _at_least_compare(flat, threshold, workspace, keep_nan)
+    bound = struct.unpack("<i", struct.pack("<f", threshold))[0]
+    found, magnitudes, device = [], [], flat.device
+    for start, stop in chunks(flat.numel(), device, multiple=8):
+        size = stop - start
+        magnitude = torch.abs(flat[start:stop], out=workspace.get("abs", size, torch.float32, device))
+        test = torch.sub(magnitude.view(torch.int32), bound, out=workspace.get("test", size, torch.int32, device))
+        test.bitwise_right_shift_(31).add_(1)
+        if not keep_nan:        # NaN bits exceed inf's: ((bits(inf) − bits) >> 31) is −1 there
+            nan = torch.sub(magnitude.view(torch.int32), 0x7F800000,
+                            out=workspace.get("nan", size, torch.int32, device))
+            test.add_(nan.neg_().bitwise_right_shift_(31))
+        mask = workspace.get("mask", size, torch.uint8, device).copy_(test)
+        hits = flat_nonzero(mask.view(torch.bool))
+        magnitudes.append(magnitude.index_select(0, hits))
+        found.append(hits.add_(start) if start else hits)
+    return _joined(found, magnitudes, flat)
+
+
+def _at_least_compare(flat, threshold, workspace, keep_nan):
+    """:func:`at_least` by comparison (any dtype; a NaN threshold)."""
+    found, magnitudes = [], []
+    for start, stop in chunks(flat.numel(), flat.device, multiple=8):
+        magnitude = torch.abs(flat[start:stop], out=workspace.get("abs", stop - start, flat.dtype, flat.device))
+        mask = workspace.get("mask", stop - start, torch.bool, flat.device)
+        if keep_nan:
+            mask = torch.lt(magnitude, threshold, out=mask).logical_not_()
+        else:
+            mask = torch.ge(magnitude, threshold, out=mask)
+        hits = flat_nonzero(mask)
+        magnitudes.append(magnitude.index_select(0, hits))
+        found.append(hits.add_(start) if start else hits)
+    return _joined(found, magnitudes, flat)
+
+
+def _joined(found, magnitudes, flat):
+    if len(found) <= 1:
+        return (found[0], magnitudes[0]) if found else (flat.new_empty(0, dtype=torch.int64), flat.new_empty(0))
+    return torch.cat(found), torch.cat(magnitudes)
+
+
+def exact_top_k(flat, k, workspace):
+    """Ascending int64 indices of the ``k`` largest ``|flat_i|``: exactly the set
+    ``torch.topk(flat.abs(), k)`` selects, ties at the k-th magnitude going to the lowest
+    indices. One pass over ``flat`` instead of a full selection:
+
+    1. a strided sample of m ≈ n/64 elements (stride odd); τ = its j-th largest magnitude,
+       j = ⌈q·k + 4·√(q·k) + 2⌉ with q = m/n: the sample's expected share of the top k plus
+       four standard deviations, so τ ≤ the k-th magnitude κ with high probability;
+    2. C = { i : |flat_i| ≥ τ } in one chunked pass. If |C| ≥ k, C holds the whole top k
+       (anything outside C is below τ ≤ κ): the result is exact whatever the sample was.
+       Otherwise j is doubled and step 2 repeats (C = everything once j exceeds m);
+    3. κ = the k-th largest of |flat_C| (a selection over |C| ≈ k·(1 + 4/√(q·k)) values);
+       sent = { |x| > κ } plus the lowest-indexed { |x| = κ } up to k elements.
+    """
+    n = flat.numel()
+    stride = max(1, n // 65536) | 1
+    sample = flat[::stride].abs()
+    q = sample.numel() / n
+    rank = math.ceil(q * k + 4 * math.sqrt(q * k) + 2)
+    while True:
+        if stride == 1 or rank >= sample.numel():
+            candidates, magnitude = torch.arange(n, device=flat.device), flat.abs()
+            break
+        threshold = torch.topk(sample, rank, sorted=False).values.min()
+        candidates, magnitude = at_least(flat, threshold, workspace)
+        if candidates.numel() >= k:
+            break
+        rank *= 2
+    if candidates.numel() == k:
+        return candidates
+    kth = torch.kthvalue(magnitude, candidates.numel() - k + 1).values
+    if torch.isnan(kth):        # more NaNs than k: the lowest-indexed NaNs
+        chosen = torch.isnan(magnitude)
+    else:
+        chosen = ~(magnitude <= kth)                     # strictly larger, NaN included
+    missing = k - int(chosen.sum())
+    if missing:
+        ties = torch.nonzero((magnitude == kth) | (torch.isnan(magnitude) & torch.isnan(kth))).view(-1)
+        chosen[ties[:missing]] = True
+    return candidates[chosen]
+
+
+class SparseCompressor(Compressor):
+    """Base of the sparsifiers whose payload is :func:`sparse_payload` and ctx
+    ``(shape, dtype)``: decompression, the one-scatter aggregate, the in-place residual and
+    the exact sent set, shared."""
+
+    def decompress(self, payload, ctx):
+        return scatter_dense(payload, *ctx[:2])
+
+    def decompress_into(self, payload, ctx, out):
+        return scatter_into(out, payload)
+
+    def decompress_aggregate(self, payloads, ctx):
+        return scatter_sum(payloads, *ctx[:2])
+
+    def decompress_aggregate_into(self, payloads, ctx, out):
+        return scatter_sum_into(out, payloads)
+
+    def subtract_sent_(self, tensor, payload, ctx):
+        return subtract_at_(tensor, payload)
+
+    def sent_mask(self, payload, ctx):
+        return index_mask(payload, ctx[0])
+
+
 @register_compressor("topk")
-class TopKCompressor(Compressor):
+class TopKCompressor(SparseCompressor):
     """Exact top-k by magnitude (Aji & Heafield 2017; Stich et al. 2018).
 
         k = max(1, floor(compress_ratio · n)),   S = argtop_k |g_i|,
-        payload = (g_S, S)  — k values in the tensor's dtype + k int32 indices.
+        payload = (g_S, S)  — k values in the tensor's dtype + k int32 indices (ascending).
+
+    S is exact (:func:`exact_top_k`: a sampled pre-filter, then a selection among the few
+    candidates); of elements tied at the k-th magnitude, the lowest indices are sent.
     """
 
     def __init__(self, compress_ratio=0.01):
@@ -48,14 +205,5 @@ class TopKCompressor(Compressor):
     def compress(self, tensor, name):
         flat = tensor.reshape(-1)
         k = max(1, int(flat.numel() * self.compress_ratio)) if flat.numel() else 0
-        _, indices = torch.topk(flat.abs(), k, sorted=False)
+        indices = exact_top_k(flat, k, self.workspace) if k else flat.new_empty(0, dtype=torch.int64)
         return sparse_payload(flat, indices), (tensor.shape, tensor.dtype)
-
-    def decompress(self, payload, ctx):
-        return scatter_dense(payload, *ctx)
-
-    def decompress_aggregate(self, payloads, ctx):
-        return scatter_sum(payloads, *ctx)
-
-    def sent_mask(self, payload, ctx):
-        return index_mask(payload, ctx[0])

@@ -34,20 +34,31 @@ class TwoBitCompressor(Compressor):
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1)
-        # arithmetic, not masked writes (several times faster): τ > 0, so at most one is set
-        codes = ((flat >= self.threshold).to(torch.uint8) * POSITIVE
-                 | (flat <= -self.threshold).to(torch.uint8) * NEGATIVE)
-        return [wire.pack_bits(codes, 2)], (tensor.shape, tensor.dtype)
+        scratch = self.workspace
+
+        def encode(start, stop):
+            # arithmetic on byte masks, not masked writes: τ > 0, so at most one is set
+            part, size = flat[start:stop], stop - start
+            codes = torch.ge(part, self.threshold, out=scratch.get("up", size, torch.bool, flat.device))
+            down = torch.le(part, -self.threshold, out=scratch.get("down", size, torch.bool, flat.device))
+            return codes.view(torch.uint8).mul_(POSITIVE).bitwise_or_(down.view(torch.uint8).mul_(NEGATIVE))
+        return [wire.pack_chunks(flat.numel(), 2, encode, flat.device, scratch)], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         shape, dtype = ctx
-        codes = wire.unpack_bits(payload[0], 2, torch.Size(shape).numel())
-        # sgn = high bit · (2·low bit − 1): 3 → +1, 2 → −1, 0 and 1 → 0 (byte arithmetic,
-        # ~3× a table lookup)
-        signs = (codes >> 1).view(torch.int8) * ((codes & 1).view(torch.int8) * 2 - 1)
-        return signs.to(dtype).mul_(self.threshold).view(shape)
+        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
+
+    def decompress_into(self, payload, ctx, out):
+        flat = out.view(-1)
+        for start, stop, codes in wire.unpack_chunks(payload[0], 2, out.numel(), self.workspace):
+            # sgn = high bit · (2·low bit − 1): 3 → +1, 2 → −1, 0 and 1 → 0 (byte arithmetic,
+            # ~3× a table lookup); the codes are a scratch of unpack_chunks, reused in place
+            low = torch.bitwise_and(codes, 1, out=self.workspace.get("low", stop - start, torch.uint8, out.device))
+            signs = codes.bitwise_right_shift_(1).view(torch.int8).mul_(low.view(torch.int8).mul_(2).sub_(1))
+            flat[start:stop].copy_(signs).mul_(self.threshold)
+        return out
 
     def sent_mask(self, payload, ctx):
         """Sent = quantised to ±τ; a 0 code means "keep accumulating" (for masking memories)."""
         shape, _ = ctx
-        return (wire.unpack_bits(payload[0], 2, torch.Size(shape).numel()) >= NEGATIVE).view(shape)
+        return (wire.unpack_bits(payload[0], 2, torch.Size(shape).numel(), self.workspace) >= NEGATIVE).view(shape)
