@@ -8,8 +8,10 @@ For each method and size, on fp32 N(0, 1) of shape (n/1000, 1000) (2-D, so metho
 multi-round method gets its own payload back as the "sum", i.e. one worker) followed by
 ``decompress_into`` a preallocated gradient-sized tensor — what the data path does — timed
 alternately with one ``copy_`` of the gradient into a preallocated buffer (the limit: one read
-and one write of the gradient). ``x copy`` is the median over the repeats of each pair's ratio
-(method / the copy_ timed right before it), so the figure is robust to load on a shared machine.
+and one write of the gradient). ``x copy`` is the minimum time of the method over the repeats
+divided by the minimum of the copy_ (each the run least disturbed by other processes on a
+shared machine; the two are interleaved, so both see the same machine); ``median x`` is the
+median of the per-pair ratios, for reference.
 
 Also printed: the bytes on the wire (payload tensors' bytes summed over rounds, no collective
 header), and ``scratch``: the compressor's reusable work buffers as a multiple of the gradient's
@@ -60,20 +62,20 @@ def roundtrip(compressor, tensor, out):
     return sent
 
 
-def ratios(fn, reference, device, repeats):
-    """Per-pair ratios fn/reference, timed alternately (reference first), after a warm-up."""
+def interleaved(fn, reference, device, repeats):
+    """``(min ratio, median ratio, min seconds)`` of fn against reference, timed alternately
+    (reference first) after a warm-up: min ratio = min time of fn / min time of reference."""
     fn(), reference()
-    out = []
+    times = {fn: [], reference: []}
     for _ in range(repeats):
-        pair = []
         for call in (reference, fn):
             sync(device)
             start = time.perf_counter()
             call()
             sync(device)
-            pair.append(time.perf_counter() - start)
-        out.append((pair[1] / pair[0], pair[1]))
-    return out
+            times[call].append(time.perf_counter() - start)
+    pairs = [a / b for a, b in zip(times[fn], times[reference])]
+    return min(times[fn]) / min(times[reference]), statistics.median(pairs), min(times[fn])
 
 
 def rng_draw(n, device):
@@ -109,21 +111,21 @@ def main(argv=None):
 
         def copy():
             target.copy_(tensor)
-        copy_ms = statistics.median(t for _, t in ratios(copy, copy, device, args.repeats)) * 1e3
-        rng = statistics.median(r for r, _ in ratios(rng_draw(numel, device), copy, device, args.repeats))
-        print(f"\n{numel} elements: copy_ {copy_ms:.2f} ms (median); rng = one draw of n uniforms = "
-              f"{rng:.1f} x copy\n{'method':<10} {'median ms':>10} {'x copy':>7} {'min x':>6} {'bound':>6} "
+        copy_ms = interleaved(copy, copy, device, args.repeats)[2] * 1e3
+        rng = interleaved(rng_draw(numel, device), copy, device, args.repeats)[0]
+        print(f"\n{numel} elements: copy_ {copy_ms:.2f} ms (min); rng = one draw of n uniforms = "
+              f"{rng:.1f} x copy\n{'method':<10} {'min ms':>8} {'x copy':>7} {'median x':>9} {'bound':>6} "
               f"{'scratch':>7} {'wire bytes':>12} {'bits/elem':>9}")
         for name in grace_dgc.list_compressors(args.only):
             try:
                 compressor = COMPRESSORS.get(name)(**PARAMS.get(name, {}))
                 sent = roundtrip(compressor, tensor, out)
-                measured = ratios(lambda: roundtrip(compressor, tensor, out), copy, device, args.repeats)
+                ratio, median, fastest = interleaved(lambda: roundtrip(compressor, tensor, out), copy, device,
+                                                     args.repeats)
             except Exception as error:      # noqa: BLE001  report and go on with the others
                 print(f"{name:<10} skipped: {type(error).__name__}: {error}")
                 failures.append(f"{name}: {type(error).__name__}")
                 continue
-            ratio = statistics.median(r for r, _ in measured)
             bound = TIME_BOUND + (rng if isinstance(compressor, StochasticCompressor) else 0.0)
             scratch = compressor.workspace.nbytes() / (numel * tensor.element_size())
             flag = ""
@@ -131,8 +133,7 @@ def main(argv=None):
                 flag = "  OVER"
                 failures.append(f"{name} at {numel}: {ratio:.1f} x copy (bound {bound:.1f}), "
                                 f"scratch {scratch:.2f} (bound {SCRATCH_BOUND})")
-            print(f"{name:<10} {statistics.median(t for _, t in measured) * 1e3:>10.1f} {ratio:>7.1f} "
-                  f"{min(r for r, _ in measured):>6.1f} {bound:>6.1f} {scratch:>7.2f} {sent:>12} "
+            print(f"{name:<10} {fastest * 1e3:>8.1f} {ratio:>7.1f} {median:>9.1f} {bound:>6.1f} {scratch:>7.2f} {sent:>12} "
                   f"{8 * sent / numel:>9.3f}{flag}")
     if args.check:
         if failures:

@@ -74,15 +74,17 @@ def grace_hook(state, bucket):
     it completes on grace's communication thread when the bucket's exchange is done.
     """
     grads, params = bucket.gradients(), bucket.parameters()
-    # Views into the bucket buffer: read by the exchange, overwritten once it is done.
-    group = state.grace.step_group_async(grads, [state.name_of(param) for param in params])
+    # Views into DDP's flat bucket buffer, handed over: grace writes the averages into them
+    # (and sums them where they lie when nothing else reads them).
+    group = state.grace.step_group_async(grads, [state.name_of(param) for param in params], inplace=True)
     buffer = bucket.buffer()
     result = torch.futures.Future()
 
     def write_back(_):
         try:
             for grad, average in zip(grads, group.result()):
-                grad.copy_(average)
+                if average.data_ptr() != grad.data_ptr():
+                    grad.copy_(average)
             if buffer.is_cuda:      # DDP reads the buffer on its own thread's stream
                 torch.cuda.current_stream(buffer.device).synchronize()
             result.set_result(buffer)

@@ -18,6 +18,7 @@ import torch
 from .engines import create_engine
 from .errors import GraceConfigError
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES
+from .workspace import flat_span
 
 TIMERS = ("compress", "communicate", "decompress")
 
@@ -53,10 +54,15 @@ class Grace:
                                 else single.set_result(done.result()[0]))
         return single
 
-    def step_group_async(self, tensors, names):
+    def step_group_async(self, tensors, names, inplace=False):
         """Exchange a fusion group: each tensor is compressed (and remembered) on its own,
         their payloads travel together (one size exchange and one data collective per round).
         Returns a Future of the list of averages.
+
+        ``inplace=True`` hands the tensors over (gradient buffers the caller overwrites with
+        the averages anyway): the averages are written into them and the returned list holds
+        the tensors themselves, and the exchange may sum them where they lie. Otherwise the
+        inputs are left untouched and the averages are new tensors.
 
         Groups run one at a time in submission order, so ranks that submit the same groups
         in the same order issue matching collectives.
@@ -67,17 +73,31 @@ class Grace:
         if any(t.is_cuda for t in tensors):     # the gradients are produced on the caller's stream
             ready = torch.cuda.Event()
             ready.record()
-        return self._worker.submit(self._exchange, list(tensors), list(names), ready)
+        return self._worker.submit(self._exchange, list(tensors), list(names), inplace, ready)
 
-    def _exchange(self, tensors, names, ready=None):
+    def _exchange(self, tensors, names, inplace=False, ready=None):
         if ready is not None:
             torch.cuda.current_stream(tensors[0].device).wait_event(ready)
-        comp, count = self.compressor, len(tensors)
+        comp, memory = self.compressor, self.memory
+        outputs = tensors if inplace else [torch.empty_like(t) for t in tensors]
+        # Nothing reads a single-round payload after the exchange when the memory is the
+        # identity, so an in-place reduction may consume it: always when the inputs are
+        # handed over, else when no payload tensor shares memory with an input.
+        consume = comp.rounds == 1 and memory.identity
+        sources = tensors
+        if inplace and consume and comp.elementwise and len(tensors) > 1:
+            flat = flat_span(tensors)
+            if flat is not None:    # a bucket's flat buffer: compressed, reduced, decompressed at once
+                sources, outputs = [flat], [flat]
+        keys = names if sources is tensors else [names[0] + "…"]
         with self._timed("compress"):
-            compensated = [self.memory.compensate(t, n) for t, n in zip(tensors, names)]
-            payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, names))))
-        gathered = self._communicate(payloads, names)
-        active, rounds = list(range(count)), 1
+            compensated = [memory.compensate(t, n) for t, n in zip(sources, keys)]
+            payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, keys))))
+        if consume and not inplace:
+            inputs = {t.untyped_storage().data_ptr() for t in tensors}
+            consume = not any(p.untyped_storage().data_ptr() in inputs for payload in payloads for p in payload)
+        gathered = self._communicate(payloads, keys, consume)
+        active, rounds = list(range(len(sources))), 1
         while comp.rounds > 1 and active:   # multi-round methods (PowerSGD: P, then Q) see each round's sum
             following = {}
             with self._timed("compress"):
@@ -93,32 +113,33 @@ class Grace:
                 payloads[i], ctxs[i] = following[i]
             if active:
                 for i, got in zip(active, self._communicate([payloads[i] for i in active],
-                                                            [names[i] for i in active])):
+                                                            [keys[i] for i in active])):
                     gathered[i] = got
                 rounds += 1
         with self._timed("compress"):       # each tensor's local payload of its last round
-            for c, n, payload, ctx in zip(compensated, names, payloads, ctxs):
-                self.memory.update(c, n, comp, payload, ctx)
-        results = []
+            for c, n, payload, ctx in zip(compensated, keys, payloads, ctxs):
+                memory.update(c, n, comp, payload, ctx)
         with self._timed("decompress"):
-            for tensor, got, ctx in zip(tensors, gathered, ctxs):
+            for out, got, ctx in zip(outputs, gathered, ctxs):
                 if self.communicator.reduces:       # payloads were already summed on the wire
-                    result = comp.decompress(got[0], ctx)
+                    comp.decompress_into(got[0], ctx, out)
                 else:
-                    result = comp.decompress_aggregate(got, ctx)
+                    comp.decompress_aggregate_into(got, ctx, out)
                 if comp.average:
-                    result = result / self.engine.size
-                results.append(result.reshape(tensor.shape).to(tensor.dtype))
+                    out.div_(self.engine.size)
         for tensor, name in zip(tensors, names):
             self._stats["tensors"] += 1
             self._stats["dense_bytes"] += tensor.numel() * 4
             self._steps[name] = self._steps.get(name, 0) + 1
-        return results
+        return list(tensors) if inplace else outputs
 
-    def _communicate(self, payloads, names):
+    def _communicate(self, payloads, names, consume=False):
         with self._timed("communicate"):
             sent_before = self.engine.bytes_sent
-            gathered = self.communicator.exchange_many(payloads, names)
+            if consume and self.communicator.reduces_in_place:
+                gathered = self.communicator.exchange_many(payloads, names, consume=True)
+            else:
+                gathered = self.communicator.exchange_many(payloads, names)
             self._stats["bytes_sent"] += self.engine.bytes_sent - sent_before
         return gathered
 

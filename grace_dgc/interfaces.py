@@ -20,6 +20,9 @@ class Compressor:
     Class attributes:
       summable: two ranks' payloads may be summed elementwise (only then is allreduce valid).
       average:  divide the aggregate by the world size (False for majority vote).
+      elementwise: compress and decompress act element by element with a ctx that depends on
+                the dtype only (none, fp16, bf16), so Grace may compress a fusion bucket's flat
+                buffer as one tensor instead of its tensors one by one.
       rounds:   the most exchanges per tensor. With rounds > 1 (PowerSGD) Grace calls
                 ``next_round`` with each round's payload summed over ranks, the last round
                 included; it returns the next payload, or None once the tensor is done.
@@ -28,6 +31,7 @@ class Compressor:
     summable = False
     average = True
     rounds = 1
+    elementwise = False
 
     def compress(self, tensor, name):
         raise NotImplementedError
@@ -98,9 +102,15 @@ class Compressor:
 class Memory:
     """Error feedback state kept between steps, keyed by tensor name.
 
-    ``update`` learns what was sent only through the public ``compressor.decompress``
-    (never the ctx's layout), so any memory works with any compressor.
+    ``update`` learns what was sent only through the compressor's public methods
+    (``decompress``, ``subtract_sent_``, ``sent_mask``; never the ctx's layout), so any
+    memory works with any compressor. ``compensate`` may return the memory's own buffer
+    (updated in place); it never writes to its input.
+
+    ``identity = True`` declares that ``compensate`` returns its input and ``update`` does
+    nothing (the ``none`` memory): Grace may then reduce payloads in place.
     """
+    identity = False
 
     def compensate(self, tensor, name):
         return tensor
@@ -124,6 +134,7 @@ class Communicator:
     """
     reduces = False
     needs_summable = False
+    reduces_in_place = False    # exchange_many accepts consume=True (see Allreduce)
 
     def __init__(self, engine):
         self.engine = engine

@@ -17,15 +17,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     1. Parameters are grouped into fusion buckets of up to ``fusion_bytes`` of gradient,
        in reverse registration order (the order backward tends to produce them), as DDP
-       does; ``fusion_bytes=0`` gives every parameter its own exchange.
+       does; ``fusion_bytes=0`` gives every parameter its own exchange. A bucket holds one
+       dtype on one device, and its gradients live in one flat buffer: ``p.grad`` is a view
+       into it (as DDP's ``gradient_as_bucket_view``).
     2. A post-accumulate-grad hook on each parameter counts backward passes; once every
-       parameter of a bucket has had its ``backward_passes_per_step``-th, the bucket goes
-       to ``grace.step_group_async``: each gradient is compressed on its own, the payloads
-       travel together (compression and collectives run on grace's communication thread,
-       overlapping the rest of backward). Gradients of several passes are summed, as in
-       Horovod.
+       parameter of a bucket has had its ``backward_passes_per_step``-th, its gradient is
+       moved into its view if it is not there yet (after ``zero_grad(set_to_none=True)``
+       autograd makes a new tensor: one copy, as DDP does) and the bucket goes to
+       ``grace.step_group_async(..., inplace=True)``: each gradient is compressed on its own
+       (an elementwise compressor with no memory compresses the flat buffer at once), the
+       payloads travel together, and the averages are written back into the buffer
+       (compression and collectives run on grace's communication thread, overlapping the
+       rest of backward). Gradients of several passes are summed, as in Horovod.
     3. ``synchronize()`` submits the buckets no hook completed (in bucket order, with zero
-       gradients where ``grad`` is None), waits, and writes the averages into ``p.grad``.
+       gradients where ``grad`` is None) and waits: the averages are then in ``p.grad``.
     4. ``step()`` synchronizes unless ``synchronize()`` was already called for this step
        (e.g. to clip the averaged gradients first), then steps the wrapped optimizer.
 
@@ -49,6 +54,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._names = self._name_parameters(optimizer, named_parameters)
         self._buckets = self._make_buckets(list(self._names), fusion_bytes)
         self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
+        self._views = self._bucket_views(self._buckets)
         self._passes = {}       # param -> backward passes since the last exchange
         self._ready = {}        # bucket index -> its parameters whose gradients are final
         self._pending = {}      # bucket index -> Future of its averaged gradients
@@ -62,12 +68,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buckets, size = [], 0
         for param in reversed(params):
             nbytes = param.numel() * param.element_size()
-            if not buckets or size + nbytes > fusion_bytes:
+            if (not buckets or size + nbytes > fusion_bytes or param.dtype != buckets[-1][0].dtype
+                    or param.device != buckets[-1][0].device):
                 buckets.append([])
                 size = 0
             buckets[-1].append(param)
             size += nbytes
         return buckets
+
+    @staticmethod
+    def _bucket_views(buckets):
+        """param -> its gradient's view into its bucket's flat buffer (zeros)."""
+        views = {}
+        for bucket in buckets:
+            flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            for param, view in zip(bucket, flat.split([p.numel() for p in bucket])):
+                views[param] = view.view_as(param)
+        return views
+
+    def _to_view(self, param):
+        """Make ``param.grad`` its bucket view (zeros if there is no gradient)."""
+        view, grad = self._views[param], param.grad
+        if grad is None:
+            param.grad = view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            param.grad = view.copy_(grad)
 
     def _attach_memory(self):
         if hasattr(self.grace.memory, "attach_optimizer"):  # e.g. momentum memories take over momentum
@@ -105,6 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         count = self._passes.get(param, 0) + 1
         self._passes[param] = count
         if count == self.backward_passes_per_step:
+            self._to_view(param)
             ready = self._ready.setdefault(bucket, set())
             ready.add(param)
             if len(ready) == len(self._buckets[bucket]):
@@ -112,11 +138,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _submit(self, bucket):
         params = self._buckets[bucket]
-        for param in params:
-            if param.grad is None:      # unused this step (on every rank): exchange zeros
-                param.grad = torch.zeros_like(param)
+        for param in params:    # unused this step (on every rank): exchange zeros
+            self._to_view(param)
         self._pending[bucket] = self.grace.step_group_async(
-            [p.grad for p in params], [self._names[p] for p in params])
+            [p.grad for p in params], [self._names[p] for p in params], inplace=True)
 
     def synchronize(self):
         """Wait for every parameter's exchange and write the averaged gradients."""
@@ -125,7 +150,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._submit(bucket)
         for bucket, future in self._pending.items():
             for param, average in zip(self._buckets[bucket], future.result()):
-                param.grad.copy_(average)
+                if average.data_ptr() != param.grad.data_ptr():    # written in place: already there
+                    param.grad.copy_(average)
         self._pending.clear()
         self._ready.clear()
         self._passes.clear()

@@ -53,3 +53,22 @@ def chunks(numel, device, multiple=1):
         return [(0, numel)] if numel else []
     size = max(multiple, CPU_CHUNK // multiple * multiple)
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
+
+
+def flat_span(tensors):
+    """A 1-D tensor over the memory of ``tensors`` when they are contiguous, of one dtype and
+    device, and lie back to back in one storage in this order (the views of a fusion
+    bucket's flat buffer, or DDP's bucket); else None."""
+    first = tensors[0]
+    if not first.is_contiguous():
+        return None
+    storage, offset, total = first.untyped_storage(), first.storage_offset(), 0
+    for tensor in tensors:
+        if (tensor.dtype != first.dtype or tensor.device != first.device or not tensor.is_contiguous()
+                or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+                or tensor.storage_offset() != offset + total):
+            return None
+        total += tensor.numel()
+    if len(tensors) == 1:
+        return first.view(-1)
+    return first.new_empty(0).set_(storage, offset, (total,))

@@ -2,6 +2,7 @@ import torch
 
 from ..interfaces import Communicator
 from ..registry import register_communicator
+from ..workspace import flat_span
 
 
 @register_communicator("allreduce")
@@ -9,18 +10,32 @@ class Allreduce(Communicator):
     """Sum every payload tensor over ranks. Valid only for summable compressors
     (e.g. none, fp16, randomk), whose payloads can be added elementwise.
 
-    Tensors of one dtype are flattened into one buffer and summed by one collective
-    (a fused group costs one allreduce per dtype, not one per tensor).
+    Tensors of one dtype are summed by one collective over one flat buffer (a fused group
+    costs one allreduce per dtype, not one per tensor). The buffer is a copy, so the
+    payload stays intact, unless the caller lets the payload be consumed (``consume=True``:
+    Grace does when nothing reads it afterwards): then a tensor, or tensors lying back to back
+    in one storage (a fusion bucket's flat gradient buffer), are summed where they are.
     """
     reduces = True
     needs_summable = True
+    reduces_in_place = True
+    _consume = False    # set by exchange_many for its exchange: GRACE's exchange(payload, name) stays
 
     def exchange(self, payload, name):
         summed = [None] * len(payload)
         for dtype in dict.fromkeys(t.dtype for t in payload):
             members = [i for i, t in enumerate(payload) if t.dtype == dtype]
-            fused = torch.cat([payload[i].reshape(-1) for i in members])   # a copy: inputs stay intact
-            fused = self.engine.allreduce(fused)
-            for i, part in zip(members, fused.split([payload[i].numel() for i in members])):
+            span = flat_span([payload[i] for i in members]) if self._consume else None
+            if span is None:        # a copy: the inputs stay intact
+                span = torch.cat([payload[i].reshape(-1) for i in members])
+            span = self.engine.allreduce(span)
+            for i, part in zip(members, span.split([payload[i].numel() for i in members])):
                 summed[i] = part.view(payload[i].shape)
         return [summed]
+
+    def exchange_many(self, payloads, names, consume=False):
+        self._consume = consume
+        try:
+            return super().exchange_many(payloads, names)
+        finally:
+            self._consume = False

@@ -15,6 +15,7 @@ class FP16Compressor(Compressor):
     power-of-two N the averaged result equals torch's ``fp16_compress_hook`` bit for bit.
     """
     summable = True
+    elementwise = True
     wire_dtype = torch.float16
     world_size = 1
 

@@ -2,7 +2,6 @@ import torch
 
 from .. import wire
 from ..registry import register_compressor
-from ..workspace import chunks
 from .qsgd import StochasticCompressor
 
 MANTISSA_BITS = 23
@@ -42,19 +41,24 @@ class NaturalCompressor(StochasticCompressor):
         n, scratch, device = bits.numel(), self.workspace, bits.device
         exponent = torch.empty(n, dtype=torch.uint8, device=device)
         generator = self.generator(name, tensor.device)
-        for start, stop in chunks(n, device):          # the same stream as one draw of n
-            size = stop - start
-            magnitude = torch.bitwise_and(bits[start:stop], 0x7FFFFFFF,
-                                          out=scratch.get("magnitude", size, torch.int32, device))
-            finite = torch.lt(magnitude, INF_BITS, out=scratch.get("finite", size, torch.bool, device))
+
+        def encode(start, stop):
+            """Exponents of the chunk (in order: the same random stream as one draw of n) and
+            its sign bits, all in integer passes."""
+            size, part = stop - start, bits[start:stop]
+            magnitude = torch.bitwise_and(part, 0x7FFFFFFF, out=scratch.get("magnitude", size, torch.int32, device))
+            finite = torch.sub(magnitude, INF_BITS, out=scratch.get("finite", size, torch.int32, device))
+            finite.bitwise_right_shift_(31)             # −1 where finite, else 0
             magnitude.clamp_(max=INF_BITS)      # NaN → inf: the add below cannot overflow int32
-            uniform = torch.randint(0, 1 << MANTISSA_BITS, (size,), dtype=torch.int32, device=device,
+            rounded = torch.randint(0, 1 << MANTISSA_BITS, (size,), dtype=torch.int32, device=device,
                                     generator=generator, out=scratch.get("uniform", size, torch.int32, device))
-            rounded = exponent[start:stop].copy_(uniform.add_(magnitude).bitwise_right_shift_(MANTISSA_BITS))
-            # finite inputs saturate at 2^127 instead of carrying into inf
-            rounded.clamp_(max=MAX_EXPONENT).masked_fill_(finite.logical_not_(), INF_EXPONENT)
-        negative = torch.lt(bits, 0, out=scratch.get("negative", n, torch.bool, device))
-        return [exponent, wire.pack_bits(negative, 1, scratch)], (tensor.shape, tensor.dtype)
+            rounded.add_(magnitude).bitwise_right_shift_(MANTISSA_BITS)     # 255 for inf and NaN
+            # finite inputs saturate at 2^127 instead of carrying into inf: 255 → 254 there
+            carried = torch.add(rounded, 1, out=magnitude).bitwise_right_shift_(8).bitwise_and_(finite)
+            exponent[start:stop].copy_(rounded.sub_(carried))
+            negative = torch.bitwise_right_shift(part, 31, out=finite).bitwise_and_(1)
+            return scratch.get("negative", size, torch.uint8, device).copy_(negative)
+        return [exponent, wire.pack_chunks(n, 1, encode, device, scratch)], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         shape, dtype = ctx
@@ -63,13 +67,12 @@ class NaturalCompressor(StochasticCompressor):
     def decompress_into(self, payload, ctx, out):
         exponent, signs = payload
         n, scratch, device = exponent.numel(), self.workspace, exponent.device
-        negative = wire.unpack_bits(signs, 1, n, scratch)
         direct = out.dtype == torch.float32
         flat = out.view(-1)
-        for start, stop in chunks(n, device):
+        for start, stop, negative in wire.unpack_chunks(signs, 1, n, scratch):
             size = stop - start
             word = flat[start:stop].view(torch.int32) if direct else scratch.get("word", size, torch.int32, device)
-            sign = scratch.get("sign", size, torch.int32, device).copy_(negative[start:stop])
+            sign = scratch.get("sign", size, torch.int32, device).copy_(negative)
             word.copy_(exponent[start:stop]).bitwise_left_shift_(MANTISSA_BITS)
             word.bitwise_or_(sign.bitwise_left_shift_(31))
             if not direct:

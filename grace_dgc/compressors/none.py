@@ -8,6 +8,7 @@ from ..registry import register_compressor
 class NoneCompressor(Compressor):
     """No compression: the payload is the tensor itself (the dense baseline)."""
     summable = True
+    elementwise = True
 
     def compress(self, tensor, name):
         return [tensor], None

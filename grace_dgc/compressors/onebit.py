@@ -33,18 +33,26 @@ class OneBitCompressor(Compressor):
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()      # means are computed and sent in fp32
-        n, scratch = flat.numel(), self.workspace
-        positive = torch.ge(flat, 0, out=scratch.get("positive", n, torch.bool, flat.device))
-        count_pos = torch.count_nonzero(positive).to(torch.float32)     # exact at any size
-        count_neg = n - count_pos
-        # where(P, g, 0) and where(P, 0, g) on the fp32 bits (mask = −P: all ones on P), then
-        # the same full-tensor sums: several times faster than torch.where, the same bits
-        picked = scratch.get("picked", n, torch.int32, flat.device).copy_(positive).neg_()
+        n, scratch, device = flat.numel(), self.workspace, flat.device
         bits = flat.view(torch.int32)
-        sum_pos = picked.bitwise_and_(bits).view(torch.float32).sum()
+        # where(P, g, 0) on the fp32 bits: g's bits & −P (all ones on P), made chunk by chunk
+        # while the sign bits are packed; then where(P, 0, g) = g ⊕ where(P, g, 0). The sums
+        # run over the whole tensor, as torch.where(...).sum() did: the same bits.
+        picked = scratch.get("picked", n, torch.int32, device)
+        count_pos = flat.new_zeros((), dtype=torch.int64)
+
+        def encode(start, stop):
+            positive = torch.ge(flat[start:stop], 0, out=scratch.get("positive", stop - start, torch.bool, device))
+            count_pos.add_(torch.count_nonzero(positive))
+            picked[start:stop].copy_(positive).neg_().bitwise_and_(bits[start:stop])
+            return positive
+        packed = wire.pack_chunks(n, 1, encode, device, scratch)
+        count_pos = count_pos.to(torch.float32)     # exact at any size
+        count_neg = n - count_pos
+        sum_pos = picked.view(torch.float32).sum()
         sum_neg = picked.bitwise_xor_(bits).view(torch.float32).sum()
         means = torch.stack([sum_neg / count_neg.clamp(min=1), sum_pos / count_pos.clamp(min=1)])
-        return [wire.pack_bits(positive, 1, scratch), means], (tensor.shape, tensor.dtype)
+        return [packed, means], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
         shape, dtype = ctx

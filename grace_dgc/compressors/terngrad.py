@@ -44,14 +44,18 @@ class TernGradCompressor(StochasticCompressor):
         # max |clip(g)| = min(max |g|, bound): clipping is monotone, so no clipped copy is needed
         low, high = torch.aminmax(flat)
         scale = torch.minimum(torch.maximum(-low, high), bound).reshape(1)
-        divisor = torch.where(scale > 0, scale, 1.0)
+        # plain numbers (fp32 values) for the chunk passes: 0-d tensor operands broadcast slowly
+        bound, divisor = float(bound), float(torch.where(scale > 0, scale, 1.0))
         generator = self.generator(name, tensor.device)
 
         def encode(start, stop):        # chunks in order: the same random stream as one draw of n
             size = stop - start
             clipped = torch.clamp(flat[start:stop], -bound, bound,
                                   out=scratch.get("clipped", size, torch.float32, device))
-            codes = torch.lt(clipped, 0, out=scratch.get("negative", size, torch.bool, device)).view(torch.uint8)
+            # the sign bit: differs from ĝ < 0 only at −0.0 and NaN, which are never sent
+            sign = torch.bitwise_right_shift(clipped.view(torch.int32), 31,
+                                             out=scratch.get("sign", size, torch.int32, device))
+            codes = scratch.get("codes", size, torch.uint8, device).copy_(sign.bitwise_and_(1))
             probability = clipped.abs_().div_(divisor)
             uniform = torch.rand(size, generator=generator, device=device,
                                  out=scratch.get("uniform", size, torch.float32, device))

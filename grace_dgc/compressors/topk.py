@@ -154,13 +154,11 @@ def exact_top_k(flat, k, workspace):
         return candidates
     kth = torch.kthvalue(magnitude, candidates.numel() - k + 1).values
     if torch.isnan(kth):        # more NaNs than k: the lowest-indexed NaNs
-        chosen = torch.isnan(magnitude)
+        chosen, tied = torch.zeros_like(magnitude, dtype=torch.bool), torch.isnan(magnitude)
     else:
-        chosen = ~(magnitude <= kth)                     # strictly larger, NaN included
+        chosen, tied = ~(magnitude <= kth), magnitude == kth        # larger (NaN included), tied
     missing = k - int(chosen.sum())
-    if missing:
-        ties = torch.nonzero((magnitude == kth) | (torch.isnan(magnitude) & torch.isnan(kth))).view(-1)
-        chosen[ties[:missing]] = True
+    chosen[torch.nonzero(tied).view(-1)[:missing]] = True
     return candidates[chosen]
 
 

@@ -113,9 +113,10 @@ class MomentumMemory(Memory):
             u.masked_fill_(sent & ~dense_step, 0)
         v.masked_fill_(sent, 0)
 
-    def state_dict(self):
-        return {"momentums": dict(self.momentums), "velocities": dict(self.velocities)}
+    def state_dict(self):      # copies: u and v are updated in place
+        return {"momentums": {n: u.clone() for n, u in self.momentums.items()},
+                "velocities": {n: v.clone() for n, v in self.velocities.items()}}
 
     def load_state_dict(self, state):
-        self.momentums = dict(state["momentums"])
-        self.velocities = dict(state["velocities"])
+        self.momentums = {n: u.clone() for n, u in state["momentums"].items()}
+        self.velocities = {n: v.clone() for n, v in state["velocities"].items()}

@@ -5,3 +5,4 @@ from ..registry import register_memory
 @register_memory("none")
 class NoneMemory(Memory):
     """No memory: what the compressor drops is lost."""
+    identity = True

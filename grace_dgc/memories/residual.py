@@ -11,6 +11,11 @@ class ResidualMemory(Memory):
         e_{t+1} = p_t − D(C(p_t))    (update: what was not sent is kept)
 
     With β = γ = 1 no gradient mass is lost: Σ sent + e_T = Σ g.
+
+    e lives in one buffer per tensor, updated in place: compensate writes p_t into it and
+    update subtracts what was sent (``compressor.subtract_sent_``: at the sent indices only,
+    for a sparsifier), so the method holds one gradient-sized buffer per tensor, no more.
+    ``state_dict`` hands out copies.
     """
 
     def __init__(self, beta=1.0, gamma=1.0):
@@ -22,13 +27,17 @@ class ResidualMemory(Memory):
         residual = self.residuals.get(name)
         if residual is None:
             return tensor if self.gamma == 1 else self.gamma * tensor
-        return self.beta * residual + self.gamma * tensor
+        if self.beta != 1:
+            residual.mul_(self.beta)
+        return residual.add_(tensor if self.gamma == 1 else self.gamma * tensor)
 
     def update(self, tensor, name, compressor, payload, ctx):
-        self.residuals[name] = tensor - compressor.decompress(payload, ctx)
+        if tensor is not self.residuals.get(name):     # the first step: p_t is the input (or new)
+            tensor = tensor.clone()
+        self.residuals[name] = compressor.subtract_sent_(tensor, payload, ctx)
 
     def state_dict(self):
-        return {"residuals": dict(self.residuals)}
+        return {"residuals": {name: r.clone() for name, r in self.residuals.items()}}
 
     def load_state_dict(self, state):
-        self.residuals = dict(state["residuals"])
+        self.residuals = {name: r.clone() for name, r in state["residuals"].items()}

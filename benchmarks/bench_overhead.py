@@ -1,0 +1,155 @@
+"""Overhead of grace_dgc's dense path against DDP's own allreduce: step time and peak memory.
+
+    .venv/bin/python benchmarks/bench_overhead.py [--ranks 2] [--steps 20] [--repeats 3]
+        [--batch 32] [--backend gloo|nccl] [--memory-case]
+
+Each run spawns ``--ranks`` processes (gloo on localhost, one intra-op thread per rank on a
+2-core machine; NCCL with ``--backend nccl``, one GPU per rank or ranks sharing one) that
+train the same MLP, 1024-4096-4096-1024-10 (25.2M parameters), on the same random batches with
+SGD, in one of three modes:
+
+  ddp        DistributedDataParallel with its built-in allreduce (the reference);
+  optimizer  ``grace_dgc.DistributedOptimizer`` with ``none`` + ``allreduce``;
+  hook       DDP with ``grace_dgc.ddp_comm_hook`` and ``none`` + ``allreduce``.
+
+Per run: the median step time (zero_grad, forward, backward, exchange, step) over ``--steps``
+steps after 3 warm-up steps, and the peak resident memory (``ru_maxrss``) of the process; the
+slowest rank counts. Modes run in fresh processes, interleaved (ddp, optimizer, hook, ddp, …)
+``--repeats`` times, so all see the same machine; the table gives each mode's minimum over
+the repeats (the least disturbed) and its ratio to ddp's.
+
+``--memory-case`` adds the issue's memory case: one 50M-element parameter (a 7072×7072
+weight, y = x·W, 200 MB of fp32 gradient), 3 steps, peak memory of plain
+``torch.distributed.all_reduce`` on the gradient against grace methods through
+``DistributedOptimizer``; ``extra`` is the excess over plain allreduce in gradients (200 MB).
+"""
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import grace_dgc                                    # noqa: E402
+from grace_dgc.launch import run_local              # noqa: E402
+
+WIDTHS = (1024, 4096, 4096, 1024, 10)
+MODES = ("ddp", "optimizer", "hook")
+MEMORY_METHODS = (("allreduce", None), ("none", ("none", "none", "allreduce", {})),
+                  ("topk+residual", ("topk", "residual", "allgather", {"compress_ratio": 0.01})),
+                  ("dgc+momentum", ("dgc", "momentum", "allgather", {"compress_ratio": 0.001})))
+
+
+def peak_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def mlp():
+    torch.manual_seed(0)
+    layers = []
+    for i in range(len(WIDTHS) - 1):
+        layers += [torch.nn.Linear(WIDTHS[i], WIDTHS[i + 1]), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def device_of(rank):
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def train_job(rank, world_size, mode, steps, batch):
+    device = device_of(rank)
+    model = mlp().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if mode == "optimizer":
+        grace = grace_dgc.build("none", "none", "allreduce")
+        optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        if mode == "hook":
+            state, hook = grace_dgc.ddp_comm_hook(grace_dgc.build("none", "none", "allreduce"), model)
+            model.register_comm_hook(state, hook)
+    generator = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(steps + 3):
+        x = torch.randn(batch, WIDTHS[0], generator=generator).to(device)
+        y = torch.randint(0, WIDTHS[-1], (batch,), generator=generator).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step >= 3:
+            times.append(time.perf_counter() - start)
+    memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak_mb()
+    return statistics.median(times), memory
+
+
+def memory_job(rank, world_size, method, steps):
+    """Peak memory of one 50M-element parameter's exchange: plain allreduce or a grace method."""
+    device = device_of(rank)
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(7072, 7072, device=device) * 1e-3)
+    optimizer = torch.optim.SGD([weight], lr=0.01)
+    spec = dict(MEMORY_METHODS)[method]
+    if spec is not None:
+        comp, mem, comm, params = spec
+        optimizer = grace_dgc.DistributedOptimizer(optimizer, grace_dgc.build(comp, mem, comm, **params),
+                                                   [("w", weight)])
+    x = torch.randn(8, 7072, device=device)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        (x @ weight).square().mean().backward()
+        if spec is None:
+            torch.distributed.all_reduce(weight.grad)
+            weight.grad /= world_size
+        optimizer.step()
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak_mb()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--memory-case", action="store_true")
+    args = parser.parse_args(argv)
+    unit = "peak GPU MB" if args.backend == "nccl" else "peak RSS MB"
+    print(f"torch {torch.__version__}, {args.ranks} {args.backend} ranks, MLP {'-'.join(map(str, WIDTHS))} "
+          f"({sum(p.numel() for p in mlp().parameters()) / 1e6:.1f}M parameters), batch {args.batch}, "
+          f"{args.steps} steps per run, {args.repeats} interleaved repeats")
+    runs = {mode: [] for mode in MODES}
+    for repeat in range(args.repeats):
+        for mode in MODES:
+            per_rank = run_local(train_job, args.ranks, (mode, args.steps, args.batch), backend=args.backend)
+            seconds, memory = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
+            runs[mode].append((seconds, memory))
+            print(f"  repeat {repeat + 1} {mode:<9} {seconds * 1e3:7.1f} ms/step  {memory:7.0f} {unit}", flush=True)
+    base_time = min(t for t, _ in runs["ddp"])
+    base_memory = min(m for _, m in runs["ddp"])
+    print(f"\n{'mode':<10} {'ms/step':>8} {'x ddp':>6} {unit:>12} {'x ddp':>6}   (minimum over repeats)")
+    for mode in MODES:
+        seconds, memory = min(t for t, _ in runs[mode]), min(m for _, m in runs[mode])
+        print(f"{mode:<10} {seconds * 1e3:>8.1f} {seconds / base_time:>6.3f} {memory:>12.0f} "
+              f"{memory / base_memory:>6.3f}")
+    if args.memory_case:
+        print(f"\none 50M-element parameter (200 MB gradient), {args.ranks} ranks, 3 steps: {unit}")
+        baseline = None
+        for method, _ in MEMORY_METHODS:
+            memory = max(run_local(memory_job, args.ranks, (method, 3), backend=args.backend))
+            baseline = memory if baseline is None else baseline
+            print(f"{method:<14} {memory:>8.0f}   extra {(memory - baseline) / 200:>5.2f} gradients")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""The allocation-free data path: decompress_into / subtract_sent_ against the plain forms,
+chunked passes against one pass, exact sampled top-k, random-k's sampler, in-place
+exchanges, flat buckets and copies out of state_dict. Behaviour only; speed is measured by
+benchmarks/bench_compressors.py and benchmarks/bench_overhead.py."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+from scipy import stats
+
+import grace_dgc
+from grace_dgc import wire, workspace
+from grace_dgc.compressors.randomk import distinct_indices
+from grace_dgc.compressors.topk import at_least, exact_top_k
+from grace_dgc.launch import run_local
+from grace_dgc.registry import COMPRESSORS
+from grace_dgc.workspace import Workspace, flat_span
+
+PARAMS = {"topk": {"compress_ratio": 0.3}, "randomk": {"compress_ratio": 0.3}, "threshold": {"threshold": 0.8},
+          "dgc": {"compress_ratio": 0.3, "min_compress_size": 1}, "twobit": {"threshold": 0.5}}
+SINGLE_ROUND = [n for n in grace_dgc.list_compressors() if COMPRESSORS.get(n).rounds == 1]
+
+
+def make(name):
+    return COMPRESSORS.get(name)(**PARAMS.get(name, {}))
+
+
+def sample(numel, seed, dtype=torch.float32):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    if numel > 4:
+        x[::4] = 0.0
+    return x.reshape(-1, 1).to(dtype) if numel % 2 else x.to(dtype)
+
+
+def same(a, b):
+    """Equal values and dtype, NaN equal to NaN."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 64 elements: the chunked passes cross many chunk borders on small tensors."""
+    monkeypatch.setattr(workspace, "CPU_CHUNK", 64)
+
+
+# -- the allocation-free forms equal the plain ones -------------------------------------------
+
+@pytest.mark.parametrize("name", grace_dgc.list_compressors())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decompress_into_and_subtract_sent_equal_the_plain_forms(name, dtype):
+    comp = make(name)
+    for numel in (1, 5, 300, 1001):
+        x = sample(numel, numel, dtype)
+        payload, ctx = comp.compress(x, f"w{numel}")
+        while comp.rounds > 1:
+            following = comp.next_round(payload, ctx)
+            if following is None:
+                break
+            payload, ctx = following
+        plain = comp.decompress(payload, ctx)
+        out = torch.full_like(x, 7.0)      # stale values must be overwritten
+        assert comp.decompress_into(payload, ctx, out) is out and same(out, plain.reshape(x.shape).to(dtype))
+        residual = x.clone()
+        assert comp.subtract_sent_(residual, payload, ctx) is residual
+        assert same(residual, x - plain.reshape(x.shape).to(dtype))
+
+
+@pytest.mark.parametrize("name", [n for n in SINGLE_ROUND if not COMPRESSORS.get(n).summable])
+def test_decompress_aggregate_into_equals_decompress_aggregate(name):
+    comp = make(name)
+    ranks = [sample(301, seed) for seed in range(3)]
+    payloads, ctxs = zip(*(comp.compress(x, "w") for x in ranks))
+    expected = comp.decompress_aggregate(list(payloads), ctxs[0])
+    out = torch.full_like(ranks[0], 7.0)
+    assert same(comp.decompress_aggregate_into(list(payloads), ctxs[0], out), expected.reshape(out.shape))
+
+
+@pytest.mark.parametrize("name", SINGLE_ROUND)
+def test_chunked_passes_equal_one_pass(name, monkeypatch):
+    """The same payload bits and output (the random streams too) whatever the chunk size."""
+    x = sample(2003, 1)
+    x.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 3e38, -1e-40])
+    whole_comp, chunked_comp = make(name), make(name)
+    whole_payload, ctx = whole_comp.compress(x, "w")
+    whole = whole_comp.decompress(whole_payload, ctx)
+    monkeypatch.setattr(workspace, "CPU_CHUNK", 64)
+    payload, ctx = chunked_comp.compress(x, "w")
+    assert all(same(a, b) for a, b in zip(payload, whole_payload))
+    assert same(chunked_comp.decompress(payload, ctx), whole)
+
+
+def test_compress_never_writes_its_input():
+    for name in grace_dgc.list_compressors():
+        for dtype in (torch.float32, torch.float16):
+            x = sample(501, 3, dtype)
+            before = x.clone()
+            make(name).compress(x, "w")
+            assert torch.equal(x, before), name
+
+
+def test_workspace_reuses_buffers_and_copies_start_empty():
+    ws = Workspace()
+    a = ws.get("s", 10, torch.float32, "cpu")
+    b = ws.get("s", 6, torch.float32, "cpu")
+    assert b.data_ptr() == a.data_ptr() and b.numel() == 6 and ws.nbytes() == 40
+    ws.get("s", 20, torch.float32, "cpu")          # grows
+    assert ws.nbytes() == 80
+    assert copy.deepcopy(ws).nbytes() == 0
+
+
+# -- bit packing --------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 2, 4]), st.integers(0, 700), st.integers(0, 2**32 - 1), st.integers(0, 5))
+def test_pack_chunks_match_the_reference_stream_at_any_offset(bits, n, seed, offset):
+    """Every chunk border and any misaligned packed buffer (a received payload slice)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 2 ** bits, n).astype(np.uint8)
+    reference = np.packbits(((codes[:, None] >> np.arange(bits)) & 1).reshape(-1), bitorder="little")
+    old = workspace.CPU_CHUNK
+    try:
+        workspace.CPU_CHUNK = 64
+        packed = wire.pack_bits(torch.from_numpy(codes), bits, Workspace())
+        assert packed.tolist() == reference.tolist()
+        shifted = torch.cat([torch.zeros(offset, dtype=torch.uint8), packed])[offset:]
+        assert wire.unpack_bits(shifted, bits, n, Workspace()).tolist() == codes.tolist()
+    finally:
+        workspace.CPU_CHUNK = old
+
+
+def test_unpack_select_writes_exactly_one_of_the_two_values(small_chunks):
+    bits = torch.randint(0, 2, (1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = wire.pack_bits(bits, 1)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        out = torch.empty(1000, dtype=dtype)
+        wire.unpack_select(packed, out, 0.375, -2.5, Workspace())
+        assert torch.equal(out, torch.where(bits.bool(), 0.375, -2.5).to(dtype))
+
+
+# -- exact top-k and the threshold scan ------------------------------------------------------
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 3000), st.floats(0.0005, 1.0), st.integers(0, 2**31), st.integers(1, 50))
+def test_exact_top_k_is_torch_topk_with_ties_to_the_lowest_indices(n, ratio, seed, levels):
+    """Heavy ties (values from a few levels): the k largest magnitudes exactly, ascending
+    indices, and of the elements tied at the k-th magnitude the lowest indices."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-levels, levels + 1, (n,), generator=gen) / levels).float()
+    k = max(1, int(n * ratio))
+    old = workspace.CPU_CHUNK
+    try:
+        workspace.CPU_CHUNK = 256
+        chosen = exact_top_k(x, k, Workspace())
+    finally:
+        workspace.CPU_CHUNK = old
+    assert chosen.numel() == k and bool((chosen[1:] > chosen[:-1]).all())
+    magnitude = x.abs()
+    kth = torch.topk(magnitude, k).values.min()
+    assert torch.equal(magnitude[chosen].sort().values, torch.topk(magnitude, k).values.sort().values)
+    larger = torch.nonzero(magnitude > kth).view(-1)
+    tied = torch.nonzero(magnitude == kth).view(-1)[: k - larger.numel()]
+    assert torch.equal(chosen, torch.cat([larger, tied]).sort().values)
+
+
+def test_exact_top_k_on_a_large_tensor_matches_torch_topk():
+    x = torch.randn(400_000, generator=torch.Generator().manual_seed(5))
+    x[[7, 99, 12345]] = float("nan")                 # torch.topk ranks NaN highest; so does this
+    for k in (1, 40, 4000, 40_000):
+        chosen = exact_top_k(x, k, Workspace())
+        assert set(chosen.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+@pytest.mark.parametrize("keep_nan", [True, False])
+def test_at_least_is_the_magnitude_comparison_with_nan_as_asked(keep_nan, small_chunks):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    x[:8] = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1.5, -1.5])
+    for threshold in (0.0, 1e-40, 1.5, 3.0, float("inf")):
+        indices, magnitudes = at_least(x, threshold, Workspace(), keep_nan)
+        expected = torch.nonzero(~(x.abs() < threshold) if keep_nan else x.abs() >= threshold).view(-1)
+        assert torch.equal(indices, expected) and same(magnitudes, x.abs()[expected])
+        half = at_least(x.half(), threshold, Workspace(), keep_nan)[0]     # the comparison path
+        assert torch.equal(half, torch.nonzero(~(x.half().abs() < threshold) if keep_nan
+                                               else x.half().abs() >= threshold).view(-1))
+
+
+# -- random-k's sampler ------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5000), st.floats(0.0001, 1.0), st.integers(0, 2**31))
+def test_distinct_indices_are_k_distinct_sorted_and_reproducible(n, ratio, seed):
+    k = max(1, int(n * ratio))
+    a = distinct_indices(n, k, torch.Generator().manual_seed(seed))
+    b = distinct_indices(n, k, torch.Generator().manual_seed(seed))
+    assert torch.equal(a, b) and a.numel() == k and a.unique().numel() == k
+    assert int(a.min()) >= 0 and int(a.max()) < n and bool((a[1:] > a[:-1]).all())
+
+
+@pytest.mark.parametrize("n, k", [(50, 3), (50, 12), (40, 20)])      # the sampler and the permutation
+def test_distinct_indices_are_uniform(n, k):
+    """Each index is kept with probability k/n (chi-square over 4000 draws), and pairs are
+    not biased towards neighbours."""
+    gen = torch.Generator().manual_seed(0)
+    counts, adjacent, draws = np.zeros(n), 0, 4000
+    for _ in range(draws):
+        chosen = distinct_indices(n, k, gen).numpy()
+        counts[chosen] += 1
+        adjacent += np.isin(chosen + 1, chosen).sum()
+    assert stats.chisquare(counts).pvalue > 1e-3
+    expected_adjacent = draws * (n - 1) * k * (k - 1) / (n * (n - 1))
+    assert abs(adjacent - expected_adjacent) < 5 * np.sqrt(expected_adjacent)
+
+
+# -- the exchange: in place, flat buckets --------------------------------------------------
+
+def test_flat_span_finds_back_to_back_views_only():
+    flat = torch.arange(10.0)
+    a, b, c = flat[:3], flat[3:7].view(2, 2), flat[7:]
+    span = flat_span([a, b, c])
+    assert span.data_ptr() == flat.data_ptr() and span.numel() == 10
+    assert flat_span([a, c]) is None and flat_span([b, a]) is None
+    assert flat_span([a, torch.zeros(3)]) is None and flat_span([flat[::2]]) is None
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "randomk", "topk", "qsgd"])
+@pytest.mark.parametrize("memory", ["none", "residual"])
+def test_inplace_exchange_writes_the_inputs_and_equals_a_copying_one(name, memory):
+    comm = "allreduce" if COMPRESSORS.get(name).summable else "allgather"
+    flat = torch.randn(300, generator=torch.Generator().manual_seed(1))
+    views = [flat[:100], flat[100:160].view(6, 10), flat[160:]]
+    copying = grace_dgc.build(name, memory, comm, engine="local", **PARAMS.get(name, {}))
+    inplace = grace_dgc.build(name, memory, comm, engine="local", **PARAMS.get(name, {}))
+    names = ["a", "b", "c"]
+    for _ in range(3):
+        inputs = [v.clone() for v in views]
+        expected = copying.step_group_async(inputs, names).result()
+        assert all(torch.equal(i, v) for i, v in zip(inputs, views))        # inputs untouched
+        handed = [t.clone() for t in views]
+        bucket = torch.cat([t.reshape(-1) for t in handed])
+        handed = [bucket[:100], bucket[100:160].view(6, 10), bucket[160:]]
+        got = inplace.step_group_async(handed, names, inplace=True).result()
+        assert all(g is h for g, h in zip(got, handed))
+        assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_a_single_tensor_step_never_changes_its_input():
+    for name in ("none", "fp16", "randomk"):
+        grace = grace_dgc.build(name, engine="local")
+        x = torch.randn(64)
+        before = x.clone()
+        grace.step(x, "w")
+        assert torch.equal(x, before), name
+
+
+def test_state_dict_hands_out_copies():
+    grace = grace_dgc.build("topk", "residual", "allgather", engine="local", compress_ratio=0.25)
+    signum = grace_dgc.build("signum", "none", "allgather", engine="local")
+    for g in (grace, signum):
+        g.step(torch.randn(40), "w")
+    saved = copy.deepcopy(grace.state_dict()), copy.deepcopy(signum.state_dict())
+    live = grace.state_dict(), signum.state_dict()
+    for g in (grace, signum):
+        g.step(torch.randn(40), "w")
+    assert torch.equal(live[0]["memory"]["residuals"]["w"], saved[0]["memory"]["residuals"]["w"])
+    assert torch.equal(live[1]["compressor"]["momentums"]["w"], saved[1]["compressor"]["momentums"]["w"])
+    # loading twice from one checkpoint resumes identically both times
+    results = []
+    for _ in range(2):
+        fresh = grace_dgc.build("topk", "residual", "allgather", engine="local", compress_ratio=0.25)
+        fresh.load_state_dict(live[0])
+        results.append(fresh.step(torch.ones(40), "w"))
+    assert torch.equal(*results)
+
+
+def optimizer_views_job(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         grace_dgc.build("none", "none", "allreduce"), model.named_parameters())
+    out = []
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        opt.zero_grad(set_to_none=step != 1)
+        model(x).square().sum().backward()
+        local = [p.grad.clone() for p in model.parameters()]
+        opt.synchronize()
+        grads = [p.grad for p in model.parameters()]
+        spans = flat_span(grads[::-1])        # one bucket: reverse registration order, back to back
+        out.append({"local": local, "averaged": [g.clone() for g in grads], "one_buffer": spans is not None})
+        opt.step()
+    return out
+
+
+def test_optimizer_gradients_live_in_one_flat_buffer_and_are_averaged():
+    per_rank = run_local(optimizer_views_job, 2)
+    for step in range(3):
+        for rank in range(2):
+            assert per_rank[rank][step]["one_buffer"]
+            for i, averaged in enumerate(per_rank[rank][step]["averaged"]):
+                expected = (per_rank[0][step]["local"][i] + per_rank[1][step]["local"][i]) / 2
+                assert torch.equal(averaged, expected)
