@@ -129,19 +129,20 @@ def main(argv=None):
           f"({sum(p.numel() for p in mlp().parameters()) / 1e6:.1f}M parameters), batch {args.batch}, "
           f"{args.steps} steps per run, {args.repeats} interleaved repeats")
     runs = {mode: [] for mode in MODES}
-    for repeat in range(args.repeats):
+    for repeat in range(args.repeats):      # --repeats 0: the memory case only
         for mode in MODES:
             per_rank = run_local(train_job, args.ranks, (mode, args.steps, args.batch), backend=args.backend)
             seconds, memory = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
             runs[mode].append((seconds, memory))
             print(f"  repeat {repeat + 1} {mode:<9} {seconds * 1e3:7.1f} ms/step  {memory:7.0f} {unit}", flush=True)
-    base_time = min(t for t, _ in runs["ddp"])
-    base_memory = min(m for _, m in runs["ddp"])
-    print(f"\n{'mode':<10} {'ms/step':>8} {'x ddp':>6} {unit:>12} {'x ddp':>6}   (minimum over repeats)")
-    for mode in MODES:
-        seconds, memory = min(t for t, _ in runs[mode]), min(m for _, m in runs[mode])
-        print(f"{mode:<10} {seconds * 1e3:>8.1f} {seconds / base_time:>6.3f} {memory:>12.0f} "
-              f"{memory / base_memory:>6.3f}")
+    if args.repeats:
+        base_time = min(t for t, _ in runs["ddp"])
+        base_memory = min(m for _, m in runs["ddp"])
+        print(f"\n{'mode':<10} {'ms/step':>8} {'x ddp':>6} {unit:>12} {'x ddp':>6}   (minimum over repeats)")
+        for mode in MODES:
+            seconds, memory = min(t for t, _ in runs[mode]), min(m for _, m in runs[mode])
+            print(f"{mode:<10} {seconds * 1e3:>8.1f} {seconds / base_time:>6.3f} {memory:>12.0f} "
+                  f"{memory / base_memory:>6.3f}")
     if args.memory_case:
         print(f"\none 50M-element parameter (200 MB gradient), {args.ranks} ranks, 3 steps: {unit}")
         baseline = None

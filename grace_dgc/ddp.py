@@ -80,9 +80,9 @@ def grace_hook(state, bucket):
     buffer = bucket.buffer()
     result = torch.futures.Future()
 
-    def write_back(_):
-        try:
-            for grad, average in zip(grads, group.result()):
+    def write_back(done):      # ``done``, not ``group``: a closure over the future would make a
+        try:                   # cycle that keeps a rebuilt bucket's old buffer alive until gc
+            for grad, average in zip(grads, done.result()):
                 if average.data_ptr() != grad.data_ptr():
                     grad.copy_(average)
             if buffer.is_cuda:      # DDP reads the buffer on its own thread's stream

@@ -18,8 +18,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     1. Parameters are grouped into fusion buckets of up to ``fusion_bytes`` of gradient,
        in reverse registration order (the order backward tends to produce them), as DDP
        does; ``fusion_bytes=0`` gives every parameter its own exchange. A bucket holds one
-       dtype on one device, and its gradients live in one flat buffer: ``p.grad`` is a view
-       into it (as DDP's ``gradient_as_bucket_view``).
+       dtype on one device, and the gradients of a bucket of several parameters live in one
+       flat buffer: ``p.grad`` is a view into it (as DDP's ``gradient_as_bucket_view``).
     2. A post-accumulate-grad hook on each parameter counts backward passes; once every
        parameter of a bucket has had its ``backward_passes_per_step``-th, its gradient is
        moved into its view if it is not there yet (after ``zero_grad(set_to_none=True)``
@@ -78,9 +78,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _bucket_views(buckets):
-        """param -> its gradient's view into its bucket's flat buffer (zeros)."""
+        """param -> its gradient's view into its bucket's flat buffer (zeros), for buckets of
+        several parameters; a lone parameter's own gradient is already flat."""
         views = {}
         for bucket in buckets:
+            if len(bucket) == 1:
+                continue
             flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
             for param, view in zip(bucket, flat.split([p.numel() for p in bucket])):
                 views[param] = view.view_as(param)
@@ -88,8 +91,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _to_view(self, param):
         """Make ``param.grad`` its bucket view (zeros if there is no gradient)."""
-        view, grad = self._views[param], param.grad
-        if grad is None:
+        view, grad = self._views.get(param), param.grad
+        if view is None:        # a bucket of its own: the gradient stays where autograd put it
+            if grad is None:
+                param.grad = torch.zeros_like(param)
+            elif not grad.is_contiguous():
+                param.grad = grad.contiguous()
+        elif grad is None:
             param.grad = view.zero_()
         elif grad.data_ptr() != view.data_ptr():
             param.grad = view.copy_(grad)
