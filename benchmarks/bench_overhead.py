@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grace_dgc                                    # noqa: E402
 from grace_dgc.launch import run_local              # noqa: E402
+from timing import Report, shown_argv               # noqa: E402
 
 WIDTHS = (1024, 4096, 4096, 1024, 10)
 MODES = ("ddp", "optimizer", "hook")
@@ -123,9 +124,11 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--memory-case", action="store_true")
+    parser.add_argument("--readme", metavar="PATH", help="also write the figures into PATH's block for this script")
     args = parser.parse_args(argv)
+    report = Report()
     unit = "peak GPU MB" if args.backend == "nccl" else "peak RSS MB"
-    print(f"torch {torch.__version__}, {args.ranks} {args.backend} ranks, MLP {'-'.join(map(str, WIDTHS))} "
+    report(f"torch {torch.__version__}, {args.ranks} {args.backend} ranks, MLP {'-'.join(map(str, WIDTHS))} "
           f"({sum(p.numel() for p in mlp().parameters()) / 1e6:.1f}M parameters), batch {args.batch}, "
           f"{args.steps} steps per run, {args.repeats} interleaved repeats")
     runs = {mode: [] for mode in MODES}
@@ -134,22 +137,24 @@ def main(argv=None):
             per_rank = run_local(train_job, args.ranks, (mode, args.steps, args.batch), backend=args.backend)
             seconds, memory = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
             runs[mode].append((seconds, memory))
-            print(f"  repeat {repeat + 1} {mode:<9} {seconds * 1e3:7.1f} ms/step  {memory:7.0f} {unit}", flush=True)
+            report(f"  repeat {repeat + 1} {mode:<9} {seconds * 1e3:7.1f} ms/step  {memory:7.0f} {unit}", flush=True)
     if args.repeats:
         base_time = min(t for t, _ in runs["ddp"])
         base_memory = min(m for _, m in runs["ddp"])
-        print(f"\n{'mode':<10} {'ms/step':>8} {'x ddp':>6} {unit:>12} {'x ddp':>6}   (minimum over repeats)")
+        report(f"\n{'mode':<10} {'ms/step':>8} {'x ddp':>6} {unit:>12} {'x ddp':>6}   (minimum over repeats)")
         for mode in MODES:
             seconds, memory = min(t for t, _ in runs[mode]), min(m for _, m in runs[mode])
-            print(f"{mode:<10} {seconds * 1e3:>8.1f} {seconds / base_time:>6.3f} {memory:>12.0f} "
+            report(f"{mode:<10} {seconds * 1e3:>8.1f} {seconds / base_time:>6.3f} {memory:>12.0f} "
                   f"{memory / base_memory:>6.3f}")
     if args.memory_case:
-        print(f"\none 50M-element parameter (200 MB gradient), {args.ranks} ranks, 3 steps: {unit}")
+        report(f"\none 50M-element parameter (200 MB gradient), {args.ranks} ranks, 3 steps: {unit}")
         baseline = None
         for method, _ in MEMORY_METHODS:
             memory = max(run_local(memory_job, args.ranks, (method, 3), backend=args.backend))
             baseline = memory if baseline is None else baseline
-            print(f"{method:<14} {memory:>8.0f}   extra {(memory - baseline) / 200:>5.2f} gradients")
+            report(f"{method:<14} {memory:>8.0f}   extra {(memory - baseline) / 200:>5.2f} gradients")
+    if args.readme:
+        report.write_readme(args.readme, "bench_overhead", shown_argv(argv))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,11 @@ class Compressor:
         scratch = self.workspace.like("decompressed", tensor)
         return tensor.sub_(self.decompress_into(payload, ctx, scratch))
 
+    def mask_sent_(self, tensor, payload, ctx):
+        """``tensor ⊙ ¬sent_mask(payload, ctx)`` in place (momentum factor masking); returns
+        ``tensor``. Methods that send every element zero it; sparsifiers zero their indices."""
+        return tensor.masked_fill_(self.sent_mask(payload, ctx).view(tensor.shape), 0)
+
     @property
     def workspace(self):
         """This compressor's scratch buffers (:class:`~grace_dgc.workspace.Workspace`),

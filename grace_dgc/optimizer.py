@@ -35,7 +35,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
        (e.g. to clip the averaged gradients first), then steps the wrapped optimizer.
 
     Every rank must produce gradients for the same parameters in the same order (true
-    for identical models); the engine's collectives match by order.
+    for identical models); the engine's collectives match by order. As in Horovod and DDP,
+    a gradient is exchanged in place as soon as its bucket is ready: read ``p.grad`` after
+    ``synchronize()`` (or ``step()``), not between ``backward()`` and it.
     """
 
     def __init__(self, optimizer, grace, named_parameters=None, backward_passes_per_step=1,

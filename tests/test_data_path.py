@@ -283,9 +283,12 @@ def optimizer_views_job(rank, world_size):
     out = []
     for step in range(3):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        # this rank's own gradient, from a copy: p.grad is exchanged in place once backward
+        # has produced it, so it is only defined again after synchronize()
+        reference = copy.deepcopy(model)
+        local = torch.autograd.grad(reference(x).square().sum(), list(reference.parameters()))
         opt.zero_grad(set_to_none=step != 1)
         model(x).square().sum().backward()
-        local = [p.grad.clone() for p in model.parameters()]
         opt.synchronize()
         grads = [p.grad for p in model.parameters()]
         spans = flat_span(grads[::-1])        # one bucket: reverse registration order, back to back

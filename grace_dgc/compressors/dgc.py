@@ -160,6 +160,9 @@ class DGCCompressor(SparseCompressor):
     def subtract_sent_(self, tensor, payload, ctx):
         return tensor.sub_(payload[0].view(tensor.shape)) if ctx[2] else super().subtract_sent_(tensor, payload, ctx)
 
+    def mask_sent_(self, tensor, payload, ctx):
+        return tensor.zero_() if ctx[2] else super().mask_sent_(tensor, payload, ctx)
+
     def sent_mask(self, payload, ctx):
         shape, _, dense = ctx
         if dense:

@@ -45,3 +45,6 @@ class EFSignSGDCompressor(Compressor):
     def sent_mask(self, payload, ctx):
         # every element is sent (a sign, or a mean), even where it decodes to 0
         return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
+
+    def mask_sent_(self, tensor, payload, ctx):
+        return tensor.zero_()         # every element was sent

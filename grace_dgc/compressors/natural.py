@@ -1,3 +1,5 @@
+import sys
+
 import torch
 
 from .. import wire
@@ -53,11 +55,12 @@ class NaturalCompressor(StochasticCompressor):
             rounded = torch.randint(0, 1 << MANTISSA_BITS, (size,), dtype=torch.int32, device=device,
                                     generator=generator, out=scratch.get("uniform", size, torch.int32, device))
             rounded.add_(magnitude).bitwise_right_shift_(MANTISSA_BITS)     # 255 for inf and NaN
-            # finite inputs saturate at 2^127 instead of carrying into inf: 255 → 254 there
-            carried = torch.add(rounded, 1, out=magnitude).bitwise_right_shift_(8).bitwise_and_(finite)
-            exponent[start:stop].copy_(rounded.sub_(carried))
-            negative = torch.bitwise_right_shift(part, 31, out=finite).bitwise_and_(1)
-            return scratch.get("negative", size, torch.uint8, device).copy_(negative)
+            # finite inputs saturate at 2^127 instead of carrying into inf: min(e, 254), and
+            # 255 for inf and NaN (min(255, 254) + 1)
+            exponent[start:stop].copy_(rounded.clamp_(max=MAX_EXPONENT).add_(finite).add_(1))
+            # the sign bits: bit 7 of each fp32's high byte (little-endian)
+            high_bytes = part.view(torch.uint8)[3::4] if sys.byteorder == "little" else part.view(torch.uint8)[::4]
+            return torch.bitwise_right_shift(high_bytes, 7, out=scratch.get("negative", size, torch.uint8, device))
         return [exponent, wire.pack_chunks(n, 1, encode, device, scratch)], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):

@@ -26,3 +26,6 @@ class NoneCompressor(Compressor):
 
     def sent_mask(self, payload, ctx):
         return torch.ones_like(payload[0], dtype=torch.bool)    # every element is sent
+
+    def mask_sent_(self, tensor, payload, ctx):
+        return tensor.zero_()         # every element was sent

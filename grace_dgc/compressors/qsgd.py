@@ -53,6 +53,9 @@ class StochasticCompressor(Compressor):
         """Every element travels (a level, ternary or power of two; a rounded 0 included)."""
         return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
 
+    def mask_sent_(self, tensor, payload, ctx):
+        return tensor.zero_()         # every element was sent
+
     def state_dict(self):
         return {"steps": dict(self.steps)}
 

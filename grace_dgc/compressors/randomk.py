@@ -83,6 +83,10 @@ class RandomKCompressor(Compressor):
     def subtract_sent_(self, tensor, payload, ctx):
         return subtract_at_(tensor, [payload[0], ctx[0]])
 
+    def mask_sent_(self, tensor, payload, ctx):
+        tensor.view(-1).index_fill_(0, ctx[0], 0)
+        return tensor
+
     def sent_mask(self, payload, ctx):
         indices, shape = ctx      # the shared index set, a sent zero included
         mask = torch.zeros(torch.Size(shape).numel(), dtype=torch.bool, device=payload[0].device)

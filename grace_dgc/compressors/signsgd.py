@@ -61,5 +61,8 @@ class SignSGDCompressor(Compressor):
         # every element is sent (a sign, or a mean), even where it decodes to 0
         return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
 
+    def mask_sent_(self, tensor, payload, ctx):
+        return tensor.zero_()         # every element was sent
+
     def aggregate(self, tensors):
         return majority_vote(tensors)

@@ -52,15 +52,17 @@ class TernGradCompressor(StochasticCompressor):
             size = stop - start
             clipped = torch.clamp(flat[start:stop], -bound, bound,
                                   out=scratch.get("clipped", size, torch.float32, device))
-            # the sign bit: differs from ĝ < 0 only at −0.0 and NaN, which are never sent
-            sign = torch.bitwise_right_shift(clipped.view(torch.int32), 31,
-                                             out=scratch.get("sign", size, torch.int32, device))
-            codes = scratch.get("codes", size, torch.uint8, device).copy_(sign.bitwise_and_(1))
-            probability = clipped.abs_().div_(divisor)
+            # code − 1 = the sign bit (differs from ĝ < 0 only at −0.0 and NaN, never sent)
+            code = torch.bitwise_right_shift(clipped.view(torch.int32), 31,
+                                             out=scratch.get("code", size, torch.int32, device))
+            code.bitwise_and_(1).add_(POSITIVE)         # NEGATIVE = POSITIVE + 1
+            probability = clipped.abs_().div_(divisor).nan_to_num_(nan=0.0)
             uniform = torch.rand(size, generator=generator, device=device,
                                  out=scratch.get("uniform", size, torch.float32, device))
-            sent = torch.lt(uniform, probability, out=scratch.get("sent", size, torch.bool, device))
-            return codes.add_(POSITIVE).mul_(sent.view(torch.uint8))   # NEGATIVE = POSITIVE + 1; 0 unless b_i
+            # b_i = [u < p]: the sign bit of u − p (exact: the difference of two floats in
+            # [0, 1] is negative exactly when u < p), as an all-ones/zero integer mask
+            sent = uniform.sub_(probability).view(torch.int32).bitwise_right_shift_(31)
+            return scratch.get("codes", size, torch.uint8, device).copy_(code.bitwise_and_(sent))
         return [wire.pack_chunks(n, 2, encode, device, scratch), scale], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):

@@ -185,6 +185,10 @@ class SparseCompressor(Compressor):
     def sent_mask(self, payload, ctx):
         return index_mask(payload, ctx[0])
 
+    def mask_sent_(self, tensor, payload, ctx):
+        tensor.view(-1).index_fill_(0, payload[1].long(), 0)
+        return tensor
+
 
 @register_compressor("topk")
 class TopKCompressor(SparseCompressor):

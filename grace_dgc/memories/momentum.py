@@ -107,11 +107,11 @@ class MomentumMemory(Memory):
 
     def update(self, tensor, name, compressor, payload, ctx):
         v, u = self.velocities[name], self.momentums[name]
-        sent = compressor.sent_mask(payload, ctx).reshape(v.shape)
-        if self.momentum_masking:
-            dense_step = (sent | (v == 0)).all()      # a 0-d tensor: no host sync on CUDA
-            u.masked_fill_(sent & ~dense_step, 0)
-        v.masked_fill_(sent, 0)
+        compressor.mask_sent_(v, payload, ctx)      # v ← v ⊙ ¬M (sparsifiers: at their indices)
+        # u is masked too unless the step was dense: every element with v ≠ 0 was sent, i.e.
+        # nothing is left in v (one host sync on an accelerator)
+        if self.momentum_masking and torch.count_nonzero(v):
+            compressor.mask_sent_(u, payload, ctx)
 
     def state_dict(self):      # copies: u and v are updated in place
         return {"momentums": {n: u.clone() for n, u in self.momentums.items()},
