@@ -10,7 +10,8 @@ SGD, in one of three modes:
 
   ddp        DistributedDataParallel with its built-in allreduce (the reference);
   optimizer  ``grace_dgc.DistributedOptimizer`` with ``none`` + ``allreduce``;
-  hook       DDP with ``grace_dgc.ddp_comm_hook`` and ``none`` + ``allreduce``.
+  hook       DDP with ``grace_dgc.ddp_comm_hook`` and ``none`` + ``allreduce``;
+  torch-hook DDP with torch's own ``allreduce_hook`` (a reference: what any Python comm hook costs).
 
 Per run: the median step time (zero_grad, forward, backward, exchange, step) over ``--steps``
 steps after 3 warm-up steps, and the peak resident memory (``ru_maxrss``) of the process; the
@@ -39,7 +40,7 @@ from grace_dgc.launch import run_local              # noqa: E402
 from timing import Report, shown_argv               # noqa: E402
 
 WIDTHS = (1024, 4096, 4096, 1024, 10)
-MODES = ("ddp", "optimizer", "hook")
+MODES = ("ddp", "optimizer", "hook", "torch-hook")
 MEMORY_METHODS = (("allreduce", None), ("none", ("none", "none", "allreduce", {})),
                   ("topk+residual", ("topk", "residual", "allgather", {"compress_ratio": 0.01})),
                   ("dgc+momentum", ("dgc", "momentum", "allgather", {"compress_ratio": 0.001})))
@@ -75,6 +76,9 @@ def train_job(rank, world_size, mode, steps, batch):
         if mode == "hook":
             state, hook = grace_dgc.ddp_comm_hook(grace_dgc.build("none", "none", "allreduce"), model)
             model.register_comm_hook(state, hook)
+        elif mode == "torch-hook":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+            model.register_comm_hook(None, allreduce_hook)
     generator = torch.Generator().manual_seed(rank)
     times = []
     for step in range(steps + 3):
@@ -137,14 +141,14 @@ def main(argv=None):
             per_rank = run_local(train_job, args.ranks, (mode, args.steps, args.batch), backend=args.backend)
             seconds, memory = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
             runs[mode].append((seconds, memory))
-            report(f"  repeat {repeat + 1} {mode:<9} {seconds * 1e3:7.1f} ms/step  {memory:7.0f} {unit}", flush=True)
+            report(f"  repeat {repeat + 1} {mode:<10} {seconds * 1e3:7.1f} ms/step  {memory:7.0f} {unit}", flush=True)
     if args.repeats:
         base_time = min(t for t, _ in runs["ddp"])
         base_memory = min(m for _, m in runs["ddp"])
-        report(f"\n{'mode':<10} {'ms/step':>8} {'x ddp':>6} {unit:>12} {'x ddp':>6}   (minimum over repeats)")
+        report(f"\n{'mode':<11} {'ms/step':>8} {'x ddp':>6} {unit:>12} {'x ddp':>6}   (minimum over repeats)")
         for mode in MODES:
             seconds, memory = min(t for t, _ in runs[mode]), min(m for _, m in runs[mode])
-            report(f"{mode:<10} {seconds * 1e3:>8.1f} {seconds / base_time:>6.3f} {memory:>12.0f} "
+            report(f"{mode:<11} {seconds * 1e3:>8.1f} {seconds / base_time:>6.3f} {memory:>12.0f} "
                   f"{memory / base_memory:>6.3f}")
     if args.memory_case:
         report(f"\none 50M-element parameter (200 MB gradient), {args.ranks} ranks, 3 steps: {unit}")
