@@ -79,7 +79,10 @@ class Grace:
         if ready is not None:
             torch.cuda.current_stream(tensors[0].device).wait_event(ready)
         comp, memory = self.compressor, self.memory
-        outputs = tensors if inplace else [torch.empty_like(t) for t in tensors]
+        # the averages land in the inputs when they are handed over (a non-contiguous one
+        # through a temporary), else in new tensors
+        outputs = [t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                   for t in tensors]
         # Nothing reads a single-round payload after the exchange when the memory is the
         # identity, so an in-place reduction may consume it: always when the inputs are
         # handed over, else when no payload tensor shares memory with an input.
@@ -131,7 +134,12 @@ class Grace:
             self._stats["tensors"] += 1
             self._stats["dense_bytes"] += tensor.numel() * 4
             self._steps[name] = self._steps.get(name, 0) + 1
-        return list(tensors) if inplace else outputs
+        if not inplace:
+            return outputs
+        for tensor, out in zip(tensors, outputs):
+            if out is not tensor and sources is tensors:
+                tensor.copy_(out)
+        return list(tensors)
 
     def _communicate(self, payloads, names, consume=False):
         with self._timed("communicate"):

@@ -305,3 +305,14 @@ def test_optimizer_gradients_live_in_one_flat_buffer_and_are_averaged():
             for i, averaged in enumerate(per_rank[rank][step]["averaged"]):
                 expected = (per_rank[0][step]["local"][i] + per_rank[1][step]["local"][i]) / 2
                 assert torch.equal(averaged, expected)
+
+
+@pytest.mark.parametrize("name", ["none", "topk", "fp16"])
+def test_inplace_exchange_of_a_non_contiguous_tensor(name):
+    comm = "allreduce" if COMPRESSORS.get(name).summable else "allgather"
+    grace = grace_dgc.build(name, "none", comm, engine="local", **PARAMS.get(name, {}))
+    reference = grace_dgc.build(name, "none", comm, engine="local", **PARAMS.get(name, {}))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3)).t()      # a transposed view
+    expected = reference.step(x.clone(), "w")
+    got = grace.step_group_async([x], ["w"], inplace=True).result()[0]
+    assert got is x and torch.equal(x, expected)
