@@ -4,11 +4,11 @@ Each script imports it with ``from common import ...``: ``python``, ``torchrun``
 ``horovodrun ... python`` put the script's own folder first on ``sys.path``.
 """
 import argparse
-import ast
 
 import torch
 
 import grace_dgc
+from grace_dgc.errors import parse_value
 
 
 def parse_args(description, checkpoint=False):
@@ -41,10 +41,7 @@ def method_params(pairs):
         name, sep, value = pair.partition("=")
         if not sep:
             raise SystemExit(f"--param {pair!r}: expected NAME=VALUE, e.g. compress_ratio=0.01")
-        try:
-            params[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            params[name] = value        # a plain string
+        params[name] = parse_value(value)     # true/false become booleans
     return params
 
 

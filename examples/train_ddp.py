@@ -40,7 +40,7 @@ def main():
         os.makedirs(args.checkpoint, exist_ok=True)
         path = os.path.join(args.checkpoint, f"rank{rank}.pt")
         if os.path.exists(path):
-            checkpoint = torch.load(path, map_location=device, weights_only=False)
+            checkpoint = torch.load(path, map_location=device, weights_only=True)
             model.module.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])
             state.load_state_dict(checkpoint["grace"])

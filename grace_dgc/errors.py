@@ -1,4 +1,9 @@
-"""Errors raised for bad configuration: each says what was wrong and what is accepted."""
+"""Errors raised for bad configuration: each says what was wrong and what is accepted.
+
+Every part validates its parameters with these helpers: numbers with :func:`check_range`
+(finite unless infinity has a documented meaning), flags with :func:`check_bool`.
+"""
+import math
 import numbers
 
 
@@ -6,15 +11,20 @@ class GraceConfigError(ValueError):
     """A name, parameter or combination that grace_dgc cannot build."""
 
 
-def check_range(name, value, low=None, high=None, *, low_open=False, high_open=False, kind=float):
+def check_range(name, value, low=None, high=None, *, low_open=False, high_open=False, kind=float,
+                allow_inf=False):
     """Validate ``low <(=) value <(=) high`` and return ``kind(value)``.
 
-    The message names the parameter and the accepted interval, e.g.
-    ``compress_ratio=1.5 is out of range; accepted: (0, 1]``.
+    NaN is never accepted, infinity only with ``allow_inf`` (where it means something, e.g.
+    a threshold nothing reaches). The message names the parameter and what is accepted,
+    e.g. ``compress_ratio=1.5 is out of range; accepted: (0, 1]``.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
-            kind is int and int(value) != value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise GraceConfigError(f"{name}={value!r} must be a number of type {kind.__name__}")
+    if math.isnan(value) or (math.isinf(value) and (kind is int or not allow_inf)):
+        raise GraceConfigError(f"{name}={value!r} must be a finite number of type {kind.__name__}")
+    if kind is int and int(value) != value:
+        raise GraceConfigError(f"{name}={value!r} must be a number of type int")
     converted = kind(value)
     bad_low = low is not None and (converted <= low if low_open else converted < low)
     bad_high = high is not None and (converted >= high if high_open else converted > high)
@@ -23,3 +33,24 @@ def check_range(name, value, low=None, high=None, *, low_open=False, high_open=F
         right = ("inf" if high is None else f"{high:g}") + (")" if high_open else "]")
         raise GraceConfigError(f"{name}={value!r} is out of range; accepted: {left}, {right}")
     return converted
+
+
+def check_bool(name, value):
+    """``value`` if it is a real boolean (``True``/``False``, numpy's included), else an error:
+    a truthy string such as ``"false"`` must not silently mean True."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise GraceConfigError(f"{name}={value!r} must be True or False (a boolean, not {type(value).__name__})")
+
+
+def parse_value(text):
+    """A command-line or ``--param`` value: a Python literal (``0.01``, ``[1, 2]``, ``None``),
+    ``true``/``false`` in any case as booleans, else the text itself."""
+    import ast
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .engines import create_engine
+from . import handshake
+from .engines import AutoEngine, create_engine
 from .errors import GraceConfigError
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES
 from .workspace import flat_span
@@ -35,9 +36,13 @@ class Grace:
         self.memory = memory
         self.communicator = communicator
         self.engine = engine
-        for part in (compressor, memory):   # parts that need the world size (fp16's
-            if hasattr(part, "bind"):       # pre-division, momentum's clipping)
-                part.bind(engine)
+        self._bound = False
+        self._agreed = set()    # group signatures the ranks agreed on (see handshake)
+        self.params = {}        # constructor parameters per part, as build() routed them
+        # engine="auto" before any process group exists (a script that builds its parts
+        # before init_process_group) waits for the first exchange to choose and bind
+        if not isinstance(engine, AutoEngine) or engine.name in ("torch", "horovod"):
+            self.bind()
         self._worker = None
         self.reset_stats()
 
@@ -78,6 +83,12 @@ class Grace:
     def _exchange(self, tensors, names, inplace=False, ready=None):
         if ready is not None:
             torch.cuda.current_stream(tensors[0].device).wait_event(ready)
+        if not self._bound:
+            self.bind()
+        signature = tuple((n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors))
+        if signature not in self._agreed:     # first exchange of this group: do ranks agree?
+            handshake.agree(self, tensors, names)
+            self._agreed.add(signature)
         comp, memory = self.compressor, self.memory
         # the averages land in the inputs when they are handed over (a non-contiguous one
         # through a temporary), else in new tensors
@@ -156,6 +167,23 @@ class Grace:
             return gathered[0]
         return [torch.stack(parts).sum(dim=0) for parts in zip(*gathered)]
 
+    def bind(self):
+        """Hand the engine to the parts that need the world size (fp16's pre-division,
+        momentum's clipping): when built, or at the first exchange with ``engine="auto"``."""
+        for part in (self.compressor, self.memory):
+            if hasattr(part, "bind"):
+                part.bind(self.engine)
+        self._bound = True
+
+    @property
+    def world_size(self):
+        """The number of ranks (GRACE scripts read ``grace.world_size``)."""
+        return self.engine.size
+
+    @property
+    def rank(self):
+        return self.engine.rank
+
     def set_epoch(self, epoch):
         """Tell schedule-driven parts (e.g. DGC's warm-up) the current epoch."""
         for part in (self.compressor, self.memory, self.communicator):
@@ -194,17 +222,56 @@ class Grace:
         return out
 
     # -- checkpointing ----------------------------------------------------------
+    STATE_FORMAT = 1
+
     def state_dict(self):
-        return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
+        """The compressor's and memory's state (copies), with what it belongs to: the
+        format version, the three method names and the world size. Plain tensors, numbers,
+        strings and containers only: it loads with ``torch.load(..., weights_only=True)``."""
+        return {"format": self.STATE_FORMAT, "methods": self._methods(), "world_size": self.world_size,
+                "compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
 
     def load_state_dict(self, state):
-        self.compressor.load_state_dict(state["compressor"])
-        self.memory.load_state_dict(state["memory"])
+        """Restore :meth:`state_dict`'s output. A state of other methods or another world
+        size is refused with an error naming both (per-rank state such as residuals has no
+        meaning on a different number of ranks); a state without the header (grace_dgc 0.1)
+        loads as before."""
+        if not isinstance(state, dict) or "compressor" not in state or "memory" not in state:
+            raise GraceConfigError("load_state_dict needs a Grace.state_dict(): a dict with 'compressor' and "
+                                   f"'memory', got {type(state).__name__} with keys {sorted(state)[:6]}"
+                                   if isinstance(state, dict) else
+                                   f"load_state_dict needs a Grace.state_dict() dict, got {type(state).__name__}")
+        if "format" in state:
+            if state["format"] != self.STATE_FORMAT:
+                raise GraceConfigError(f"state format {state['format']!r} is not supported; accepted: "
+                                       f"{self.STATE_FORMAT}")
+            mine = self._methods()
+            if state["methods"] != mine:
+                raise GraceConfigError(f"the state was saved by {_describe(state['methods'])}; this Grace is "
+                                       f"{_describe(mine)}: build the same methods to resume")
+            if state["world_size"] != self.world_size:
+                raise GraceConfigError(f"the state was saved on {state['world_size']} ranks; this run has "
+                                       f"{self.world_size}: per-rank state (residuals, momenta) does not carry over")
+        try:
+            self.compressor.load_state_dict(state["compressor"])
+            self.memory.load_state_dict(state["memory"])
+        except (KeyError, TypeError, AttributeError) as error:
+            raise GraceConfigError(f"the state does not fit {_describe(self._methods())} ({type(error).__name__}: "
+                                   f"{error}); was it saved by another method?") from error
+
+    def _methods(self):
+        return {part: getattr(obj, "registered_name", type(obj).__name__)
+                for part, obj in (("compressor", self.compressor), ("memory", self.memory),
+                                  ("communicator", self.communicator))}
 
     def __repr__(self):
         return (f"Grace(compressor={self.compressor.registered_name!r}, "
                 f"memory={self.memory.registered_name!r}, "
                 f"communicator={self.communicator.registered_name!r}, engine={self.engine.name!r})")
+
+
+def _describe(methods):
+    return "compressor {compressor!r}, memory {memory!r}, communicator {communicator!r}".format(**methods)
 
 
 def _route(params, parts):
@@ -246,8 +313,10 @@ def build(compressor="none", memory="none", communicator="allreduce", engine="au
             f"communicator {names['communicator']!r} cannot carry it; use one of: {', '.join(fitting)}")
     engine_kwargs = {} if process_group is None else {"process_group": process_group}
     eng = create_engine(engine, **engine_kwargs)
-    return Grace(comp_cls(**routed["compressor"]), MEMORIES.get(names["memory"])(**routed["memory"]),
-                 comm_cls(eng, **routed["communicator"]), eng)
+    grace = Grace(comp_cls(**routed["compressor"]), MEMORIES.get(names["memory"])(**routed["memory"]),
+                  comm_cls(eng, **routed["communicator"]), eng)
+    grace.params = routed
+    return grace
 
 
 # GRACE's grace_from_params keys that name no parameter of a part.

@@ -10,6 +10,7 @@ import difflib
 import fnmatch
 import importlib.metadata
 import inspect
+import warnings
 
 from .errors import GraceConfigError
 
@@ -21,6 +22,7 @@ class Registry:
         self._classes = {}          # canonical name -> class
         self._aliases = {}          # alias -> canonical name
         self._plugins_loaded = False
+        self.broken = {}            # plugin name -> why it failed to load
 
     def register(self, name, aliases=()):
         """Class decorator: ``@registry.register("twobit", aliases=("2bit",))``."""
@@ -48,7 +50,14 @@ class Registry:
         for entry in importlib.metadata.entry_points(group=self.group):
             if entry.name in self._aliases:
                 continue
-            cls = entry.load()
+            try:
+                cls = entry.load()
+            except Exception as error:      # noqa: BLE001  one broken plugin must not break the rest
+                dist = getattr(getattr(entry, "dist", None), "name", "an unknown distribution")
+                self.broken[entry.name] = (f"the {self.kind} plugin {entry.name!r} ({entry.value}, from "
+                                           f"{dist}) failed to import: {type(error).__name__}: {error}")
+                warnings.warn(f"grace_dgc: {self.broken[entry.name]}; the other methods work", stacklevel=2)
+                continue
             if getattr(cls, "registered_name", None) not in self._classes:
                 self._add(entry.name, cls)
 
@@ -62,6 +71,8 @@ class Registry:
         key = name.lower()
         if key not in self._aliases:
             self.load_plugins()
+        if key in self.broken:
+            raise GraceConfigError(self.broken[key])
         if key not in self._aliases:
             known = sorted(self._aliases)
             close = difflib.get_close_matches(key, known, n=1)

@@ -208,7 +208,10 @@ def test_bad_input_and_pickling():
     assert hook is grace_hook
     with pytest.raises(TypeError, match="state_dict"):
         pickle.dumps(state)
-    assert pickle.loads(pickle.dumps(state.state_dict())) == {"grace": {"compressor": {}, "memory": {}}}
+    # deliberate change (issue 10): a state says what it is: format, methods, world size
+    assert pickle.loads(pickle.dumps(state.state_dict())) == {"grace": {
+        "format": 1, "methods": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
+        "world_size": 1, "compressor": {}, "memory": {}}}
 
 
 class FakeBucket:

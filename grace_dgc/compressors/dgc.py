@@ -3,7 +3,7 @@ import random
 
 import torch
 
-from ..errors import GraceConfigError, check_range
+from ..errors import GraceConfigError, check_bool, check_range
 from ..registry import register_compressor
 from .topk import SparseCompressor, at_least, sparse_payload
 
@@ -50,7 +50,8 @@ class DGCCompressor(SparseCompressor):
         self.compress_ratio = check_range("compress_ratio", compress_ratio, 0, 1, low_open=True)
         self.sample_ratio = check_range("sample_ratio", sample_ratio, 0, 1, low_open=True)
         self.min_compress_size = check_range("min_compress_size", min_compress_size, 0, kind=int)
-        self.dense_1d, self.fp16_values = bool(dense_1d), bool(fp16_values)
+        self.dense_1d = check_bool("dense_1d", dense_1d)
+        self.fp16_values = check_bool("fp16_values", fp16_values)
         self.warmup_epochs = check_range("warmup_epochs", warmup_epochs, 0, kind=int)
         self.warmup_steps = check_range("warmup_steps", warmup_steps, 0, kind=int)
         if self.warmup_epochs and self.warmup_steps:

@@ -3,7 +3,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..errors import GraceConfigError, check_range
+from ..errors import check_bool, check_range
 from ..interfaces import Compressor
 from ..registry import register_compressor
 
@@ -74,9 +74,7 @@ class PowerSGDCompressor(Compressor):
                  orthogonalization_epsilon=0.0, seed=0):
         self.compress_rank = check_range("compress_rank", compress_rank, 1, kind=int)
         self.min_compression_rate = check_range("min_compression_rate", min_compression_rate, 0)
-        if not isinstance(warm_start, bool):
-            raise GraceConfigError(f"warm_start={warm_start!r}; accepted: True or False")
-        self.warm_start = warm_start
+        self.warm_start = check_bool("warm_start", warm_start)
         self.epsilon = check_range("orthogonalization_epsilon", orthogonalization_epsilon, 0)
         self.seed = check_range("seed", seed, 0, kind=int)
         self.q = {}         # name -> Q_sum of the last step (the warm start), shape m × r

@@ -31,7 +31,7 @@ class TernGradCompressor(StochasticCompressor):
 
     def __init__(self, clip_factor=2.5, seed=0):
         super().__init__(seed)
-        self.clip_factor = check_range("clip_factor", clip_factor, 0, low_open=True)
+        self.clip_factor = check_range("clip_factor", clip_factor, 0, low_open=True, allow_inf=True)
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()

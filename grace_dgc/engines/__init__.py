@@ -1,10 +1,14 @@
 """Engines: the one seam between grace_dgc and a distributed runtime.
 
 An engine offers blocking collectives on tensors of the payload's device; it counts the
-bytes this rank contributes to each collective. ``auto`` picks Horovod when
-``hvd.init()`` was called, else torch.distributed when a process group is initialized,
-else the single-process ``local`` engine.
+bytes this rank contributes to each collective. ``auto`` picks, at its first use (a
+Grace's first exchange), Horovod when ``hvd.init()`` was called, else torch.distributed
+when a process group is initialized, else the single-process ``local`` engine — unless
+the environment says this process is one rank of several (``WORLD_SIZE`` > 1, a Horovod
+or MPI launch): then it raises instead of training alone without a word.
 """
+import os
+
 from ..errors import GraceConfigError
 from .base import Engine
 from .local import LocalEngine
@@ -22,18 +26,78 @@ def _horovod_initialized():
         return False
 
 
+# Set by the launchers: torchrun (WORLD_SIZE), horovodrun (HOROVOD_SIZE), mpirun (OMPI_…, PMI_…).
+LAUNCHER_SIZES = ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def _auto_engine_name():
+    import torch.distributed as dist
+    if _horovod_initialized():
+        return "horovod"
+    if dist.is_available() and dist.is_initialized():
+        return "torch"
+    launched = {key: os.environ[key] for key in LAUNCHER_SIZES
+                if os.environ.get(key, "").isdigit() and int(os.environ[key]) > 1}
+    if launched:
+        found = ", ".join(f"{key}={value}" for key, value in launched.items())
+        raise GraceConfigError(
+            f"engine='auto' found no process group, but the environment says this is one rank of a "
+            f"distributed run ({found}): call torch.distributed.init_process_group(...) (or hvd.init()) "
+            f"before the first exchange, or pass engine='local' to train this process alone")
+    return "local"
+
+
+class AutoEngine(Engine):
+    """``engine="auto"``: the engine it stands for is chosen at its first use, so a part may
+    be built before ``init_process_group`` (as GRACE's scripts do). Every call and the
+    ``rank``/``size``/``bytes_sent`` attributes go to that engine."""
+
+    def __init__(self, **kwargs):      # no Engine.__init__: bytes_sent is the chosen engine's
+        self._kwargs, self._engine = kwargs, None
+
+    def resolve(self):
+        if self._engine is None:
+            self._engine = create_engine(_auto_engine_name(), **self._kwargs)
+        return self._engine
+
+    @property
+    def name(self):
+        """The chosen engine's name; before the first use, the one it would choose now
+        (without choosing: a script may still initialise its process group)."""
+        if self._engine is not None:
+            return self._engine.name
+        try:
+            return _auto_engine_name()
+        except GraceConfigError:
+            return "auto"
+
+    rank = property(lambda self: self.resolve().rank)
+    size = property(lambda self: self.resolve().size)
+    bytes_sent = property(lambda self: 0 if self._engine is None else self._engine.bytes_sent)
+
+    def allreduce(self, tensor):
+        return self.resolve().allreduce(tensor)
+
+    def allgather(self, tensor, sizes=None):
+        return self.resolve().allgather(tensor, sizes)
+
+    def broadcast(self, tensor, root):
+        return self.resolve().broadcast(tensor, root)
+
+    def broadcast_object(self, obj, root=0):
+        return self.resolve().broadcast_object(obj, root)
+
+    def barrier(self):
+        return self.resolve().barrier()
+
+
 def create_engine(engine="auto", **kwargs):
-    """Create an engine by name (``auto``, ``local``, ``torch``, ``horovod``) or pass one through."""
+    """Create an engine by name (``auto``, ``local``, ``torch``, ``horovod``) or pass one
+    through; ``auto`` gives an :class:`AutoEngine`, which chooses at its first use."""
     if isinstance(engine, Engine):
         return engine
     if engine == "auto":
-        import torch.distributed as dist
-        if _horovod_initialized():      # registers on first import, below
-            engine = "horovod"
-        elif dist.is_available() and dist.is_initialized():
-            engine = "torch"
-        else:
-            engine = "local"
+        return AutoEngine(**kwargs)
     if engine == "horovod" and "horovod" not in ENGINES:
         from . import horovod_engine  # noqa: F401  registers itself; import errors name the fix
     if engine not in ENGINES:
@@ -41,4 +105,4 @@ def create_engine(engine="auto", **kwargs):
     return ENGINES[engine](**kwargs)
 
 
-__all__ = ["Engine", "LocalEngine", "TorchEngine", "ENGINES", "create_engine"]
+__all__ = ["AutoEngine", "Engine", "LocalEngine", "TorchEngine", "ENGINES", "create_engine"]

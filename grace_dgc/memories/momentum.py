@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from ..errors import GraceConfigError, check_range
+from ..errors import GraceConfigError, check_bool, check_range
 from ..interfaces import Memory
 from ..registry import register_memory
 
@@ -36,11 +36,11 @@ class MomentumMemory(Memory):
     def __init__(self, momentum=0.9, nesterov=False, weight_decay=0.0, gradient_clipping=None,
                  momentum_masking=True):
         self.momentum = check_range("momentum", momentum, 0, 1, high_open=True)
-        self.nesterov = bool(nesterov)
+        self.nesterov = check_bool("nesterov", nesterov)
         self.weight_decay = check_range("weight_decay", weight_decay, 0)
         self.gradient_clipping = None if gradient_clipping is None else check_range(
             "gradient_clipping", gradient_clipping, 0, low_open=True)
-        self.momentum_masking = bool(momentum_masking)
+        self.momentum_masking = check_bool("momentum_masking", momentum_masking)
         self.world_size = 1
         self.parameters = {}     # name -> parameter (for weight decay), from attach_optimizer
         self.settings = {}       # name -> (momentum, nesterov, weight_decay) taken from SGD groups

@@ -149,9 +149,29 @@ CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles plain containers and numpy arrays, nothing else: a CIFAR-10 batch is a dict
+    of bytes keys, a uint8 array and lists; a crafted file naming any other callable (say
+    ``os.system``) is refused instead of run."""
+    ALLOWED = {(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+               for name in ("_reconstruct", "scalar")} | {
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+        ("_codecs", "encode")}      # how pickle protocol 2 writes bytes from Python 3
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(
+                f"refusing {module}.{name}: a CIFAR-10 batch holds only plain containers and numpy arrays")
+        return super().find_class(module, name)
+
+
 def _cifar_batch(path):
     with open(path, "rb") as handle:
-        batch = pickle.load(handle, encoding="bytes")
+        try:
+            batch = _ArraysOnly(handle, encoding="bytes").load()
+        except pickle.UnpicklingError as error:
+            raise ValueError(f"{path}: not a CIFAR-10 batch ({error})") from None
     data = np.asarray(batch[b"data"], dtype=np.uint8)
     labels = np.asarray(batch[b"labels"], dtype=np.int64)
     if data.ndim != 2 or data.shape[1] != 3072 or len(data) != len(labels):

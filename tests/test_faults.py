@@ -1,0 +1,218 @@
+"""Bad input and misuse end in clear errors (issue 10, first part): parameter validation,
+``engine="auto"`` that cannot silently train alone, checkpoints that say what they are."""
+import inspect
+import io
+import math
+import os
+import queue
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import grace_dgc
+from grace_dgc.errors import GraceConfigError, parse_value
+from grace_dgc.launch import free_port
+from grace_dgc.registry import COMMUNICATORS, COMPRESSORS, MEMORIES
+
+REGISTRIES = {"compressor": COMPRESSORS, "memory": MEMORIES, "communicator": COMMUNICATORS}
+INFINITY_MEANS_SOMETHING = {("compressor", "threshold", "threshold"), ("compressor", "terngrad", "clip_factor")}
+
+
+def parameters(kinds):
+    """(kind, method, parameter, default) of every registered part whose default is of ``kinds``."""
+    out = []
+    for kind, registry in REGISTRIES.items():
+        for name in registry.names():
+            for param in list(inspect.signature(registry.get(name).__init__).parameters.values())[1:]:
+                if type(param.default) in kinds:
+                    out.append((kind, name, param.name, param.default))
+    return out
+
+
+def construct(kind, name, **params):
+    cls = REGISTRIES[kind].get(name)
+    return cls(grace_dgc.create_engine("local"), **params) if kind == "communicator" else cls(**params)
+
+
+@pytest.mark.parametrize("kind, name, param, default", parameters({bool}))
+@pytest.mark.parametrize("value", ["false", "False", "true", 0, 1, None, "no"])
+def test_flags_accept_only_booleans(kind, name, param, default, value):
+    with pytest.raises(GraceConfigError, match=rf"{param}=.* must be True or False"):
+        construct(kind, name, **{param: value})
+    assert getattr(construct(kind, name, **{param: not default}), param) is (not default)
+
+
+@pytest.mark.parametrize("kind, name, param, default", parameters({int, float}))
+def test_numbers_reject_nan_and_infinity_naming_the_parameter(kind, name, param, default):
+    for value in (math.nan, -math.inf) + (() if (kind, name, param) in INFINITY_MEANS_SOMETHING else (math.inf,)):
+        with pytest.raises(GraceConfigError, match=rf"{param}=.*(finite|out of range)"):
+            construct(kind, name, **{param: value})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(parameters({int, float})), st.floats(allow_nan=True, allow_infinity=True))
+def test_any_number_is_accepted_or_refused_with_a_clear_error(spec, value):
+    """Never a bare ValueError/TypeError from deep inside: either it builds, or the error
+    names the parameter and what is accepted."""
+    kind, name, param, _ = spec
+    try:
+        construct(kind, name, **{param: value})
+    except GraceConfigError as error:
+        assert param in str(error) and ("accepted" in str(error) or "must be" in str(error))
+
+
+def test_infinity_where_it_means_something():
+    assert construct("compressor", "threshold", threshold=math.inf).threshold == math.inf
+    assert construct("compressor", "terngrad", clip_factor=math.inf).clip_factor == math.inf
+
+
+def test_command_line_values_parse_booleans():
+    assert parse_value("false") is False and parse_value("True") is True
+    assert parse_value("0.01") == 0.01 and parse_value("[1, 2]") == [1, 2] and parse_value("None") is None
+    assert parse_value("topk") == "topk"
+
+
+# -- engine="auto" ------------------------------------------------------------------------
+
+def test_auto_engine_refuses_to_train_alone_when_launched_as_one_of_several(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.5)    # building is fine
+    with pytest.raises(GraceConfigError, match=r"WORLD_SIZE=2.*init_process_group"):
+        grace.step(torch.ones(4), "w")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert grace_dgc.build().step(torch.ones(4), "w").tolist() == [1.0] * 4
+    assert grace_dgc.build().world_size == 1
+
+
+def built_before_init(rank, world_size, port, results):
+    """A GRACE-style script: the parts are built before the process group exists."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        torch.set_num_threads(1)
+        grace = grace_dgc.build("fp16", "none", "allreduce")
+        before = grace.engine.name
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        average = grace.step(torch.full((3,), float(rank)), "w")
+        results.put((rank, before, grace.engine.name, grace.world_size, average.tolist()))
+        torch.distributed.destroy_process_group()
+    except BaseException as error:      # noqa: BLE001  reported to the test
+        results.put((rank, "error", repr(error), 0, []))
+
+
+def test_parts_built_before_init_process_group_exchange_through_it():
+    ctx = mp.get_context("spawn")
+    results, port = ctx.SimpleQueue(), free_port()
+    procs = [ctx.Process(target=built_before_init, args=(r, 2, port, results), daemon=True) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    got = []
+    for _ in range(2):
+        for _ in range(1200):
+            if not results.empty():
+                got.append(results.get())
+                break
+            procs[0].join(0.1)
+        else:
+            raise queue.Empty("a rank did not answer within 120 s")
+    for proc in procs:
+        proc.join(10)
+    for rank, before, after, world, average in got:
+        assert (before, after, world) == ("auto", "torch", 2), got
+        assert average == [0.5] * 3
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+METHODS = [("topk", "residual", "allgather", {"compress_ratio": 0.3}),
+           ("dgc", "momentum", "allgather", {"compress_ratio": 0.3, "min_compress_size": 1}),
+           ("randomk", "residual", "allreduce", {"compress_ratio": 0.3}),
+           ("qsgd", "residual", "allgather", {}), ("signum", "none", "allgather", {}),
+           ("powersgd", "powersgd", "allreduce", {}), ("efsignsgd", "efsignsgd", "allgather", {"lr": 0.1})]
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m[0]}+{m[1]}")
+def test_a_state_loads_with_weights_only_and_resumes_exactly(method):
+    comp, mem, comm, params = method
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(6, 5, generator=gen) for _ in range(5)]
+    a = grace_dgc.build(comp, mem, comm, engine="local", **params)
+    for g in grads[:3]:
+        a.step(g, "w")
+    buffer = io.BytesIO()
+    torch.save(a.state_dict(), buffer)
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    assert state["format"] == 1 and state["methods"]["compressor"] == comp and state["world_size"] == 1
+    b = grace_dgc.build(comp, mem, comm, engine="local", **params)
+    b.load_state_dict(state)
+    for g in grads[3:]:
+        assert torch.equal(a.step(g, "w"), b.step(g, "w"))
+
+
+def test_a_state_of_other_methods_or_another_world_size_is_refused_naming_both():
+    topk = grace_dgc.build("topk", "residual", "allgather", engine="local")
+    topk.step(torch.randn(10), "w")
+    dgc = grace_dgc.build("dgc", "momentum", "allgather", engine="local")
+    with pytest.raises(GraceConfigError, match=r"saved by compressor 'topk', memory 'residual'.*this Grace is "
+                                               r"compressor 'dgc', memory 'momentum'"):
+        dgc.load_state_dict(topk.state_dict())
+    state = topk.state_dict()
+    state["world_size"] = 2
+    with pytest.raises(GraceConfigError, match="saved on 2 ranks; this run has 1"):
+        grace_dgc.build("topk", "residual", "allgather", engine="local").load_state_dict(state)
+    with pytest.raises(GraceConfigError, match="needs a Grace.state_dict"):
+        dgc.load_state_dict({"epoch": 3})
+
+
+def test_a_state_without_the_header_still_loads_and_a_foreign_one_is_named():
+    a = grace_dgc.build("dgc", "momentum", "allgather", engine="local", min_compress_size=1)
+    a.step(torch.randn(10), "w")
+    old = {"compressor": a.compressor.state_dict(), "memory": a.memory.state_dict()}
+    b = grace_dgc.build("dgc", "momentum", "allgather", engine="local", min_compress_size=1)
+    b.load_state_dict(old)
+    assert b.compressor.steps == {"w": 1}
+    foreign = {"compressor": {}, "memory": {}}
+    with pytest.raises(GraceConfigError, match=r"does not fit compressor 'dgc'.*another method"):
+        b.load_state_dict(foreign)
+
+
+# -- untrusted files and plugins ---------------------------------------------------------------
+
+def test_a_broken_plugin_is_a_warning_naming_it_and_the_rest_works(tmp_path, monkeypatch):
+    dist = tmp_path / "broken_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[grace_dgc.compressors]\nbroken = no_such_module_here:Thing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(COMPRESSORS, "_classes", dict(COMPRESSORS._classes))
+    monkeypatch.setattr(COMPRESSORS, "_aliases", dict(COMPRESSORS._aliases))
+    monkeypatch.setattr(COMPRESSORS, "_plugins_loaded", False)
+    monkeypatch.setattr(COMPRESSORS, "broken", {})
+    with pytest.warns(UserWarning, match=r"plugin 'broken' \(no_such_module_here:Thing, from broken-plugin\) "
+                                         r"failed to import"):
+        names = grace_dgc.list_compressors()
+    assert "topk" in names and "broken" not in names
+    with pytest.raises(GraceConfigError, match="did you mean|Did you mean"):
+        grace_dgc.build("topkk")
+    with pytest.raises(GraceConfigError, match="plugin 'broken'.*failed to import"):
+        grace_dgc.build("broken")
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_a_crafted_cifar_batch_is_refused_not_run(tmp_path, monkeypatch):
+    import pickle
+
+    from grace_dgc.survey import datasets
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(pickle.dumps({b"data": _Exploit(), b"labels": [0]}, protocol=2))
+    called = []
+    monkeypatch.setattr(os, "system", lambda command: called.append(command))
+    with pytest.raises(ValueError, match=r"not a CIFAR-10 batch \(refusing .*system"):
+        datasets._cifar_batch(str(path))
+    assert called == []
