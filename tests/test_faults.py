@@ -216,3 +216,50 @@ def test_a_crafted_cifar_batch_is_refused_not_run(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"not a CIFAR-10 batch \(refusing .*system"):
         datasets._cifar_batch(str(path))
     assert called == []
+
+
+# -- the configuration handshake ---------------------------------------------------------
+
+def differing_job(rank, world_size, case):
+    """Each rank builds what ``case`` gives it and takes two steps; returns the error text."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    if case == "communicator":
+        grace = grace_dgc.build("topk", "residual", "allgather" if rank == 0 else "broadcast", compress_ratio=0.5)
+    elif case == "seed":
+        grace = grace_dgc.build("randomk", "residual", "allreduce", compress_ratio=0.5, seed=rank)
+    elif case == "ratio":
+        grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.01 if rank == 0 else 0.1)
+    else:
+        grace = grace_dgc.build("none", "none", "allreduce")
+    params = list(model.named_parameters())
+    if case == "order" and rank == 1:
+        params = params[::-1]
+    if case == "extra" and rank == 1:
+        params.append(("extra", torch.nn.Parameter(torch.zeros(5))))
+    fusion = 0 if case == "fusion" and rank == 1 else 4 * 2**20
+    optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), grace, params,
+                                               fusion_bytes=fusion)
+    try:
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+    except GraceConfigError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("case, field", [
+    ("communicator", "communicator — rank 0: allgather; rank 1: broadcast"),
+    ("seed", "compressor parameters — rank 0: .*'seed', 0.*; rank 1: .*'seed', 1"),
+    ("ratio", "compressor parameters — rank 0: .*0.01.*; rank 1: .*0.1"),
+    ("order", "tensors \\(name, shape, dtype\\)"),
+    ("extra", "tensors \\(name, shape, dtype\\)"),
+    ("fusion", "tensors \\(name, shape, dtype\\)")])
+def test_ranks_that_differ_get_an_error_naming_the_difference_on_every_rank(case, field):
+    from grace_dgc.launch import run_local
+    errors = run_local(differing_job, 2, (case,), timeout=120)
+    for error in errors:
+        assert error is not None and "the ranks run different configurations" in error
+        assert __import__("re").search(field, error), error
