@@ -29,8 +29,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
        payloads travel together, and the averages are written back into the buffer
        (compression and collectives run on grace's communication thread, overlapping the
        rest of backward). Gradients of several passes are summed, as in Horovod.
-    3. ``synchronize()`` submits the buckets no hook completed (in bucket order, with zero
-       gradients where ``grad`` is None) and waits: the averages are then in ``p.grad``.
+    3. Buckets go out strictly in bucket order, so ranks issue matching collectives even
+       when a parameter gets no gradient on some rank only (an unused branch): that bucket
+       waits for ``synchronize()``, which submits the buckets no hook completed (in bucket
+       order, with zero gradients where ``grad`` is None) and waits: the averages are then
+       in ``p.grad``.
     4. ``step()`` synchronizes unless ``synchronize()`` was already called for this step
        (e.g. to clip the averaged gradients first), then steps the wrapped optimizer.
 
@@ -141,10 +144,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes[param] = count
         if count == self.backward_passes_per_step:
             self._to_view(param)
-            ready = self._ready.setdefault(bucket, set())
-            ready.add(param)
-            if len(ready) == len(self._buckets[bucket]):
-                self._submit(bucket)
+            self._ready.setdefault(bucket, set()).add(param)
+            self._submit_in_order()
+
+    def _submit_in_order(self):
+        """Submit the complete buckets whose predecessors are all submitted: every rank issues
+        its exchanges in bucket order, even when a parameter gets no gradient on some rank
+        only (that bucket, and the ones after it, then wait for ``synchronize()``, which
+        exchanges zeros for it)."""
+        while len(self._pending) < len(self._buckets):
+            bucket = len(self._pending)             # buckets go out as 0, 1, 2, ...
+            if len(self._ready.get(bucket, ())) < len(self._buckets[bucket]):
+                break
+            self._submit(bucket)
 
     def _submit(self, bucket):
         params = self._buckets[bucket]

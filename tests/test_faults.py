@@ -263,3 +263,36 @@ def test_ranks_that_differ_get_an_error_naming_the_difference_on_every_rank(case
     for error in errors:
         assert error is not None and "the ranks run different configurations" in error
         assert __import__("re").search(field, error), error
+
+
+# -- uneven participation ------------------------------------------------------------------
+
+def unused_branch_job(rank, world_size, fusion):
+    """Rank 1 never uses the second branch: its parameters are exchanged as zeros there."""
+    torch.manual_seed(0)
+    trunk, branch, head = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+    modules = torch.nn.ModuleDict({"trunk": trunk, "branch": branch, "head": head})
+    grace = grace_dgc.build("none", "none", "allreduce")
+    optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD(modules.parameters(), lr=0.1), grace,
+                                               modules.named_parameters(), fusion_bytes=fusion)
+    out = []
+    for step in range(3):
+        x = torch.full((2, 4), float(rank + step + 1))
+        optimizer.zero_grad()
+        hidden = trunk(x) + (branch(x) if rank == 0 else 0)
+        head(hidden).sum().backward()
+        optimizer.synchronize()
+        out.append({name: p.grad.clone() for name, p in modules.named_parameters()})
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    return out
+
+
+@pytest.mark.parametrize("fusion", [0, 4 * 2**20])
+def test_a_parameter_unused_on_one_rank_only_is_exchanged_as_zeros(fusion):
+    from grace_dgc.launch import run_local
+    first, second = run_local(unused_branch_job, 2, (fusion,), timeout=120)
+    for a, b in zip(first, second):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name         # ranks agree
+        assert bool(a["branch.weight"].abs().sum() > 0)        # rank 0's branch gradient, halved
