@@ -6,7 +6,7 @@
 from . import communicators, compressors, memories  # noqa: F401  (register the built-ins)
 from .ddp import ddp_comm_hook
 from .engines import create_engine
-from .errors import GraceConfigError
+from .errors import GraceCommError, GraceConfigError
 from .grace import Grace, build, from_params
 from .interfaces import Communicator, Compressor, Memory
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
@@ -20,5 +20,5 @@ __all__ = [
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "list_compressors", "list_memories", "list_communicators",
     "register_compressor", "register_memory", "register_communicator",
-    "create_engine", "GraceConfigError", "ddp_comm_hook",
+    "create_engine", "GraceConfigError", "GraceCommError", "ddp_comm_hook",
 ]

@@ -11,6 +11,10 @@ class GraceConfigError(ValueError):
     """A name, parameter or combination that grace_dgc cannot build."""
 
 
+class GraceCommError(RuntimeError):
+    """A collective failed or timed out; the message names the ranks that did not answer."""
+
+
 def check_range(name, value, low=None, high=None, *, low_open=False, high_open=False, kind=float,
                 allow_inf=False):
     """Validate ``low <(=) value <(=) high`` and return ``kind(value)``.

@@ -291,12 +291,13 @@ def _route(params, parts):
 
 
 def build(compressor="none", memory="none", communicator="allreduce", engine="auto",
-          process_group=None, **params):
+          process_group=None, timeout=None, **params):
     """Compose a :class:`Grace` from three registered names and their parameters.
 
     ``engine`` is ``auto`` / ``local`` / ``torch`` / ``horovod`` or an Engine instance;
-    ``process_group`` selects a torch.distributed group. Other keyword arguments go to
-    whichever of the three parts accepts them.
+    ``process_group`` selects a torch.distributed group and ``timeout`` (seconds, default
+    300) bounds each of its collectives. Other keyword arguments go to whichever of the
+    three parts accepts them.
     """
     names = {"compressor": COMPRESSORS.canonical(compressor),
              "memory": MEMORIES.canonical(memory),
@@ -311,7 +312,8 @@ def build(compressor="none", memory="none", communicator="allreduce", engine="au
         raise GraceConfigError(
             f"compressor {names['compressor']!r} sends payloads that cannot be summed, so "
             f"communicator {names['communicator']!r} cannot carry it; use one of: {', '.join(fitting)}")
-    engine_kwargs = {} if process_group is None else {"process_group": process_group}
+    engine_kwargs = {key: value for key, value in (("process_group", process_group), ("timeout", timeout))
+                     if value is not None}
     eng = create_engine(engine, **engine_kwargs)
     grace = Grace(comp_cls(**routed["compressor"]), MEMORIES.get(names["memory"])(**routed["memory"]),
                   comm_cls(eng, **routed["communicator"]), eng)

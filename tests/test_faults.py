@@ -296,3 +296,52 @@ def test_a_parameter_unused_on_one_rank_only_is_exchanged_as_zeros(fusion):
         for name in a:
             assert torch.equal(a[name], b[name]), name         # ranks agree
         assert bool(a["branch.weight"].abs().sum() > 0)        # rank 0's branch gradient, halved
+
+
+# -- timeouts and dead ranks ---------------------------------------------------------------
+
+def failing_rank_job(rank, world_size, port, how, results):
+    """Rank ``world_size - 1`` stops (SIGSTOP) or dies before the second step; the others
+    must end in an error naming it within the timeout."""
+    import signal
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    grace = grace_dgc.build("topk", "residual", "allgather", timeout=4, compress_ratio=0.5)
+    grace.step(torch.ones(8), "w")
+    if rank == world_size - 1:
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(3)
+    try:
+        grace.step(torch.ones(8), "w")
+        results.put((rank, "no error"))
+    except grace_dgc.GraceCommError as error:
+        results.put((rank, str(error)))
+
+
+@pytest.mark.parametrize("how", ["stop", "die"])
+def test_a_rank_that_stops_or_dies_is_named_within_the_timeout(how):
+    import time
+    ctx = mp.get_context("spawn")
+    results, port, world = ctx.SimpleQueue(), free_port(), 3
+    procs = [ctx.Process(target=failing_rank_job, args=(r, world, port, how, results), daemon=True)
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        got, deadline = {}, time.monotonic() + 90
+        while len(got) < world - 1 and time.monotonic() < deadline:
+            if results.empty():
+                time.sleep(0.05)
+                continue
+            rank, message = results.get()
+            got[rank] = message
+        assert sorted(got) == [0, 1], f"survivors did not report within 90 s: {got}"
+        for rank, message in got.items():
+            assert f"failed on rank {rank} of 3" in message, message
+            assert "rank 2 did not answer" in message, message
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(5)

@@ -57,7 +57,8 @@ class AutoEngine(Engine):
 
     def resolve(self):
         if self._engine is None:
-            self._engine = create_engine(_auto_engine_name(), **self._kwargs)
+            name = _auto_engine_name()      # process_group and timeout are torch.distributed's
+            self._engine = create_engine(name, **(self._kwargs if name == "torch" else {}))
         return self._engine
 
     @property
@@ -98,6 +99,8 @@ def create_engine(engine="auto", **kwargs):
         return engine
     if engine == "auto":
         return AutoEngine(**kwargs)
+    if engine != "torch":
+        kwargs.pop("timeout", None)     # Horovod has its own stall checks; local never waits
     if engine == "horovod" and "horovod" not in ENGINES:
         from . import horovod_engine  # noqa: F401  registers itself; import errors name the fix
     if engine not in ENGINES:

@@ -1,16 +1,29 @@
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
-from ..errors import GraceConfigError
+from ..errors import GraceCommError, GraceConfigError, check_range
 from .base import Engine, pad_to
+
+DEFAULT_TIMEOUT = 300.0     # seconds: far below torch's 30 min, far above any sane step
 
 
 class TorchEngine(Engine):
-    """torch.distributed (gloo on CPU, NCCL on GPU) on the default or a given process group."""
+    """torch.distributed (gloo on CPU, NCCL on GPU) on the default or a given process group.
+
+    Each collective waits at most ``timeout`` seconds (default 300). When one fails or times
+    out, the surviving ranks meet in the process group's store and the error
+    (:class:`~grace_dgc.errors.GraceCommError`) names the ranks that did not answer: stopped,
+    hung or dead — instead of a bare "connection reset", or a hang until torch's own 30-min
+    timeout.
+    """
     name = "torch"
 
-    def __init__(self, process_group=None):
+    def __init__(self, process_group=None, timeout=DEFAULT_TIMEOUT):
         super().__init__()
+        self.timeout = check_range("timeout", timeout, 0, low_open=True)
+        self._calls = 0
         if not (dist.is_available() and dist.is_initialized()):
             raise GraceConfigError(
                 "engine='torch' needs an initialized process group: call "
@@ -24,9 +37,41 @@ class TorchEngine(Engine):
     def _global(self, rank):
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
+    def _run(self, kind, launch):
+        """Run one collective (``launch()`` starts it asynchronously), waiting at most
+        ``timeout``; a failure becomes an error naming the ranks that did not answer."""
+        self._calls += 1
+        try:
+            launch().wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as error:      # noqa: BLE001  gloo/NCCL raise RuntimeError subclasses
+            raise GraceCommError(self._diagnose(kind, error)) from error
+
+    def _diagnose(self, kind, error):
+        """Meet the other ranks in the store: each survivor sets a key for this collective
+        and waits briefly for the others'; those missing did not answer."""
+        what = (f"{kind} #{self._calls} failed on rank {self.rank} of {self.size} "
+                f"({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            prefix = f"grace/failed/{self._calls}/"
+            store.set(prefix + str(self._global(self.rank)), "1")
+            missing = []
+            for rank in range(self.size):
+                try:
+                    store.wait([prefix + str(self._global(rank))], timedelta(seconds=min(self.timeout, 10.0)))
+                except Exception:       # noqa: BLE001  a timeout: that rank is not answering
+                    missing.append(rank)
+        except Exception as store_error:        # noqa: BLE001
+            return (f"{what}; the store (hosted by rank 0) is unreachable too "
+                    f"({type(store_error).__name__}): rank 0 may be the one that stopped or died")
+        if missing:
+            return (f"{what}; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
+                    f"answer (stopped, hung or dead): look at {'their' if len(missing) > 1 else 'its'} log")
+        return f"{what}; every rank is still answering, so the collective itself failed"
+
     def allreduce(self, tensor):
         self._count(tensor)
-        dist.all_reduce(tensor, group=self.group)
+        self._run("allreduce", lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
         return tensor
 
     def allgather(self, tensor, sizes=None):
@@ -37,13 +82,14 @@ class TorchEngine(Engine):
         padded = pad_to(tensor, longest)
         self._count(padded)
         out = [torch.empty_like(padded) for _ in range(self.size)]
-        dist.all_gather(out, padded, group=self.group)
+        self._run("allgather", lambda: dist.all_gather(out, padded, group=self.group, async_op=True))
         return out if sizes is None else [o[:n] for o, n in zip(out, sizes)]
 
     def broadcast(self, tensor, root):
         if root == self.rank:
             self._count(tensor)
-        dist.broadcast(tensor, src=self._global(root), group=self.group)
+        self._run("broadcast", lambda: dist.broadcast(tensor, src=self._global(root), group=self.group,
+                                                       async_op=True))
         return tensor
 
     def broadcast_object(self, obj, root=0):
@@ -53,4 +99,4 @@ class TorchEngine(Engine):
         return box[0]
 
     def barrier(self):
-        dist.barrier(group=self.group)
+        self._run("barrier", lambda: dist.barrier(group=self.group, async_op=True))
