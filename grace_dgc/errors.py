@@ -11,6 +11,10 @@ class GraceConfigError(ValueError):
     """A name, parameter or combination that grace_dgc cannot build."""
 
 
+class GraceNonFiniteError(FloatingPointError):
+    """A gradient held NaN or Inf on some rank and the policy is ``nonfinite="raise"``."""
+
+
 class GraceCommError(RuntimeError):
     """A collective failed or timed out; the message names the ranks that did not answer."""
 

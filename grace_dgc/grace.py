@@ -17,11 +17,21 @@ import torch
 
 from . import handshake
 from .engines import AutoEngine, create_engine
-from .errors import GraceConfigError
+from .errors import GraceConfigError, GraceNonFiniteError
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES
 from .workspace import flat_span
 
 TIMERS = ("compress", "communicate", "decompress")
+NONFINITE_POLICIES = ("skip", "raise")
+
+
+def all_finite(tensors):
+    """No NaN and no infinity in ``tensors``: a sum per tensor (one read), checked element by
+    element only when that sum is not finite (it may overflow with finite elements)."""
+    for tensor in tensors:
+        if tensor.numel() and not torch.isfinite(tensor.sum()) and not bool(torch.isfinite(tensor).all()):
+            return False
+    return True
 
 
 class Grace:
@@ -31,11 +41,15 @@ class Grace:
     was measured; ``state_dict()`` carries the compressor's and memory's state.
     """
 
-    def __init__(self, compressor, memory, communicator, engine):
+    def __init__(self, compressor, memory, communicator, engine, nonfinite="skip"):
         self.compressor = compressor
         self.memory = memory
         self.communicator = communicator
         self.engine = engine
+        if nonfinite not in NONFINITE_POLICIES:
+            raise GraceConfigError(f"nonfinite={nonfinite!r}; accepted: {', '.join(NONFINITE_POLICIES)}")
+        self.nonfinite = nonfinite
+        self.skipped = 0        # groups skipped for a non-finite gradient (on any rank)
         self._bound = False
         self._agreed = set()    # group signatures the ranks agreed on (see handshake)
         self.params = {}        # constructor parameters per part, as build() routed them
@@ -94,6 +108,13 @@ class Grace:
         # through a temporary), else in new tensors
         outputs = [t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
                    for t in tensors]
+        # Non-finite gradients: a NaN/Inf rides along in a plain sum to every rank; otherwise
+        # the ranks learn of it before any state changes (one small allgather of flags)
+        rides = memory.identity and comp.rounds == 1 and self.communicator.reduces
+        if not rides:
+            bad = self._nonfinite_ranks(tensors)
+            if bad:
+                return self._skip(tensors, outputs, names, inplace, bad)
         # Nothing reads a single-round payload after the exchange when the memory is the
         # identity, so an in-place reduction may consume it: always when the inputs are
         # handed over, else when no payload tensor shares memory with an input.
@@ -145,12 +166,38 @@ class Grace:
             self._stats["tensors"] += 1
             self._stats["dense_bytes"] += tensor.numel() * 4
             self._steps[name] = self._steps.get(name, 0) + 1
+        if rides and not all_finite(outputs):     # every rank holds the same sum: they agree
+            return self._skip(tensors, outputs, names, inplace, None)
         if not inplace:
             return outputs
         for tensor, out in zip(tensors, outputs):
             if out is not tensor and sources is tensors:
                 tensor.copy_(out)
         return list(tensors)
+
+    def _nonfinite_ranks(self, tensors):
+        """Ranks whose gradients hold a NaN or an infinity (the same list on every rank)."""
+        mine = 0.0 if all_finite(tensors) else 1.0
+        if self.engine.size == 1:
+            return [0] if mine else []
+        flags = self.engine.allgather(torch.tensor([mine], device=tensors[0].device))
+        return [rank for rank, flag in enumerate(flags) if float(flag[0])]
+
+    def _skip(self, tensors, outputs, names, inplace, ranks):
+        """A gradient of this group is not finite on some rank: every rank skips it alike.
+        Memories and compressors are left as they were (``rides``: the identity memory
+        keeps nothing); the averages are NaN, so the step is skipped by
+        ``DistributedOptimizer`` and found by ``torch.amp.GradScaler``; ``nonfinite="raise"``
+        raises instead."""
+        where = "some rank" if ranks is None else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        if self.nonfinite == "raise":
+            raise GraceNonFiniteError(f"a gradient of {shown} is not finite (NaN or Inf) on {where}")
+        self.skipped += 1
+        self._stats["skipped"] += 1
+        for target in tensors if inplace else outputs:
+            target.fill_(float("nan"))
+        return list(tensors) if inplace else outputs
 
     def _communicate(self, payloads, names, consume=False):
         with self._timed("communicate"):
@@ -200,7 +247,7 @@ class Grace:
             self._stats[key + "_seconds"] += time.perf_counter() - start
 
     def reset_stats(self):
-        self._stats = {"tensors": 0, "bytes_sent": 0, "dense_bytes": 0}
+        self._stats = {"tensors": 0, "bytes_sent": 0, "dense_bytes": 0, "skipped": 0}
         self._stats.update({key + "_seconds": 0.0 for key in TIMERS})
         self._steps = {}
 
@@ -291,13 +338,14 @@ def _route(params, parts):
 
 
 def build(compressor="none", memory="none", communicator="allreduce", engine="auto",
-          process_group=None, timeout=None, **params):
+          process_group=None, timeout=None, nonfinite="skip", **params):
     """Compose a :class:`Grace` from three registered names and their parameters.
 
     ``engine`` is ``auto`` / ``local`` / ``torch`` / ``horovod`` or an Engine instance;
     ``process_group`` selects a torch.distributed group and ``timeout`` (seconds, default
-    300) bounds each of its collectives. Other keyword arguments go to whichever of the
-    three parts accepts them.
+    300) bounds each of its collectives. ``nonfinite`` says what a NaN/Inf gradient on any
+    rank does: ``"skip"`` (every rank skips that group's exchange, state untouched) or
+    ``"raise"``. Other keyword arguments go to whichever of the three parts accepts them.
     """
     names = {"compressor": COMPRESSORS.canonical(compressor),
              "memory": MEMORIES.canonical(memory),
@@ -316,7 +364,7 @@ def build(compressor="none", memory="none", communicator="allreduce", engine="au
                      if value is not None}
     eng = create_engine(engine, **engine_kwargs)
     grace = Grace(comp_cls(**routed["compressor"]), MEMORIES.get(names["memory"])(**routed["memory"]),
-                  comm_cls(eng, **routed["communicator"]), eng)
+                  comm_cls(eng, **routed["communicator"]), eng, nonfinite=nonfinite)
     grace.params = routed
     return grace
 

@@ -120,6 +120,10 @@ class Memory:
     def compensate(self, tensor, name):
         return tensor
 
+    def reset(self, name=None):
+        """Forget what was kept, for every tensor or only ``name``'s (deliberately, e.g.
+        after changing the model); the next step starts from zero state."""
+
     def update(self, tensor, name, compressor, payload, ctx):
         pass
 

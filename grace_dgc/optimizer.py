@@ -35,7 +35,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
        order, with zero gradients where ``grad`` is None) and waits: the averages are then
        in ``p.grad``.
     4. ``step()`` synchronizes unless ``synchronize()`` was already called for this step
-       (e.g. to clip the averaged gradients first), then steps the wrapped optimizer.
+       (e.g. to clip the averaged gradients first), then steps the wrapped optimizer —
+       unless a gradient was NaN/Inf on some rank (``found_inf``): then every rank skips the
+       step alike, and the gradients of the skipped groups are NaN, so that
+       ``torch.amp.GradScaler`` finds them too::
+
+           scaler.scale(loss).backward()
+           optimizer.synchronize()
+           scaler.unscale_(optimizer)            # finds the NaN: found_inf on every rank
+           with optimizer.skip_synchronize():
+               scaler.step(optimizer)            # skipped alike on every rank
+           scaler.update()
 
     Every rank must produce gradients for the same parameters in the same order (true
     for identical models); the engine's collectives match by order. As in Horovod and DDP,
@@ -64,6 +74,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._ready = {}        # bucket index -> its parameters whose gradients are final
         self._pending = {}      # bucket index -> Future of its averaged gradients
         self._synchronized = False  # averaged gradients are in p.grad, awaiting step()
+        self._skipped_mark = grace.skipped
+        self.found_inf = False      # this step had a NaN/Inf gradient on some rank: step() skips it
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for p in self._names]
         self._attach_memory()
@@ -178,6 +190,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._ready.clear()
         self._passes.clear()
         self._synchronized = True
+        # a group skipped for a non-finite gradient (the same decision on every rank)
+        self.found_inf = self.grace.skipped != self._skipped_mark
+        self._skipped_mark = self.grace.skipped
 
     @contextmanager
     def skip_synchronize(self):
@@ -193,6 +208,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._synchronized:
             self.synchronize()
         self._synchronized = False
+        if self.found_inf:      # every rank skips this step alike (grace's nonfinite="skip")
+            return None
         return self.optimizer.step()
 
     def zero_grad(self, set_to_none=True):

@@ -345,3 +345,150 @@ def test_a_rank_that_stops_or_dies_is_named_within_the_timeout(how):
         for proc in procs:
             proc.kill()
             proc.join(5)
+
+
+# -- non-finite gradients ------------------------------------------------------------------
+
+NONFINITE_METHODS = [("topk", "residual", "allgather", {"compress_ratio": 0.3}),
+                     ("dgc", "momentum", "allgather", {"compress_ratio": 0.3, "min_compress_size": 1}),
+                     ("signsgd", "residual", "allgather", {}), ("qsgd", "residual", "allgather", {}),
+                     ("powersgd", "powersgd", "allreduce", {}), ("none", "none", "allreduce", {}),
+                     ("fp16", "none", "allreduce", {}), ("signum", "none", "allgather", {})]
+
+
+def nonfinite_job(rank, world_size, methods, bad_step, value, use_scaler):
+    """Per method: 5 steps of a small model; at ``bad_step`` rank 1's loss is multiplied by
+    ``value`` (NaN or Inf). Returns per step: found_inf, parameters, state, scale."""
+    import copy as copy_module
+    results = {}
+    for comp, mem, comm, params in methods:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 4))
+        grace = grace_dgc.build(comp, mem, comm, **params)
+        optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), grace,
+                                                   model.named_parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if use_scaler else None
+        steps = []
+        for step in range(5):
+            x = torch.randn(3, 6, generator=torch.Generator().manual_seed(step * 10 + rank))
+            loss = model(x).square().mean()
+            if step == bad_step and rank == 1:
+                loss = loss * value
+            state_before = copy_module.deepcopy(grace.state_dict())
+            optimizer.zero_grad()
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                optimizer.synchronize()
+                scaler.unscale_(optimizer)
+                with optimizer.skip_synchronize():
+                    scaler.step(optimizer)
+                scaler.update()
+            steps.append({"found_inf": optimizer.found_inf,
+                          "params": [p.detach().clone() for p in model.parameters()],
+                          "state_kept": _same_state(state_before, grace.state_dict()),
+                          "scale": scaler.get_scale() if scaler else None})
+        results[comp] = steps
+    return results
+
+
+def _same_state(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) and not bool(torch.isnan(b).any())
+    return a == b
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank_and_poisons_nothing(value):
+    from grace_dgc.launch import run_local
+    first, second = run_local(nonfinite_job, 2, (NONFINITE_METHODS, 2, value, False), timeout=240)
+    for comp, *_ in NONFINITE_METHODS:
+        for step in range(5):
+            a, b = first[comp][step], second[comp][step]
+            assert a["found_inf"] == b["found_inf"] == (step == 2), (comp, step)
+            assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])), (comp, step)
+            assert all(bool(torch.isfinite(p).all()) for p in a["params"]), (comp, step)
+        bad, before = first[comp][2], first[comp][1]
+        assert all(torch.equal(p, q) for p, q in zip(bad["params"], before["params"])), comp   # not stepped
+        assert bad["state_kept"] and second[comp][2]["state_kept"], comp     # memories as before
+        after = first[comp][3]
+        assert not all(torch.equal(p, q) for p, q in zip(after["params"], bad["params"])), comp  # no stall
+
+
+def test_the_skip_works_with_a_grad_scaler():
+    from grace_dgc.launch import run_local
+    methods = [NONFINITE_METHODS[0], NONFINITE_METHODS[5]]
+    first, second = run_local(nonfinite_job, 2, (methods, 2, float("inf"), True), timeout=180)
+    for comp, *_ in methods:
+        for rank_steps in (first[comp], second[comp]):
+            scales = [s["scale"] for s in rank_steps]
+            assert scales[2] < scales[1], (comp, scales)        # the scaler found it on every rank
+            assert all(torch.equal(p, q) for p, q in zip(rank_steps[2]["params"], rank_steps[1]["params"]))
+            assert not rank_steps[3]["found_inf"]
+        assert all(torch.equal(p, q) for p, q in zip(first[comp][4]["params"], second[comp][4]["params"]))
+
+
+def raising_job(rank, world_size):
+    grace = grace_dgc.build("topk", "residual", "allgather", nonfinite="raise", compress_ratio=0.5)
+    try:
+        grace.step(torch.tensor([1.0, float("nan") if rank == 1 else 2.0]), "w")
+    except grace_dgc.errors.GraceNonFiniteError as error:
+        return str(error)
+    return None
+
+
+def test_the_raise_policy_names_the_rank_on_every_rank():
+    from grace_dgc.launch import run_local
+    for message in run_local(raising_job, 2, timeout=120):
+        assert message == "a gradient of w is not finite (NaN or Inf) on rank 1"
+    with pytest.raises(GraceConfigError, match="nonfinite='ignore'; accepted: skip, raise"):
+        grace_dgc.build(nonfinite="ignore")
+
+
+def test_norms_and_scales_do_not_overflow_on_finite_input():
+    x = torch.tensor([3e19, -2e19, 1.0, 0.0] * 200)
+    for name in ("qsgd", "onebit", "efsignsgd"):
+        comp = COMPRESSORS.get(name)()
+        payload, ctx = comp.compress(x, "w")
+        assert bool(torch.isfinite(comp.decompress(payload, ctx)).all()), name
+    grace = grace_dgc.build("topk", "momentum", "allgather", engine="local", gradient_clipping=1.0)
+    assert bool(torch.isfinite(grace.step(x, "w")).all())
+
+
+def test_memories_reset_forgets_state():
+    grace = grace_dgc.build("topk", "residual", "allgather", engine="local", compress_ratio=0.25)
+    grace.step(torch.randn(8), "a")
+    grace.step(torch.randn(8), "b")
+    grace.memory.reset("a")
+    assert set(grace.memory.residuals) == {"b"}
+    grace.memory.reset()
+    assert grace.memory.residuals == {}
+    momentum = grace_dgc.build("dgc", "momentum", "allgather", engine="local", min_compress_size=1)
+    momentum.step(torch.randn(8), "a")
+    momentum.memory.reset()
+    assert momentum.memory.momentums == {} and momentum.memory.velocities == {}
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([n for n in grace_dgc.list_compressors()]),
+       st.lists(st.lists(st.floats(-100, 100, width=32), min_size=24, max_size=24), min_size=1, max_size=6))
+def test_error_feedback_conserves_gradient_mass_for_every_compressor(name, grads):
+    """Σ what the exchange returned + the final residual = Σ gradients, for every
+    sparsifier and quantizer with the residual memory (one rank: the average is this
+    rank's decompressed payload)."""
+    params = {"threshold": {"threshold": 50.0}, "twobit": {"threshold": 10.0}}.get(name, {})
+    grace = grace_dgc.build(name, "residual", "allreduce" if COMPRESSORS.get(name).summable else "allgather",
+                            engine="local", **params)
+    sent = torch.zeros(4, 6, dtype=torch.float64)
+    for g in grads:
+        sent += grace.step(torch.tensor(g).view(4, 6), "w").double()
+    total = torch.tensor(grads, dtype=torch.float64).sum(dim=0).view(4, 6)
+    residual = grace.memory.residuals.get("w", torch.zeros(4, 6)).double()
+    scale = max(1.0, float(torch.tensor(grads).abs().sum()))
+    assert torch.allclose(sent + residual, total, rtol=0, atol=1e-5 * scale), name

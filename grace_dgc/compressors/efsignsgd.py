@@ -30,7 +30,10 @@ class EFSignSGDCompressor(Compressor):
         numel = tensor.numel()
         # fp32 accumulation: the scale is one fp32 on the wire whatever the gradient dtype
         magnitude = torch.abs(tensor, out=self.workspace.like("abs", tensor))
-        scale = magnitude.sum(dtype=torch.float32) / max(numel, 1)
+        total = magnitude.sum(dtype=torch.float32)
+        if not bool(torch.isfinite(total)):     # fp32 overflowed on finite values: sum in fp64
+            total = magnitude.sum(dtype=torch.float64)
+        scale = (total / max(numel, 1)).float()
         return [wire.pack_signs(tensor, self.workspace), scale.reshape(1)], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):

@@ -5,6 +5,13 @@ from ..interfaces import Compressor
 from ..registry import register_compressor
 
 
+def _sum(values):
+    """The fp32 sum, or in fp64 when fp32 overflows on finite values (a mean is then still
+    finite)."""
+    total = values.sum()
+    return total if bool(torch.isfinite(total)) else values.sum(dtype=torch.float64)
+
+
 @register_compressor("onebit", aliases=("1bit",))
 class OneBitCompressor(Compressor):
     """1-bit SGD: sign bits + the means of the non-negative and of the negative entries
@@ -49,9 +56,9 @@ class OneBitCompressor(Compressor):
         packed = wire.pack_chunks(n, 1, encode, device, scratch)
         count_pos = count_pos.to(torch.float32)     # exact at any size
         count_neg = n - count_pos
-        sum_pos = picked.view(torch.float32).sum()
-        sum_neg = picked.bitwise_xor_(bits).view(torch.float32).sum()
-        means = torch.stack([sum_neg / count_neg.clamp(min=1), sum_pos / count_pos.clamp(min=1)])
+        sum_pos = _sum(picked.view(torch.float32))
+        sum_neg = _sum(picked.bitwise_xor_(bits).view(torch.float32))
+        means = torch.stack([(sum_neg / count_neg.clamp(min=1)).float(), (sum_pos / count_pos.clamp(min=1)).float()])
         return [packed, means], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):

@@ -63,6 +63,14 @@ class StochasticCompressor(Compressor):
         self.steps = dict(state["steps"])
 
 
+def scaled_norms(rows):
+    """Each row's ‖v‖₂ as m·‖v/m‖₂ with m = max|v|: no overflow for any finite row (|v| up to
+    fp32's maximum); a row with NaN or Inf still gives NaN or Inf."""
+    scale = rows.abs().amax(dim=1, keepdim=True)
+    scale = torch.where((scale > 0) & torch.isfinite(scale), scale, 1.0)
+    return (rows / scale).norm(dim=1) * scale.squeeze(1)
+
+
 def stochastic_round_(x, generator, workspace):
     """⌊x⌋ + Bernoulli(x − ⌊x⌋) for x ≥ 0: an unbiased integer, E = x. Overwrites x; the
     result is the workspace's "floor" buffer."""
@@ -119,6 +127,9 @@ class QSGDCompressor(StochasticCompressor):
             block = block.view(-1, size)
             norm = norms[row:last_row]
             norm.copy_(block.norm(dim=1))
+            overflowed = torch.nonzero(~torch.isfinite(norm)).view(-1)    # ‖v‖² beyond fp32, or NaN/Inf
+            if overflowed.numel():
+                norm[overflowed] = scaled_norms(block[overflowed])
             # a zero-norm bucket has only zeros: divide by 1 instead (levels stay 0)
             scaled = torch.abs(block, out=scratch.get("scaled", block.numel(), torch.float32, flat.device)
                                .view(block.shape))

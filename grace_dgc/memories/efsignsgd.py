@@ -41,6 +41,12 @@ class EFSignSGDMemory(Memory):
     def update(self, tensor, name, compressor, payload, ctx):
         self.residuals[name] = self.lr * (tensor - compressor.decompress(payload, ctx))
 
+    def reset(self, name=None):
+        if name is None:
+            self.residuals.clear()
+        else:
+            self.residuals.pop(name, None)
+
     def state_dict(self):
         return {"lr": self.lr, "residuals": dict(self.residuals)}
 

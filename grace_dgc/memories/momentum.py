@@ -84,7 +84,11 @@ class MomentumMemory(Memory):
         grad = tensor
         if self.gradient_clipping is not None:
             max_norm = self.gradient_clipping / math.sqrt(self.world_size)
-            grad = grad * torch.clamp(max_norm / (grad.norm() + 1e-6), max=1.0)
+            norm = grad.norm()
+            if not bool(torch.isfinite(norm)):      # ‖g‖² overflowed fp32 (or g is not finite)
+                scale = grad.abs().max()
+                norm = grad.div(scale).norm() * scale if bool(torch.isfinite(scale)) and scale > 0 else norm
+            grad = grad * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if decay:
             if name not in self.parameters:
                 raise GraceConfigError(
@@ -112,6 +116,14 @@ class MomentumMemory(Memory):
         # nothing is left in v (one host sync on an accelerator)
         if self.momentum_masking and torch.count_nonzero(v):
             compressor.mask_sent_(u, payload, ctx)
+
+    def reset(self, name=None):
+        if name is None:
+            self.momentums.clear()
+            self.velocities.clear()
+        else:
+            self.momentums.pop(name, None)
+            self.velocities.pop(name, None)
 
     def state_dict(self):      # copies: u and v are updated in place
         return {"momentums": {n: u.clone() for n, u in self.momentums.items()},

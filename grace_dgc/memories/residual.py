@@ -36,6 +36,12 @@ class ResidualMemory(Memory):
             tensor = tensor.clone()
         self.residuals[name] = compressor.subtract_sent_(tensor, payload, ctx)
 
+    def reset(self, name=None):
+        if name is None:
+            self.residuals.clear()
+        else:
+            self.residuals.pop(name, None)
+
     def state_dict(self):
         return {"residuals": {name: r.clone() for name, r in self.residuals.items()}}
 
