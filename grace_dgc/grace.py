@@ -166,7 +166,12 @@ class Grace:
             self._stats["tensors"] += 1
             self._stats["dense_bytes"] += tensor.numel() * 4
             self._steps[name] = self._steps.get(name, 0) + 1
-        if rides and not all_finite(outputs):     # every rank holds the same sum: they agree
+        # every rank holds the same average, so all see this alike: a NaN/Inf that rode along,
+        # or a payload that overflowed (fp16 beyond ±65504) after the inputs passed the check
+        if not all_finite(outputs):
+            if not rides:       # the memory's update already saw the overflow: forget it
+                for key in keys:
+                    memory.reset(key)
             return self._skip(tensors, outputs, names, inplace, None)
         if not inplace:
             return outputs

@@ -492,3 +492,34 @@ def test_error_feedback_conserves_gradient_mass_for_every_compressor(name, grads
     residual = grace.memory.residuals.get("w", torch.zeros(4, 6)).double()
     scale = max(1.0, float(torch.tensor(grads).abs().sum()))
     assert torch.allclose(sent + residual, total, rtol=0, atol=1e-5 * scale), name
+
+
+def test_an_fp16_overflow_is_skipped_not_silent_and_leaves_no_inf_in_the_memory():
+    grace = grace_dgc.build("fp16", "residual", "allreduce", engine="local")
+    grace.step(torch.ones(4), "w")
+    out = grace.step(torch.tensor([1e5, 1.0, 2.0, 3.0]), "w")        # 1e5 > fp16's 65504
+    assert bool(torch.isnan(out).all()) and grace.skipped == 1 and grace.stats()["skipped"] == 1
+    assert "w" not in grace.memory.residuals                          # reset, not inf
+    assert torch.equal(grace.step(torch.ones(4), "w"), torch.ones(4))
+
+
+def extra_step_job(rank, world_size):
+    """Rank 1 takes one step more than rank 0, which has finished and left."""
+    grace = grace_dgc.build("none", "none", "allreduce", timeout=10)
+    grace.step(torch.ones(4), "w")
+    if rank == 0:
+        return None
+    import time
+    time.sleep(1.0)                 # rank 0 is gone by now
+    try:
+        grace.step(torch.ones(4), "w")
+    except grace_dgc.GraceCommError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_rank_stepping_more_than_the_others_gets_an_error_naming_who_is_gone():
+    from grace_dgc.launch import run_local
+    _, message = run_local(extra_step_job, 2, timeout=120)
+    assert "allreduce" in message and "failed on rank 1 of 2" in message, message
+    assert "rank 0" in message, message

@@ -11,7 +11,8 @@ class FP16Compressor(Compressor):
         payload = fp16(g) / N          (divided before the sum, as torch's fp16_compress_hook,
         D(payload) = N · fp32(payload)  so an N-rank fp16 sum does not overflow)
 
-    Values beyond ±65504 still overflow to ±inf, as in Horovod's fp16 compression. With a
+    Values beyond ±65504 still overflow to ±inf, as in Horovod's fp16 compression; Grace's
+    non-finite policy then skips the step on every rank (or raises), it does not pass it on. With a
     power-of-two N the averaged result equals torch's ``fp16_compress_hook`` bit for bit.
     """
     summable = True

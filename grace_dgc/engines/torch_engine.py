@@ -57,9 +57,13 @@ class TorchEngine(Engine):
             store.set(prefix + str(self._global(self.rank)), "1")
             missing = []
             for rank in range(self.size):
+                if rank == self.rank:
+                    continue
                 try:
                     store.wait([prefix + str(self._global(rank))], timedelta(seconds=min(self.timeout, 10.0)))
-                except Exception:       # noqa: BLE001  a timeout: that rank is not answering
+                except Exception as wait_error:     # noqa: BLE001
+                    if "timeout" not in str(wait_error).lower():
+                        raise                       # not a timeout: the store itself is gone
                     missing.append(rank)
         except Exception as store_error:        # noqa: BLE001
             return (f"{what}; the store (hosted by rank 0) is unreachable too "
