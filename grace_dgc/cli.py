@@ -28,7 +28,6 @@ def registry_table(markdown=False):
             extra = ""
             if kind == "compressor":
                 extra = "allreduce, allgather, broadcast" if cls.summable else "allgather, broadcast"
-                extra = ", ".join(getattr(cls, "communicators", None) or extra.split(", "))
             rows.append((kind, name, ", ".join(aliases), _params(cls), extra, _summary(cls)))
     header = ("kind", "name", "aliases", "parameters (defaults)", "communicators", "what it is")
     if markdown:

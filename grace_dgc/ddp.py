@@ -40,8 +40,8 @@ class GraceHookState:
                 raise GraceConfigError(
                     f"model must be a torch.nn.Module or its DDP wrapper, got {type(model).__name__}")
             self.names = {param: name for name, param in module.named_parameters()}
-            if hasattr(grace.memory, "attach_optimizer"):   # e.g. momentum memories take over momentum
-                grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self.names.items()})
+            # e.g. the momentum memory takes over SGD's momentum
+            grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self.names.items()})
         elif optimizer is not None:
             raise GraceConfigError("ddp_comm_hook(grace, model, optimizer): optimizer needs the model")
         self._named_by_model = model is not None

@@ -222,9 +222,8 @@ class Grace:
     def bind(self):
         """Hand the engine to the parts that need the world size (fp16's pre-division,
         momentum's clipping): when built, or at the first exchange with ``engine="auto"``."""
-        for part in (self.compressor, self.memory):
-            if hasattr(part, "bind"):
-                part.bind(self.engine)
+        self.compressor.bind(self.engine)
+        self.memory.bind(self.engine)
         self._bound = True
 
     @property
@@ -239,8 +238,7 @@ class Grace:
     def set_epoch(self, epoch):
         """Tell schedule-driven parts (e.g. DGC's warm-up) the current epoch."""
         for part in (self.compressor, self.memory, self.communicator):
-            if hasattr(part, "set_epoch"):
-                part.set_epoch(epoch)
+            part.set_epoch(epoch)
 
     # -- stats -----------------------------------------------------------------
     @contextmanager
@@ -268,9 +266,8 @@ class Grace:
         out["steps"] = max(self._steps.values(), default=0)
         out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
         out["bytes_per_step"] = out["bytes_sent"] / out["steps"] if out["steps"] else 0.0
-        for part in (self.compressor, self.memory):
-            if hasattr(part, "stats"):      # method-specific figures, e.g. DGC's current ratio
-                out.update(part.stats())
+        for part in (self.compressor, self.memory):     # method-specific figures, e.g. DGC's ratio
+            out.update(part.stats())
         return out
 
     # -- checkpointing ----------------------------------------------------------

@@ -97,6 +97,19 @@ class Compressor:
         """
         return self.decompress(payload, ctx) != 0
 
+    # -- optional hooks: no-ops unless a method needs them ------------------------------
+    def bind(self, engine):
+        """Called by Grace with its engine (when built, or at the first exchange with
+        ``engine="auto"``): keep what the method needs, e.g. the world size (fp16's
+        pre-division) or the rank (the stochastic methods' streams)."""
+
+    def set_epoch(self, epoch):
+        """The current epoch, from ``Grace.set_epoch`` (e.g. DGC's warm-up)."""
+
+    def stats(self):
+        """Method-specific figures merged into ``Grace.stats()`` (e.g. DGC's current ratio)."""
+        return {}
+
     def state_dict(self):
         return {}
 
@@ -127,6 +140,23 @@ class Memory:
     def update(self, tensor, name, compressor, payload, ctx):
         pass
 
+    # -- optional hooks: no-ops unless a method needs them ------------------------------
+    def bind(self, engine):
+        """Called by Grace with its engine (see :meth:`Compressor.bind`); e.g. the momentum
+        memory's clipping threshold scales with the world size."""
+
+    def attach_optimizer(self, optimizer, grace, named_parameters):
+        """Called by ``DistributedOptimizer`` and the DDP hook with the optimizer (or None)
+        and ``{name: parameter}``: for memories that read parameters or take over the
+        optimizer's momentum (``momentum``)."""
+
+    def set_epoch(self, epoch):
+        """The current epoch, from ``Grace.set_epoch``."""
+
+    def stats(self):
+        """Method-specific figures merged into ``Grace.stats()``."""
+        return {}
+
     def state_dict(self):
         return {}
 
@@ -147,6 +177,9 @@ class Communicator:
 
     def __init__(self, engine):
         self.engine = engine
+
+    def set_epoch(self, epoch):
+        """The current epoch, from ``Grace.set_epoch`` (no built-in communicator needs it)."""
 
     def exchange(self, payload, name):
         raise NotImplementedError

@@ -120,9 +120,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             param.grad = view.copy_(grad)
 
     def _attach_memory(self):
-        if hasattr(self.grace.memory, "attach_optimizer"):  # e.g. momentum memories take over momentum
-            self.grace.memory.attach_optimizer(self.optimizer, self.grace,
-                                               {n: p for p, n in self._names.items()})
+        # e.g. the momentum memory takes over SGD's momentum
+        self.grace.memory.attach_optimizer(self.optimizer, self.grace, {n: p for p, n in self._names.items()})
 
     @staticmethod
     def _name_parameters(optimizer, named_parameters):

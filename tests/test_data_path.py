@@ -316,3 +316,38 @@ def test_inplace_exchange_of_a_non_contiguous_tensor(name):
     expected = reference.step(x.clone(), "w")
     got = grace.step_group_async([x], ["w"], inplace=True).result()[0]
     assert got is x and torch.equal(x, expected)
+
+
+def test_the_optional_hooks_are_declared_on_the_interfaces():
+    """A plugin defining only compress/decompress gets no-op bind, set_epoch, stats (and a
+    memory no-op attach_optimizer), so Grace calls them without probing."""
+    class Plain(grace_dgc.Compressor):
+        summable = True
+
+        def compress(self, tensor, name):
+            return [tensor * 2], None
+
+        def decompress(self, payload, ctx):
+            return payload[0] / 2
+
+    class Forgetful(grace_dgc.Memory):
+        pass
+
+    engine = grace_dgc.create_engine("local")
+    allreduce = grace_dgc.registry.COMMUNICATORS.get("allreduce")(engine)
+    grace = grace_dgc.Grace(Plain(), Forgetful(), allreduce, engine)
+    grace.set_epoch(3)
+    assert torch.equal(grace.step(torch.ones(3), "w"), torch.ones(3))
+    assert grace.stats()["steps"] == 1
+    model = torch.nn.Linear(2, 2)
+    grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace, model.named_parameters())
+
+
+def test_a_stochastic_compressor_draws_from_its_engines_rank():
+    class Rank1:
+        rank, size, name = 1, 2, "fake"
+    seeded = COMPRESSORS.get("qsgd")(seed=5)
+    bound = COMPRESSORS.get("qsgd")(seed=4)
+    bound.bind(Rank1())
+    x = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip(seeded.compress(x, "w")[0], bound.compress(x, "w")[0]))

@@ -1,26 +1,13 @@
 import hashlib
 import math
-import sys
 
 import torch
-import torch.distributed as dist
 
 from .. import wire
 from ..errors import check_range
 from ..interfaces import Compressor
 from ..registry import register_compressor
 from ..workspace import chunks
-
-
-def process_rank():
-    """This process's rank: Horovod's once hvd.init() ran, else torch.distributed's, else 0."""
-    hvd = sys.modules.get("horovod.torch")
-    try:
-        if hvd is not None and hvd.is_initialized():
-            return hvd.rank()
-    except Exception:   # noqa: BLE001  horovod present but its library failed to load
-        pass
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class StochasticCompressor(Compressor):
@@ -34,9 +21,9 @@ class StochasticCompressor(Compressor):
         draws — that is how a test reproduces another rank locally;
       * the state is just t per name, equal on all ranks, so loading one rank's
         checkpoint on every rank resumes each rank's own stream exactly.
-    rank is Horovod's rank after hvd.init(), else the default torch.distributed group's,
-    else 0 (a single process).
+    The rank is the engine's (Grace binds it; 0 for a compressor used on its own).
     """
+    rank = 0
 
     def __init__(self, seed=0):
         self.seed = check_range("seed", seed, 0, kind=int)
@@ -45,9 +32,13 @@ class StochasticCompressor(Compressor):
     def generator(self, name, device):
         step = self.steps.get(name, 0)
         self.steps[name] = step + 1
-        key = f"{self.seed + process_rank()}\0{name}\0{step}".encode()
+        key = f"{self.seed + self.rank}\0{name}\0{step}".encode()
         seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
         return torch.Generator(device=device).manual_seed(seed)
+
+    def bind(self, engine):
+        """Called by Grace: each rank draws its own stream."""
+        self.rank = engine.rank
 
     def sent_mask(self, payload, ctx):
         """Every element travels (a level, ternary or power of two; a rounded 0 included)."""

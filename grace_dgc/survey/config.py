@@ -11,7 +11,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import tomllib
 
 from ..errors import GraceConfigError
@@ -459,7 +458,3 @@ def with_overrides(config, workers=None, epochs=None, data_dir=None, network=Non
         raw["networks"] = [network]
     raw.setdefault("name", config.name)
     return SurveyConfig(raw, source=config.source)
-
-
-def slug(text):
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_") or "x"

@@ -1,7 +1,6 @@
 """Models of the survey workloads. Each draws its initial weights from the global torch RNG
 only, so ``torch.manual_seed(seed); make_model()`` gives the same model on every rank and
 for every compression method."""
-import torch
 from torch import nn
 import torch.nn.functional as F
 

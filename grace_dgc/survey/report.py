@@ -10,7 +10,6 @@ accuracy vs measured compression ratio, time split per step as stacked bars.
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
