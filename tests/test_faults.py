@@ -17,6 +17,8 @@ from grace_dgc.errors import GraceConfigError, parse_value
 from grace_dgc.launch import free_port
 from grace_dgc.registry import COMMUNICATORS, COMPRESSORS, MEMORIES
 
+from conftest import install_dummy_distribution
+
 REGISTRIES = {"compressor": COMPRESSORS, "memory": MEMORIES, "communicator": COMMUNICATORS}
 INFINITY_MEANS_SOMETHING = {("compressor", "threshold", "threshold"), ("compressor", "terngrad", "clip_factor")}
 
@@ -181,15 +183,8 @@ def test_a_state_without_the_header_still_loads_and_a_foreign_one_is_named():
 # -- untrusted files and plugins ---------------------------------------------------------------
 
 def test_a_broken_plugin_is_a_warning_naming_it_and_the_rest_works(tmp_path, monkeypatch):
-    dist = tmp_path / "broken_plugin-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[grace_dgc.compressors]\nbroken = no_such_module_here:Thing\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(COMPRESSORS, "_classes", dict(COMPRESSORS._classes))
-    monkeypatch.setattr(COMPRESSORS, "_aliases", dict(COMPRESSORS._aliases))
-    monkeypatch.setattr(COMPRESSORS, "_plugins_loaded", False)
-    monkeypatch.setattr(COMPRESSORS, "broken", {})
+    install_dummy_distribution(tmp_path, monkeypatch, "broken-plugin",
+                               "[grace_dgc.compressors]\nbroken = no_such_module_here:Thing\n")
     with pytest.warns(UserWarning, match=r"plugin 'broken' \(no_such_module_here:Thing, from broken-plugin\) "
                                          r"failed to import"):
         names = grace_dgc.list_compressors()

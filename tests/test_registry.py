@@ -9,6 +9,8 @@ import grace_dgc
 from grace_dgc import GraceConfigError
 from grace_dgc.registry import COMPRESSORS, Registry
 
+from conftest import install_dummy_distribution
+
 
 def test_lists_are_sorted_canonical_and_filtered():
     names = grace_dgc.list_compressors()
@@ -126,14 +128,8 @@ def test_plugin_from_an_installed_distribution(tmp_path, monkeypatch):
             def decompress(self, payload, ctx):
                 return -payload[0] / self.scale
     """))
-    dist = tmp_path / "negate_plugin-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: negate-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[grace_dgc.compressors]\nnegate = negate_plugin:Negate\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(COMPRESSORS, "_classes", dict(COMPRESSORS._classes))
-    monkeypatch.setattr(COMPRESSORS, "_aliases", dict(COMPRESSORS._aliases))
-    monkeypatch.setattr(COMPRESSORS, "_plugins_loaded", False)
+    install_dummy_distribution(tmp_path, monkeypatch, "negate-plugin",
+                               "[grace_dgc.compressors]\nnegate = negate_plugin:Negate\n")
     assert "negate" in grace_dgc.list_compressors()
     grace = grace_dgc.build("negate", scale=2.0, engine="local")
     out = grace.step(torch.tensor([1.0, -3.0]), "w")

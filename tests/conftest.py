@@ -1,0 +1,17 @@
+"""Helpers shared by the test files."""
+from grace_dgc.registry import COMPRESSORS
+
+
+def install_dummy_distribution(tmp_path, monkeypatch, name, entry_points):
+    """A real (dummy) installed distribution on sys.path: ``name-1.0.dist-info`` with
+    ``entry_points`` (entry_points.txt text); the compressor registry forgets its plugins, so
+    the next look-up loads them afresh (undone after the test)."""
+    dist = tmp_path / f"{name.replace('-', '_')}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(entry_points)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(COMPRESSORS, "_classes", dict(COMPRESSORS._classes))
+    monkeypatch.setattr(COMPRESSORS, "_aliases", dict(COMPRESSORS._aliases))
+    monkeypatch.setattr(COMPRESSORS, "_plugins_loaded", False)
+    monkeypatch.setattr(COMPRESSORS, "broken", {})
