@@ -17,7 +17,7 @@ import torch
 
 from . import handshake
 from .engines import AutoEngine, create_engine
-from .errors import GraceConfigError, GraceNonFiniteError
+from .errors import GraceConfigError, GraceNonFiniteError, check_range
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES
 from .workspace import flat_span
 
@@ -41,7 +41,7 @@ class Grace:
     was measured; ``state_dict()`` carries the compressor's and memory's state.
     """
 
-    def __init__(self, compressor, memory, communicator, engine, nonfinite="skip"):
+    def __init__(self, compressor, memory, communicator, engine, nonfinite="skip", world_size=None):
         self.compressor = compressor
         self.memory = memory
         self.communicator = communicator
@@ -49,6 +49,9 @@ class Grace:
         if nonfinite not in NONFINITE_POLICIES:
             raise GraceConfigError(f"nonfinite={nonfinite!r}; accepted: {', '.join(NONFINITE_POLICIES)}")
         self.nonfinite = nonfinite
+        if world_size is not None:
+            check_range("world_size", world_size, 1, kind=int)
+        self.expected_world_size = world_size   # checked against the engine's when bound
         self.skipped = 0        # groups skipped for a non-finite gradient (on any rank)
         self._bound = False
         self._agreed = set()    # group signatures the ranks agreed on (see handshake)
@@ -222,13 +225,19 @@ class Grace:
     def bind(self):
         """Hand the engine to the parts that need the world size (fp16's pre-division,
         momentum's clipping): when built, or at the first exchange with ``engine="auto"``."""
+        if self.expected_world_size is not None and self.engine.size != self.expected_world_size:
+            raise GraceConfigError(f"built for world_size={self.expected_world_size} but the {self.engine.name} "
+                                   f"engine has {self.engine.size} ranks")
         self.compressor.bind(self.engine)
         self.memory.bind(self.engine)
         self._bound = True
 
     @property
     def world_size(self):
-        """The number of ranks (GRACE scripts read ``grace.world_size``)."""
+        """The number of ranks (GRACE scripts read ``grace.world_size``, some before
+        ``init_process_group``: then the one given to :func:`build`, checked when bound)."""
+        if not self._bound and self.expected_world_size is not None:
+            return self.expected_world_size
         return self.engine.size
 
     @property
@@ -340,14 +349,16 @@ def _route(params, parts):
 
 
 def build(compressor="none", memory="none", communicator="allreduce", engine="auto",
-          process_group=None, timeout=None, nonfinite="skip", **params):
+          process_group=None, timeout=None, nonfinite="skip", world_size=None, **params):
     """Compose a :class:`Grace` from three registered names and their parameters.
 
     ``engine`` is ``auto`` / ``local`` / ``torch`` / ``horovod`` or an Engine instance;
     ``process_group`` selects a torch.distributed group and ``timeout`` (seconds, default
     300) bounds each of its collectives. ``nonfinite`` says what a NaN/Inf gradient on any
     rank does: ``"skip"`` (every rank skips that group's exchange, state untouched) or
-    ``"raise"``. Other keyword arguments go to whichever of the three parts accepts them.
+    ``"raise"``. ``world_size``, when given, is the number of ranks the run expects: it is
+    what ``grace.world_size`` says before the engine is chosen, and a different number of
+    ranks at the first exchange is an error. Other keyword arguments go to whichever of the three parts accepts them.
     """
     names = {"compressor": COMPRESSORS.canonical(compressor),
              "memory": MEMORIES.canonical(memory),
@@ -366,18 +377,15 @@ def build(compressor="none", memory="none", communicator="allreduce", engine="au
                      if value is not None}
     eng = create_engine(engine, **engine_kwargs)
     grace = Grace(comp_cls(**routed["compressor"]), MEMORIES.get(names["memory"])(**routed["memory"]),
-                  comm_cls(eng, **routed["communicator"]), eng, nonfinite=nonfinite)
+                  comm_cls(eng, **routed["communicator"]), eng, nonfinite=nonfinite, world_size=world_size)
     grace.params = routed
     return grace
 
 
-# GRACE's grace_from_params keys that name no parameter of a part.
-_GRACE_IGNORED = {"world_size"}
-
-
-def from_params(params):
-    """Build from a GRACE-style dict, e.g. ``{'compressor': 'topk', 'memory': 'residual',
-    'communicator': 'allgather', 'compress_ratio': 0.01}`` (GRACE scripts port by changing
-    the import). Keys with value None are treated as absent."""
-    params = {k: v for k, v in dict(params).items() if v is not None and k not in _GRACE_IGNORED}
-    return build(**params)
+def from_params(params, engine="auto"):
+    """Build from a GRACE-style dict with GRACE's defaults and keys (see
+    :func:`grace_dgc.compat.grace_from_params`): ``{'compressor': 'topk', 'memory':
+    'residual', 'communicator': 'allgather'}`` keeps 30 % as GRACE does. :func:`build` is
+    the native API (grace_dgc's defaults, one keyword per parameter)."""
+    from .compat import grace_from_params
+    return grace_from_params(params, engine=engine)

@@ -12,7 +12,7 @@ INF_EXPONENT = 255      # fp32 biased exponent of inf / NaN
 MAX_EXPONENT = 254      # of the largest finite power of two, 2**127
 
 
-@register_compressor("natural")
+@register_compressor("natural", aliases=("natural_cuda",))     # GRACE's CUDA-kernel name
 class NaturalCompressor(StochasticCompressor):
     """Natural compression (Horváth et al. 2019): unbiased rounding to ±2^k; 8-bit exponent + sign bit.
 

@@ -72,7 +72,7 @@ def stochastic_round_(x, generator, workspace):
     return floor.add_(uniform.lt_(fraction))     # in place: large tensors, few passes
 
 
-@register_compressor("qsgd")
+@register_compressor("qsgd", aliases=("qsgd_cuda",))     # GRACE's CUDA-kernel name
 class QSGDCompressor(StochasticCompressor):
     """QSGD (Alistarh et al. 2017): unbiased stochastic levels, ⌈log2(2s+1)⌉ bits/element + bucket norms.
 
@@ -86,8 +86,8 @@ class QSGDCompressor(StochasticCompressor):
 
     Wire: the signed level sgn(v_i)·ξ_i ∈ [−s, s], offset by +s, packed into
     b = ⌈log2(2s+1)⌉ bits per element (wire.pack_bits), plus one fp32 ‖v‖₂ per bucket:
-    ⌈n·b/8⌉ + 4·⌈n/bucket_size⌉ bytes. Default s = 64 (GRACE's default; b = 8); s = 127 is
-    the finest that still fits 8 bits. A bucket of zeros sends norm 0 and levels 0.
+    ⌈n·b/8⌉ + 4·⌈n/bucket_size⌉ bytes. Default s = 64 (b = 8); s = 127 (GRACE's helper
+    default, used by grace_dgc.compat) is the finest that still fits 8 bits. A bucket of zeros sends norm 0 and levels 0.
     """
 
     def __init__(self, quantum_num=64, bucket_size=512, seed=0):
