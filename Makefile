@@ -5,11 +5,11 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(VENV)/.installed: pyproject.toml
 	$(shell command -v $(PYTHON) || echo python3) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,survey]'
+	$(PY) -m pip install -q -e '.[test,survey,lint]'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -36,13 +36,13 @@ import sys
 import time
 
 import torch
+from timing import Report, shown_argv, sync
 
 import grace_dgc
 from grace_dgc import wire
 from grace_dgc.compressors.qsgd import StochasticCompressor
 from grace_dgc.registry import COMPRESSORS
 from grace_dgc.workspace import chunks
-from timing import Report, shown_argv, sync
 
 # parameters that make a method do its typical job on N(0, 1) data
 PARAMS = {
@@ -146,7 +146,7 @@ def main(argv=None):
                 if stochastic:      # its draw, timed in the same rounds
                     calls.append(rng_draw(numel, device, DRAWS.get(name, "uniforms")))
                 times = interleaved(calls, device, args.repeats)
-            except Exception as error:      # noqa: BLE001  report and go on with the others
+            except Exception as error:
                 report(f"{name:<10} skipped: {type(error).__name__}: {error}")
                 failures.append(f"{name}: {type(error).__name__}")
                 continue

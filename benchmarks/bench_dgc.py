@@ -16,9 +16,9 @@ import argparse
 import statistics
 
 import torch
+from timing import timed
 
 import grace_dgc
-from timing import timed
 
 
 def main(argv=None):

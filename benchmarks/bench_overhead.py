@@ -35,9 +35,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import grace_dgc                                    # noqa: E402
-from grace_dgc.launch import run_local              # noqa: E402
-from timing import Report, shown_argv               # noqa: E402
+from timing import Report, shown_argv
+
+import grace_dgc
+from grace_dgc.launch import run_local
 
 WIDTHS = (1024, 4096, 4096, 1024, 10)
 MODES = ("ddp", "optimizer", "hook", "torch-hook")

@@ -16,9 +16,9 @@ import os
 
 import torch
 import torch.distributed as dist
+from common import generated_data, make_model, parse_args, report_loss, report_wire, select_device
 
 import grace_dgc
-from common import generated_data, make_model, parse_args, report_loss, report_wire, select_device
 
 
 def main():

@@ -10,9 +10,9 @@ ranks) and, at the end, the bytes each rank put on the wire.
 """
 import horovod.torch as hvd
 import torch
+from common import generated_data, make_model, parse_args, report_loss, report_wire, select_device
 
 import grace_dgc
-from common import generated_data, make_model, parse_args, report_loss, report_wire, select_device
 
 
 def main():

@@ -10,8 +10,14 @@ from .errors import GraceCommError, GraceConfigError
 from .grace import Grace, build, from_params
 from .interfaces import Communicator, Compressor, Memory
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
-from .registry import (list_communicators, list_compressors, list_memories, register_communicator,
-                       register_compressor, register_memory)
+from .registry import (
+                       list_communicators,
+                       list_compressors,
+                       list_memories,
+                       register_communicator,
+                       register_compressor,
+                       register_memory,
+)
 
 __version__ = "0.1.0"
 

@@ -52,7 +52,7 @@ class Registry:
                 continue
             try:
                 cls = entry.load()
-            except Exception as error:      # noqa: BLE001  one broken plugin must not break the rest
+            except Exception as error:
                 dist = getattr(getattr(entry, "dist", None), "name", "an unknown distribution")
                 self.broken[entry.name] = (f"the {self.kind} plugin {entry.name!r} ({entry.value}, from "
                                            f"{dist}) failed to import: {type(error).__name__}: {error}")

@@ -86,7 +86,7 @@ def test_randomk_ranks_draw_identical_indices(numel, ratio, seed, steps):
     torch.manual_seed(123)
     before = torch.get_rng_state()
     chosen = []
-    for step in range(steps + 1):
+    for _step in range(steps + 1):
         a = ranks[0].compress(torch.randn(numel), "w")[1][0]
         b = ranks[1].compress(torch.zeros(numel), "w")[1][0]
         assert torch.equal(a, b)

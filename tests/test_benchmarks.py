@@ -9,7 +9,7 @@ import grace_dgc
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-import bench_compressors  # noqa: E402
+import bench_compressors
 
 
 def test_bench_compressors_reports_every_method_and_writes_the_readme_block(tmp_path, capsys):

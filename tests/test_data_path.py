@@ -7,9 +7,8 @@ import copy
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra.numpy import arrays
 from scipy import stats
 
 import grace_dgc

@@ -9,6 +9,7 @@ import queue
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import install_dummy_distribution
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +17,6 @@ import grace_dgc
 from grace_dgc.errors import GraceConfigError, parse_value
 from grace_dgc.launch import free_port
 from grace_dgc.registry import COMMUNICATORS, COMPRESSORS, MEMORIES
-
-from conftest import install_dummy_distribution
 
 REGISTRIES = {"compressor": COMPRESSORS, "memory": MEMORIES, "communicator": COMMUNICATORS}
 INFINITY_MEANS_SOMETHING = {("compressor", "threshold", "threshold"), ("compressor", "terngrad", "clip_factor")}
@@ -100,7 +99,7 @@ def built_before_init(rank, world_size, port, results):
         average = grace.step(torch.full((3,), float(rank)), "w")
         results.put((rank, before, grace.engine.name, grace.world_size, average.tolist()))
         torch.distributed.destroy_process_group()
-    except BaseException as error:      # noqa: BLE001  reported to the test
+    except BaseException as error:
         results.put((rank, "error", repr(error), 0, []))
 
 
@@ -121,7 +120,7 @@ def test_parts_built_before_init_process_group_exchange_through_it():
             raise queue.Empty("a rank did not answer within 120 s")
     for proc in procs:
         proc.join(10)
-    for rank, before, after, world, average in got:
+    for _rank, before, after, world, average in got:
         assert (before, after, world) == ("auto", "torch", 2), got
         assert average == [0.5] * 3
 

@@ -16,9 +16,9 @@ import torch
 import grace_dgc
 
 sys.path.insert(0, os.path.dirname(__file__))
-import hvd_worker  # noqa: E402
+import hvd_worker
 
-from grace_dgc.launch import run_local  # noqa: E402
+from grace_dgc.launch import run_local
 
 try:
     import horovod.torch  # noqa: F401

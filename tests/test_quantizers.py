@@ -66,7 +66,7 @@ def test_mean_of_many_draws_converges_to_the_input(name):
     # every draw is one of the two bracketing values
     assert torch.all(torch.isclose(out.abs(), low, rtol=1e-5, atol=0)
                      | torch.isclose(out.abs(), high, rtol=1e-5, atol=0))
-    assert torch.all((out * sign >= 0))
+    assert torch.all(out * sign >= 0)
     expected = sign * (low + p_high * (high - low))
     if name == "terngrad":
         assert torch.allclose(expected, clipped_reference(x))

@@ -4,12 +4,11 @@ import textwrap
 
 import pytest
 import torch
+from conftest import install_dummy_distribution
 
 import grace_dgc
 from grace_dgc import GraceConfigError
 from grace_dgc.registry import COMPRESSORS, Registry
-
-from conftest import install_dummy_distribution
 
 
 def test_lists_are_sorted_canonical_and_filtered():

@@ -312,7 +312,7 @@ def expected_outputs(case, name, params, world):
 def test_ranks_agree_and_match_reference(world):
     results = run_local(_rank_main, world, (CASES,))
     n = SHAPE[0] * SHAPE[1]
-    for i, (name, memory, comm, params) in enumerate(CASES):
+    for i, (name, _memory, comm, params) in enumerate(CASES):
         expected = expected_outputs(i, name, params, world)
         for rank in range(world):
             outs, sent_bytes = results[rank][i]

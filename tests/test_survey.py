@@ -10,7 +10,8 @@ import os
 import pytest
 
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.survey import cli, config as cfg, project, report, runner
+from grace_dgc.survey import cli, project, report, runner
+from grace_dgc.survey import config as cfg
 from grace_dgc.survey.units import human_bytes, parse_latency, parse_rate
 
 TINY = {

@@ -5,7 +5,7 @@ GRACE's second argument, the ``grc`` object, as GRACE's patched Horovod does:
 
     optimizer = hvd.DistributedOptimizer(optimizer, grc, named_parameters=model.named_parameters())
 """
-from horovod.torch import *  # noqa: F401,F403  (the stock API, as GRACE's patched module had)
+from horovod.torch import *  # noqa: F403  (the stock API, as GRACE's patched module had)
 from horovod.torch import Average, Compression
 from horovod.torch import DistributedOptimizer as _horovod_optimizer
 

@@ -1,5 +1,5 @@
 import zlib
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -38,8 +38,8 @@ class Factors(NamedTuple):
     """ctx of a low-rank tensor: ``matrix`` (local M) in round 1, then ``p`` (P̂, equal on all ranks)."""
     name: str
     shape: torch.Size
-    matrix: Optional[torch.Tensor]
-    p: Optional[torch.Tensor]
+    matrix: torch.Tensor | None
+    p: torch.Tensor | None
 
 
 @register_compressor("powersgd")
@@ -63,9 +63,9 @@ class PowerSGDCompressor(Compressor):
     default (2) of the hook's ``min_compression_rate``. On the wire: (n + m)·r values per matrix.
 
     ``orth`` is :func:`orthogonalize` (scale-free when ``orthogonalization_epsilon`` is 0; with
-    ε > 0 the warm start differs from the hook's by O(ε), as the hook keeps Q_sum/W). The initial Q of tensor ``name`` comes from a
-    ``torch.Generator`` seeded by seed ⊕ crc32(name) ⊕ draw count, so all ranks draw the same Q
-    without touching the global RNG; ``warm_start=False`` draws a fresh Q every step.
+    ε > 0 the warm start differs from the hook's by O(ε), as the hook keeps Q_sum/W). The initial Q
+    of tensor ``name`` comes from a ``torch.Generator`` seeded by seed ⊕ crc32(name) ⊕ draw count,
+    so all ranks draw the same Q without touching the global RNG; ``warm_start=False`` draws a fresh Q every step.
     """
     summable = True
     rounds = 2

@@ -87,7 +87,8 @@ class QSGDCompressor(StochasticCompressor):
     Wire: the signed level sgn(v_i)·ξ_i ∈ [−s, s], offset by +s, packed into
     b = ⌈log2(2s+1)⌉ bits per element (wire.pack_bits), plus one fp32 ‖v‖₂ per bucket:
     ⌈n·b/8⌉ + 4·⌈n/bucket_size⌉ bytes. Default s = 64 (b = 8); s = 127 (GRACE's helper
-    default, used by grace_dgc.compat) is the finest that still fits 8 bits. A bucket of zeros sends norm 0 and levels 0.
+    default, used by grace_dgc.compat) is the finest that still fits 8 bits. A bucket of zeros
+    sends norm 0 and levels 0.
     """
 
     def __init__(self, quantum_num=64, bucket_size=512, seed=0):

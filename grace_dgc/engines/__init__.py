@@ -30,7 +30,9 @@ def _horovod_initialized():
 LAUNCHER_SIZES = ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
-def _auto_engine_name():
+def detect_engine_name():
+    """The runtime this process runs in: ``horovod``, ``torch`` or ``local`` (raises under a
+    launcher that started several ranks when no process group exists yet)."""
     import torch.distributed as dist
     if _horovod_initialized():
         return "horovod"
@@ -57,7 +59,7 @@ class AutoEngine(Engine):
 
     def resolve(self):
         if self._engine is None:
-            name = _auto_engine_name()      # process_group and timeout are torch.distributed's
+            name = detect_engine_name()      # process_group and timeout are torch.distributed's
             self._engine = create_engine(name, **(self._kwargs if name == "torch" else {}))
         return self._engine
 
@@ -68,12 +70,14 @@ class AutoEngine(Engine):
         if self._engine is not None:
             return self._engine.name
         try:
-            return _auto_engine_name()
+            return detect_engine_name()
         except GraceConfigError:
             return "auto"
 
     rank = property(lambda self: self.resolve().rank)
     size = property(lambda self: self.resolve().size)
+    backend = property(lambda self: self.resolve().backend)
+    local_rank = property(lambda self: self.resolve().local_rank)
     bytes_sent = property(lambda self: 0 if self._engine is None else self._engine.bytes_sent)
 
     def allreduce(self, tensor):

@@ -12,6 +12,16 @@ class Engine:
     rank = 0
     size = 1
 
+    @property
+    def backend(self):
+        """The transport under the engine: ``gloo``/``nccl``/… for torch, else its name."""
+        return self.name
+
+    @property
+    def local_rank(self):
+        """This rank's index on its machine (which GPU it takes)."""
+        return self.rank
+
     def __init__(self):
         self.bytes_sent = 0
 

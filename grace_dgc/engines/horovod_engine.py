@@ -54,7 +54,12 @@ class HorovodEngine(Engine):
                                    "horovod.torch.init() first (and launch with horovodrun)")
         self.rank = hvd.rank()
         self.size = hvd.size()
+        self._local_rank = hvd.local_rank()
         self._issued = 0        # collectives issued by this engine: the n of their names
+
+    @property
+    def local_rank(self):
+        return self._local_rank
 
     def _name(self, kind):
         self._issued += 1

@@ -1,3 +1,4 @@
+import os
 from datetime import timedelta
 
 import torch
@@ -32,7 +33,16 @@ class TorchEngine(Engine):
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
-        self.backend = dist.get_backend(process_group)
+        self._backend = dist.get_backend(process_group)
+
+    @property
+    def backend(self):
+        return self._backend
+
+    @property
+    def local_rank(self):
+        """torchrun's ``LOCAL_RANK`` (the rank itself when launched otherwise)."""
+        return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
 
     def _global(self, rank):
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -43,7 +53,7 @@ class TorchEngine(Engine):
         self._calls += 1
         try:
             launch().wait(timeout=timedelta(seconds=self.timeout))
-        except Exception as error:      # noqa: BLE001  gloo/NCCL raise RuntimeError subclasses
+        except Exception as error:
             raise GraceCommError(self._diagnose(kind, error)) from error
 
     def _diagnose(self, kind, error):
@@ -61,11 +71,11 @@ class TorchEngine(Engine):
                     continue
                 try:
                     store.wait([prefix + str(self._global(rank))], timedelta(seconds=min(self.timeout, 10.0)))
-                except Exception as wait_error:     # noqa: BLE001
+                except Exception as wait_error:
                     if "timeout" not in str(wait_error).lower():
                         raise                       # not a timeout: the store itself is gone
                     missing.append(rank)
-        except Exception as store_error:        # noqa: BLE001
+        except Exception as store_error:
             return (f"{what}; the store (hosted by rank 0) is unreachable too "
                     f"({type(store_error).__name__}): rank 0 may be the one that stopped or died")
         if missing:

@@ -22,9 +22,11 @@ PROJECT_HELP = "project step time and speedup over dense allreduce to N nodes (Î
 
 
 def add_survey_args(parser):
-    from .config import PRESETS
+    from .presets import PRESET_ALIASES, PRESETS
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", choices=list(PRESETS), help="a built-in grid")
+    source.add_argument("--preset", choices=[*PRESETS, *PRESET_ALIASES], metavar="NAME",
+                        help=f"a built-in grid: {', '.join(PRESETS)} (earlier names {', '.join(PRESET_ALIASES)} "
+                             f"still work)")
     source.add_argument("--config", metavar="FILE.toml", help="a TOML grid (see benchmarks/configs/example.toml)")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="results directory; rerunning with the same DIR skips finished runs")
@@ -38,6 +40,8 @@ def add_survey_args(parser):
                              "N ranks â‰ˆ hosts with RATE/N links each); needs root/CAP_NET_ADMIN and tc")
     parser.add_argument("--latency", metavar="MS", help="one-way delay in ms added on the shaped loopback "
                                                         "(needs the netem qdisc)")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="log per-step scalars to OUT/tensorboard/<run> (needs the tensorboard extra)")
     parser.add_argument("--no-report", action="store_true", help="skip writing report.md and the plots")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     parser.add_argument("--network-tag", help=argparse.SUPPRESS)    # internal: the shaped child's share
@@ -47,7 +51,7 @@ def add_survey_args(parser):
 def run_survey(args):
     from . import netem
     from .config import load_config, load_preset, with_overrides
-    from .runner import run_grid
+    from .grid import run_grid
     try:
         config = load_config(args.config) if args.config else load_preset(args.preset, args.data_dir)
         workers = None
@@ -61,7 +65,8 @@ def run_survey(args):
         if args.bandwidth or args.latency:
             network = {k: v for k, v in (("bandwidth", args.bandwidth), ("latency", args.latency)) if v}
         config = with_overrides(config, workers=workers, epochs=args.epochs, data_dir=args.data_dir,
-                                network=network, max_steps=args.max_steps)
+                                network=network, max_steps=args.max_steps,
+                                tensorboard=args.tensorboard)
         summaries, failures = run_grid(config, args.out, progress=not args.no_progress,
                                        network_tag=args.network_tag)
         if args.network_tag is None and not args.no_report:

@@ -7,88 +7,16 @@ wrong types, bad values and method names or parameters that ``grace_dgc.build`` 
 reject — so a typo fails in a second, not after an hour of training.
 """
 import copy
-import hashlib
 import json
 import math
 import os
 import tomllib
 
 from ..errors import GraceConfigError
+from .cell import Cell, cell_hash, run_id, tuning_key  # noqa: F401  (cell_hash, run_id, tuning_key: API)
+from .presets import KPERCENTS, PRESET_ALIASES, PRESETS, load_preset, preset_dict  # noqa: F401
+from .schema import DEFAULTS, METHOD_KEYS, NETWORK_KEYS, TOP_LEVEL, WORKLOAD_HYPER, _check_keys, _positive_int
 from .units import format_rate, parse_latency, parse_rate
-
-# key -> (accepted types, description); None means "optional, no default here"
-TOP_LEVEL = {
-    "name": ((str,), "a name for the survey, shown in the report"),
-    "description": ((str,), "free text, shown in the report"),
-    "workload": ((str,), "workload name (grace_dgc.survey.workloads.list_workloads())"),
-    "workload_options": ((dict,), "extra get_workload options, e.g. {num_samples = 2000}"),
-    "data_dir": ((str,), "directory with dataset files (never downloaded)"),
-    "data_seed": ((int,), "seed of the generated dataset instance (same for every cell)"),
-    "workers": ((int, list), "ranks per run: an int or a list (a grid dimension)"),
-    "seeds": ((list,), "run seeds (model init + data order), e.g. [0, 1, 2]"),
-    "repeats": ((int,), "shorthand for seeds = [0 .. repeats-1]"),
-    "epochs": ((int,), "epochs per run (default: the workload's)"),
-    "batch_size": ((int,), "batch size per worker (default: the workload's)"),
-    "lr": ((int, float), "learning rate (default: the workload's)"),
-    "momentum": ((int, float), "SGD momentum (default: the workload's)"),
-    "weight_decay": ((int, float), "SGD weight decay (default: the workload's)"),
-    "target_accuracy": ((int, float), "accuracy for time/epochs-to-target (default: the workload's)"),
-    "lr_milestones": ((list,), "epochs after which lr *= lr_gamma (default: the workload's)"),
-    "lr_gamma": ((int, float), "lr decay factor at milestones"),
-    "grad_clip": ((int, float), "clip the averaged gradient's global norm to this"),
-    "max_steps": ((int,), "at most this many optimizer steps per epoch (0 = the whole epoch)"),
-    "tune_epochs": ((int,), "epochs of each lr-tuning run (default max(1, epochs // 4))"),
-    "tune_holdout": ((int, float), "fraction of train held out to score lr candidates (default 0.1)"),
-    "eval_batch_size": ((int,), "batch size for evaluation (default 1000)"),
-    "device": ((str,), "auto, cpu or cuda"),
-    "backend": ((str,), "auto, gloo or nccl"),
-    "timing_skip_steps": ((int,), "first steps of a run left out of the timing means (default 1)"),
-    "timeout": ((int, float), "seconds one run may take before it is killed (default 86400)"),
-    "networks": ((list,), "network conditions, e.g. [{}, {bandwidth = \"1gbit\", latency = 0.1}]"),
-    "methods": ((list,), "the methods: [[methods]] tables"),
-}
-METHOD_KEYS = {
-    "label": ((str,), "the method's name in tables and plots (unique)"),
-    "compressor": ((str,), "registered compressor (grace_dgc.list_compressors())"),
-    "memory": ((str,), "registered memory (default none)"),
-    "communicator": ((str,), "registered communicator (default: allreduce if the compressor's "
-                             "payloads are summable, else allgather)"),
-    "params": ((dict,), "parameters for grace_dgc.build, e.g. {compress_ratio = 0.01}"),
-    "lr": ((int, float), "this method's learning rate (overrides the survey's)"),
-    "momentum": ((int, float), "this method's SGD momentum"),
-    "weight_decay": ((int, float), "this method's SGD weight decay"),
-    "tune_lr": ((list,), "lr candidates: the best on a held-out split is used (and reported)"),
-    "tags": ((dict,), "free-form values carried into the results (e.g. kpercent = 1 for the "
-                      "seed000 table)"),
-}
-NETWORK_KEYS = {
-    "bandwidth": ((str, int, float), "rate of the shaped loopback, e.g. \"1gbit\""),
-    "latency": ((str, int, float), "one-way delay in milliseconds added to every packet"),
-}
-# forwarded to get_workload as hyper-parameter overrides
-WORKLOAD_HYPER = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "target_accuracy",
-                  "lr_milestones", "lr_gamma", "grad_clip")
-DEFAULTS = {"data_seed": 0, "workers": 2, "max_steps": 0, "tune_epochs": 0, "tune_holdout": 0.1,
-            "eval_batch_size": 1000, "device": "auto", "backend": "auto", "timing_skip_steps": 1,
-            "timeout": 86400}
-
-
-def _check_keys(table, accepted, where):
-    unknown = sorted(set(table) - set(accepted))
-    if unknown:
-        lines = "\n".join(f"  {k}: {desc}" for k, (_, desc) in accepted.items())
-        raise GraceConfigError(f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; accepted:\n{lines}")
-    for key, value in table.items():
-        types = accepted[key][0]
-        if isinstance(value, bool) or not isinstance(value, types):
-            names = " or ".join("table" if t is dict else "list" if t is list else t.__name__ for t in types)
-            raise GraceConfigError(f"{where}: {key} = {value!r} must be a {names}")
-
-
-def _positive_int(value, key, low=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise GraceConfigError(f"{key} = {value!r} must be an int >= {low}")
-    return value
 
 
 class Network:
@@ -164,6 +92,13 @@ class SurveyConfig:
         self.timeout = float(settings["timeout"])
         if not self.timeout > 0:
             raise GraceConfigError(f"timeout = {self.timeout!r} must be > 0 seconds")
+        self.tensorboard = settings["tensorboard"]
+        if self.tensorboard:
+            try:
+                import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
+            except ImportError:
+                raise GraceConfigError("tensorboard = true needs the tensorboard package: pip install "
+                                       "'grace_dgc[tensorboard]'") from None
         self.device = settings["device"]
         if self.device not in ("auto", "cpu", "cuda"):
             raise GraceConfigError(f"device = {self.device!r}; accepted: auto, cpu, cuda")
@@ -193,6 +128,7 @@ class SurveyConfig:
 
     def _methods(self, methods):
         import grace_dgc
+
         from ..registry import COMPRESSORS
         if not methods:
             raise GraceConfigError(f"{self.source}: no methods; add [[methods]] tables "
@@ -244,8 +180,8 @@ class SurveyConfig:
         return out
 
     # -- the grid --------------------------------------------------------------------
-    def cells(self, cache_dir=None):
-        """Every (method × workers × seed × network) run, as plain dicts for the runner.
+    def cells(self, cache_dir=None, tensorboard_dir=None):
+        """Every (method × workers × seed × network) run, as :class:`~grace_dgc.survey.cell.Cell`.
 
         Order: network, workers, method, seed — so lr tuning (once per method and worker
         count) happens in the first seed's run and later seeds reuse it.
@@ -255,51 +191,25 @@ class SurveyConfig:
             for workers in self.workers:
                 for method in self.methods:
                     for seed in self.seeds:
-                        cells.append(self._cell(method, workers, seed, net, cache_dir))
+                        cells.append(self._cell(method, workers, seed, net, cache_dir, tensorboard_dir))
         return cells
 
-    def _cell(self, method, workers, seed, net, cache_dir):
+    def _cell(self, method, workers, seed, net, cache_dir, tensorboard_dir):
         hyper = dict(self.hyper)
         hyper.update({k: method[k] for k in ("lr", "momentum", "weight_decay") if k in method})
-        cell = {
-            "survey": self.name,
-            "label": method["label"],
-            "method": {k: method[k] for k in ("compressor", "memory", "communicator", "params", "tags")},
-            "tune_lr": method.get("tune_lr"),
-            "workers": workers, "seed": seed, "network": net.to_dict(),
-            "workload": self.workload, "workload_options": self.workload_options,
-            "hyper": hyper, "data_dir": self.data_dir, "data_seed": self.data_seed,
-            "max_steps": self.max_steps, "tune_epochs": self.tune_epochs, "tune_holdout": self.tune_holdout,
-            "eval_batch_size": self.eval_batch_size, "timing_skip_steps": self.timing_skip_steps,
-            "device": self.device, "backend": self.backend,
-        }
-        cell["run_id"] = run_id(method["label"], workers, seed, net.tag)
-        cell["cell_hash"] = cell_hash(cell)
-        cell["tuning_key"] = tuning_key(cell)
-        cell["cache_dir"] = cache_dir       # not hashed: where a run keeps generated data
-        return cell
+        return Cell(
+            survey=self.name, label=method["label"],
+            method={k: method[k] for k in ("compressor", "memory", "communicator", "params", "tags")},
+            tune_lr=method.get("tune_lr"), workers=workers, seed=seed, network=net.to_dict(),
+            workload=self.workload, workload_options=self.workload_options, hyper=hyper,
+            data_dir=self.data_dir, data_seed=self.data_seed, max_steps=self.max_steps,
+            tune_epochs=self.tune_epochs, tune_holdout=self.tune_holdout,
+            eval_batch_size=self.eval_batch_size, timing_skip_steps=self.timing_skip_steps,
+            device=self.device, backend=self.backend, cache_dir=cache_dir,
+            tensorboard_dir=tensorboard_dir if self.tensorboard else None)
 
     def to_dict(self):
         return copy.deepcopy(self.raw)
-
-
-def run_id(label, workers, seed, network_tag="local"):
-    rid = f"{label} w{workers} s{seed}"
-    return rid if network_tag == "local" else f"{rid} @{network_tag}"
-
-
-def cell_hash(cell):
-    """Fingerprint of everything that changes a run's result (resume skips only a finished
-    run whose fingerprint matches)."""
-    keep = {k: v for k, v in cell.items() if k not in ("run_id", "cell_hash", "tuning_key", "cache_dir", "survey")}
-    return hashlib.sha1(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def tuning_key(cell):
-    """lr tuning is shared by the seeds of a (method, workers, network) group."""
-    keep = {k: v for k, v in cell.items()
-            if k not in ("run_id", "cell_hash", "tuning_key", "cache_dir", "survey", "seed")}
-    return hashlib.sha1(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _workload_names():
@@ -324,126 +234,8 @@ def load_config(path):
     return SurveyConfig(raw, source=path)
 
 
-def _method(label, compressor, memory="none", communicator=None, **extra):
-    method = {"label": label, "compressor": compressor, "memory": memory}
-    if communicator:
-        method["communicator"] = communicator
-    method.update(extra)
-    return method
-
-
-KPERCENTS = (100, 10, 5, 3, 2, 1, 0.9, 0.5, 0.3, 0.2, 0.1, 0)
-
-
-def _kpercent_method(k):
-    """The seed000 sweep: "send k% of the gradient" by magnitude, the rest dropped (its
-    masking experiment: no error feedback). 100% is the dense baseline; 0% sends nothing
-    (threshold = ∞), so the model stays at its initialisation."""
-    if k == 100:
-        return _method("100 (send all)", "none", tags={"kpercent": 100})
-    if k == 0:
-        return _method("0 (send none)", "threshold", "none", "allgather",
-                       params={"threshold": math.inf}, tags={"kpercent": 0})
-    return _method(f"{k:g}", "topk", "none", "allgather", params={"compress_ratio": k / 100},
-                   tags={"kpercent": k})
-
-
-def _preset_quick(data_dir):
-    return {
-        "name": "quick",
-        "description": "none, top-k 1%, DGC 0.1%, QSGD and 2-bit on MNIST-1D with 2 ranks",
-        "workload": "mnist1d-mlp", "workers": 2, "seeds": [0], "epochs": 10,
-        "methods": [
-            _method("dense", "none"),
-            _method("topk 1%", "topk", "residual", "allgather", params={"compress_ratio": 0.01}),
-            _method("dgc 0.1%", "dgc", "momentum", "allgather",
-                    params={"compress_ratio": 0.001, "warmup_epochs": 2}),
-            _method("qsgd 64", "qsgd", "none", "allgather", params={"quantum_num": 64}),
-            _method("twobit 0.005", "twobit", "residual", "allgather", params={"threshold": 0.005}),
-        ],
-    }
-
-
-def _preset_kpercent(data_dir):
-    return {
-        "name": "seed000-kpercent",
-        "description": "Send k% of the gradient (top-k by magnitude, the rest dropped) with 1 and 2 "
-                       "workers; the seed's 'Send k% grads | Accuracy | Loss' table",
-        "workload": "mnist-mlp" if data_dir else "mnist1d-mlp", "data_dir": data_dir,
-        "workers": [1, 2], "seeds": [0],
-        "methods": [_kpercent_method(k) for k in KPERCENTS],
-    }
-
-
-def _preset_dgc_resnet20(data_dir):
-    return {
-        "name": "seed001-dgc-resnet20",
-        "description": "ResNet-20 on CIFAR-10, dense vs DGC (ratio 0.001, 5 warm-up epochs, fp16 "
-                       "values, int32 indices, momentum correction); the seed's time-to-85% table",
-        "workload": "cifar10-resnet20", "data_dir": data_dir, "workers": 1, "seeds": [0],
-        "target_accuracy": 0.85,
-        "methods": [
-            _method("dense", "none"),
-            _method("dgc 0.1%", "dgc", "momentum", "allgather",
-                    params={"compress_ratio": 0.001, "warmup_epochs": 5, "fp16_values": True}),
-        ],
-    }
-
-
-def _preset_topk_dgc_qsgd(data_dir):
-    lrs = [0.01, 0.025, 0.05, 0.1]
-    return {
-        "name": "seed003-topk-dgc-qsgd",
-        "description": "baseline vs Top-k vs DGC vs QSGD at 2 and 4 ranks, each with its own learning "
-                       "rate tuned on a held-out split (the seed thesis' fairness point)",
-        "workload": "mnist-lenet5" if data_dir else "mnist1d-cnn", "data_dir": data_dir,
-        "workers": [2, 4], "seeds": [0, 1, 2],
-        "methods": [
-            _method("baseline", "none", tune_lr=lrs),
-            _method("topk 1%", "topk", "residual", "allgather", params={"compress_ratio": 0.01}, tune_lr=lrs),
-            _method("dgc 0.1%", "dgc", "momentum", "allgather",
-                    params={"compress_ratio": 0.001, "warmup_epochs": 2}, tune_lr=lrs),
-            _method("qsgd 64", "qsgd", "none", "allgather", params={"quantum_num": 64}, tune_lr=lrs),
-        ],
-    }
-
-
-def _preset_twobit(data_dir):
-    return {
-        "name": "seed004-twobit",
-        "description": "MXNet's 2-bit quantisation (error feedback) at several thresholds vs dense on the "
-                       "fully-connected-heavy network, unshaped and on a 1 Gbit/s shaped loopback",
-        "workload": "fc-heavy", "workers": 2, "seeds": [0], "epochs": 2, "max_steps": 30,
-        "networks": [{}, {"bandwidth": "1gbit"}],
-        "methods": [_method("dense", "none")] + [
-            _method(f"twobit {t:g}", "twobit", "residual", "allgather", params={"threshold": t})
-            for t in (0.5, 0.05, 0.005)],
-    }
-
-
-PRESETS = {
-    "quick": _preset_quick,
-    "seed000-kpercent": _preset_kpercent,
-    "seed001-dgc-resnet20": _preset_dgc_resnet20,
-    "seed003-topk-dgc-qsgd": _preset_topk_dgc_qsgd,
-    "seed004-twobit": _preset_twobit,
-}
-
-
-def preset_dict(name, data_dir=None):
-    """The raw config dict of preset ``name`` (``data_dir`` switches to file datasets where
-    the preset has one)."""
-    if name not in PRESETS:
-        raise GraceConfigError(f"unknown preset {name!r}; accepted: {', '.join(PRESETS)}")
-    raw = PRESETS[name](data_dir)
-    return {k: v for k, v in raw.items() if v is not None}
-
-
-def load_preset(name, data_dir=None):
-    return SurveyConfig(preset_dict(name, data_dir), source=f"preset {name}")
-
-
-def with_overrides(config, workers=None, epochs=None, data_dir=None, network=None, max_steps=None):
+def with_overrides(config, workers=None, epochs=None, data_dir=None, network=None, max_steps=None,
+                   tensorboard=None):
     """A copy of ``config`` with the CLI's overrides applied (validated again)."""
     raw = config.to_dict()
     if workers is not None:
@@ -454,6 +246,8 @@ def with_overrides(config, workers=None, epochs=None, data_dir=None, network=Non
         raw["data_dir"] = data_dir
     if max_steps is not None:
         raw["max_steps"] = max_steps
+    if tensorboard:
+        raw["tensorboard"] = True
     if network is not None:
         raw["networks"] = [network]
     raw.setdefault("name", config.name)

@@ -1,8 +1,8 @@
 """Models of the survey workloads. Each draws its initial weights from the global torch RNG
 only, so ``torch.manual_seed(seed); make_model()`` gives the same model on every rank and
 for every compression method."""
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 def parameter_count(model):

@@ -93,7 +93,7 @@ def measured_methods(records):
     """One entry per method label: mean over seeds of its unshaped runs at the largest
     measured worker count (shaped runs are used only when there is no unshaped one)."""
     from ..registry import COMPRESSORS
-    from .runner import latest_summaries
+    from .results import latest_summaries
     runs = latest_summaries(records)
     if not runs:
         raise GraceConfigError("no finished runs (summary lines) in this directory; run `grace-dgc survey` first")
@@ -182,7 +182,7 @@ def add_project_args(parser):
 
 
 def run_project(args):
-    from .runner import read_records
+    from .results import read_records
     if not os.path.isdir(args.dir):
         raise GraceConfigError(f"{args.dir!r} is not a directory")
     try:

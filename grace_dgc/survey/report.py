@@ -15,7 +15,7 @@ import statistics
 import sys
 
 from ..errors import GraceConfigError
-from .runner import CONFIG_JSON, latest_summaries, read_records
+from .results import CONFIG_JSON, latest_summaries, read_records
 from .units import human_bytes, human_seconds
 
 TIME_PARTS = (("compute_s", "compute (fwd+bwd)"), ("compress_s", "compress"),

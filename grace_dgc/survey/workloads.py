@@ -15,15 +15,15 @@ pin the generated data while the seed varies. Data order and model init are the 
 import dataclasses
 import difflib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 
 from ..errors import GraceConfigError, check_range
 from . import datasets, models
 from .datasets import MissingDataError  # noqa: F401  (re-exported for the runner)
-from .models import parameter_count  # noqa: F401  (re-exported)
+from .models import parameter_count
 
 
 @dataclass
@@ -40,12 +40,12 @@ class Workload:
     target_accuracy: float        # for time/epochs-to-target
     description: str
     # lm workloads: inputs/targets are (N, bptt) int64 windows; accuracy = next-token accuracy
-    augment: Optional[Callable] = None    # augment(inputs_batch, torch.Generator) -> batch (train only)
-    valid: Optional[tuple] = None         # a held-out split when the dataset ships one (PTB)
+    augment: Callable | None = None    # augment(inputs_batch, torch.Generator) -> batch (train only)
+    valid: tuple | None = None         # a held-out split when the dataset ships one (PTB)
     weight_decay: float = 0.0
     lr_milestones: tuple = ()             # epochs after which lr *= lr_gamma (MultiStepLR)
     lr_gamma: float = 0.1
-    grad_clip: Optional[float] = None     # clip the gradient's global norm to this (LSTM)
+    grad_clip: float | None = None     # clip the gradient's global norm to this (LSTM)
     parameters: int = 0                   # trainable parameters of make_model()
     info: dict = field(default_factory=dict)  # dataset/model facts: source, shapes, classes, vocab
 

@@ -1,0 +1,76 @@
+"""One run of a survey grid (a *cell*: method × workers × seed × network) and its fingerprints."""
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+# not part of what makes a run's result: left out of the fingerprints
+_UNHASHED = ("run_id", "cell_hash", "tuning_key", "cache_dir", "tensorboard_dir", "survey")
+
+
+@dataclasses.dataclass
+class Cell:
+    """Everything a rank needs to train one run, picklable for the spawned ranks.
+
+    ``cell_hash`` fingerprints what changes the result (resume skips a finished run only if
+    it matches); ``tuning_key`` is the same without the seed (lr tuning is shared by the
+    seeds of a method). Also readable as a mapping (``cell["workers"]``), as results code
+    and earlier scripts read it.
+    """
+    survey: str
+    label: str
+    method: dict[str, Any]          # compressor, memory, communicator, params, tags
+    tune_lr: list[float] | None
+    workers: int
+    seed: int
+    network: dict[str, Any]         # Network.to_dict(): bandwidth_bps, latency_ms, tag
+    workload: str
+    workload_options: dict[str, Any]
+    hyper: dict[str, Any]
+    data_dir: str | None
+    data_seed: int
+    max_steps: int
+    tune_epochs: int
+    tune_holdout: float
+    eval_batch_size: int
+    timing_skip_steps: int
+    device: str
+    backend: str
+    cache_dir: str | None = None    # where a run keeps generated data (not hashed)
+    tensorboard_dir: str | None = None  # where rank 0 logs scalars, if asked (not hashed)
+    run_id: str = ""
+    cell_hash: str = ""
+    tuning_key: str = ""
+
+    def __post_init__(self):
+        self.run_id = run_id(self.label, self.workers, self.seed, self.network["tag"])
+        self.cell_hash = fingerprint(self.as_dict())
+        self.tuning_key = fingerprint(self.as_dict(), "seed")
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+    def __getitem__(self, key):
+        return getattr(self, key)
+
+    def get(self, key, default=None):
+        return getattr(self, key, default)
+
+
+def run_id(label, workers, seed, network_tag="local"):
+    rid = f"{label} w{workers} s{seed}"
+    return rid if network_tag == "local" else f"{rid} @{network_tag}"
+
+
+def fingerprint(cell, *also_without):
+    """12 hex digits of SHA-1 over the cell's result-changing fields (minus ``also_without``)."""
+    keep = {k: v for k, v in dict(cell).items() if k not in _UNHASHED + also_without}
+    return hashlib.sha1(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def cell_hash(cell):
+    return fingerprint(cell)
+
+
+def tuning_key(cell):
+    return fingerprint(cell, "seed")

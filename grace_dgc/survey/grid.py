@@ -1,0 +1,136 @@
+"""The grid driver: every unfinished cell of a config, each in its own process group on this
+machine (:func:`grace_dgc.launch.run_local`), shaped networks in a network namespace."""
+import json
+import os
+import sys
+
+import torch
+
+from ..errors import GraceConfigError
+from .execute import run_cell
+from .results import CONFIG_JSON, append_record, finished_runs, latest_summaries, read_records, write_summary_csv
+from .train import load_workload
+
+
+def resolve_runtime(config, workers=1, network_shaped=False):
+    """(backend, device) for local launches. ``auto``: NCCL + CUDA when there is a GPU per
+    rank (gloo when the network is shaped: NCCL would bypass the loopback), else gloo on
+    CPU; ``device = "cuda"`` with gloo puts every rank on the GPUs it finds (shared)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if config.device == "cuda" and not gpus:
+        raise GraceConfigError("device = 'cuda' but torch sees no GPU; use device = 'auto' or 'cpu'")
+    if config.device == "auto":
+        cuda = gpus >= workers
+    else:
+        cuda = config.device == "cuda"
+    backend = config.backend
+    if backend == "auto":
+        backend = "nccl" if cuda and gpus >= workers and not network_shaped else "gloo"
+    if backend == "nccl" and gpus < workers:
+        raise GraceConfigError(f"backend = 'nccl' needs a GPU per rank ({workers} ranks, {gpus} GPUs); "
+                               f"use backend = 'gloo'")
+    return backend, "cuda" if cuda else "cpu"
+
+
+def prepare(config, out_dir, check_workload=True):
+    """Create ``out_dir``, save the resolved config and load the workload once (checks its
+    options and files before any rank starts; generated data is cached for the ranks)."""
+    os.makedirs(out_dir, exist_ok=True)
+    raw = config.to_dict()
+    raw["name"] = config.name
+    with open(os.path.join(out_dir, CONFIG_JSON), "w") as f:
+        json.dump(raw, f, indent=2, default=str)
+    cache_dir = os.path.join(out_dir, "data-cache")
+    os.makedirs(cache_dir, exist_ok=True)
+    cells = config.cells(cache_dir=cache_dir, tensorboard_dir=os.path.join(out_dir, "tensorboard"))
+    if not check_workload:
+        return cells, None
+    workload = load_workload(cells[0])
+    for workers in config.workers:
+        if workload.batch_size * workers > len(workload.train[0]):
+            raise GraceConfigError(
+                f"batch_size {workload.batch_size} × {workers} workers exceeds the "
+                f"{len(workload.train[0])} training samples of {workload.name!r}")
+    return cells, workload
+
+
+def run_grid(config, out_dir, progress=True, network_tag=None, log=print):
+    """Run every unfinished cell of ``config`` (only those of ``network_tag`` if given),
+    skipping runs whose summary is already in ``out_dir``. Cells of a shaped network are
+    run in a shaped namespace (see :mod:`grace_dgc.survey.netem`) unless this process is
+    already inside one with that shaping. Returns (summaries, failures)."""
+    from tqdm.auto import tqdm
+
+    from ..launch import run_local
+    from . import netem
+    # a shaped-network child runs a share of a grid its parent has already checked
+    cells, _ = prepare(config, out_dir, check_workload=network_tag is None)
+    if network_tag is not None:
+        cells = [c for c in cells if c.network["tag"] == network_tag]
+    done = finished_runs(out_dir)
+    summaries, failures = [], []
+    inside = netem.current_shaping()
+    by_network = {}
+    for cell in cells:
+        by_network.setdefault(cell.network["tag"], []).append(cell)
+
+    def is_shaped(net):
+        return bool(net["bandwidth_bps"]) or net["latency_ms"] > 0
+
+    for group in by_network.values():     # fail fast: before any run, not after hours
+        net = group[0].network
+        if is_shaped(net) and inside is None and any(done.get(c.run_id) != c.cell_hash for c in group):
+            netem.probe(net["bandwidth_bps"], net["latency_ms"])
+    bar = tqdm(total=len(cells), desc=f"survey {config.name}", position=0, unit="run", dynamic_ncols=True,
+               disable=not progress)
+    try:
+        for tag, group in by_network.items():
+            net = group[0].network
+            todo = [c for c in group if done.get(c.run_id) != c.cell_hash]
+            bar.update(len(group) - len(todo))
+            if not todo:
+                continue
+            shaped = is_shaped(net)
+            if shaped and (inside is None or inside.get("tag") != tag):
+                if inside is not None:
+                    raise GraceConfigError(f"already inside a shaped network ({inside.get('tag')}); cannot "
+                                           f"run cells of network {tag!r} here")
+                log(f"[survey] network {tag}: running {len(todo)} run(s) in a shaped network namespace")
+                bar.clear()
+                code = netem.run_shaped(
+                    [sys.executable, "-m", "grace_dgc.survey.cli", "survey", "--config",
+                     os.path.join(out_dir, CONFIG_JSON), "--out", out_dir, "--network-tag", tag]
+                    + ([] if progress else ["--no-progress"]),
+                    bandwidth_bps=net["bandwidth_bps"], latency_ms=net["latency_ms"], check_first=False)
+                finished = {r["run_id"]: r for r in latest_summaries(read_records(out_dir))}
+                for cell in todo:
+                    if finished.get(cell.run_id, {}).get("cell_hash") == cell.cell_hash:
+                        summaries.append(finished[cell.run_id])
+                    else:
+                        failures.append((cell.run_id, f"shaped-network child exited with {code}"))
+                bar.update(len(todo))
+                continue
+            for cell in todo:
+                backend, device = resolve_runtime(config, cell.workers, shaped)
+                bar.set_postfix_str(cell.run_id)
+                try:
+                    result = run_local(run_cell, cell.workers, (cell, out_dir, progress, device),
+                                       backend=backend, timeout=config.timeout)
+                    summary = result[0]
+                    summaries.append(summary)
+                    bar.write(f"[survey] {cell['run_id']}: test acc {summary['final_test_accuracy']:.4f}, "
+                              f"{summary['bytes_per_step']:.0f} B/step, ratio {summary['compression_ratio']:.4g}, "
+                              f"{summary['train_time_s']:.1f} s")
+                except Exception as err:        # one broken run does not stop the survey
+                    message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+                    failures.append((cell.run_id, str(err)))
+                    append_record(out_dir, {"type": "error", "run_id": cell.run_id,
+                                            "cell_hash": cell.cell_hash, "message": str(err)[-4000:]})
+                    bar.write(f"[survey] {cell['run_id']} FAILED: {message}")
+                bar.update(1)
+    finally:
+        bar.close()
+        write_summary_csv(out_dir)
+    return summaries, failures
+
+

@@ -1,0 +1,81 @@
+"""The survey config's schema: every key a config may hold, its types and meaning (the error
+for an unknown key lists them), and the small checks shared by the loader."""
+from ..errors import GraceConfigError
+
+# key -> (accepted types, description); None means "optional, no default here"
+TOP_LEVEL = {
+    "name": ((str,), "a name for the survey, shown in the report"),
+    "description": ((str,), "free text, shown in the report"),
+    "workload": ((str,), "workload name (grace_dgc.survey.workloads.list_workloads())"),
+    "workload_options": ((dict,), "extra get_workload options, e.g. {num_samples = 2000}"),
+    "data_dir": ((str,), "directory with dataset files (never downloaded)"),
+    "data_seed": ((int,), "seed of the generated dataset instance (same for every cell)"),
+    "workers": ((int, list), "ranks per run: an int or a list (a grid dimension)"),
+    "seeds": ((list,), "run seeds (model init + data order), e.g. [0, 1, 2]"),
+    "repeats": ((int,), "shorthand for seeds = [0 .. repeats-1]"),
+    "epochs": ((int,), "epochs per run (default: the workload's)"),
+    "batch_size": ((int,), "batch size per worker (default: the workload's)"),
+    "lr": ((int, float), "learning rate (default: the workload's)"),
+    "momentum": ((int, float), "SGD momentum (default: the workload's)"),
+    "weight_decay": ((int, float), "SGD weight decay (default: the workload's)"),
+    "target_accuracy": ((int, float), "accuracy for time/epochs-to-target (default: the workload's)"),
+    "lr_milestones": ((list,), "epochs after which lr *= lr_gamma (default: the workload's)"),
+    "lr_gamma": ((int, float), "lr decay factor at milestones"),
+    "grad_clip": ((int, float), "clip the averaged gradient's global norm to this"),
+    "max_steps": ((int,), "at most this many optimizer steps per epoch (0 = the whole epoch)"),
+    "tune_epochs": ((int,), "epochs of each lr-tuning run (default max(1, epochs // 4))"),
+    "tune_holdout": ((int, float), "fraction of train held out to score lr candidates (default 0.1)"),
+    "eval_batch_size": ((int,), "batch size for evaluation (default 1000)"),
+    "device": ((str,), "auto, cpu or cuda"),
+    "backend": ((str,), "auto, gloo or nccl"),
+    "tensorboard": ((bool,), "log per-step and per-epoch scalars to DIR/tensorboard/<run> (needs the "
+                             "tensorboard extra)"),
+    "timing_skip_steps": ((int,), "first steps of a run left out of the timing means (default 1)"),
+    "timeout": ((int, float), "seconds one run may take before it is killed (default 86400)"),
+    "networks": ((list,), "network conditions, e.g. [{}, {bandwidth = \"1gbit\", latency = 0.1}]"),
+    "methods": ((list,), "the methods: [[methods]] tables"),
+}
+METHOD_KEYS = {
+    "label": ((str,), "the method's name in tables and plots (unique)"),
+    "compressor": ((str,), "registered compressor (grace_dgc.list_compressors())"),
+    "memory": ((str,), "registered memory (default none)"),
+    "communicator": ((str,), "registered communicator (default: allreduce if the compressor's "
+                             "payloads are summable, else allgather)"),
+    "params": ((dict,), "parameters for grace_dgc.build, e.g. {compress_ratio = 0.01}"),
+    "lr": ((int, float), "this method's learning rate (overrides the survey's)"),
+    "momentum": ((int, float), "this method's SGD momentum"),
+    "weight_decay": ((int, float), "this method's SGD weight decay"),
+    "tune_lr": ((list,), "lr candidates: the best on a held-out split is used (and reported)"),
+    "tags": ((dict,), "free-form values carried into the results (e.g. kpercent = 1 for the "
+                      "seed000 table)"),
+}
+NETWORK_KEYS = {
+    "bandwidth": ((str, int, float), "rate of the shaped loopback, e.g. \"1gbit\""),
+    "latency": ((str, int, float), "one-way delay in milliseconds added to every packet"),
+}
+# forwarded to get_workload as hyper-parameter overrides
+WORKLOAD_HYPER = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "target_accuracy",
+                  "lr_milestones", "lr_gamma", "grad_clip")
+DEFAULTS = {"data_seed": 0, "workers": 2, "max_steps": 0, "tune_epochs": 0, "tune_holdout": 0.1,
+            "eval_batch_size": 1000, "device": "auto", "backend": "auto", "timing_skip_steps": 1, "tensorboard": False,
+            "timeout": 86400}
+
+
+def _check_keys(table, accepted, where):
+    unknown = sorted(set(table) - set(accepted))
+    if unknown:
+        lines = "\n".join(f"  {k}: {desc}" for k, (_, desc) in accepted.items())
+        raise GraceConfigError(f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; accepted:\n{lines}")
+    for key, value in table.items():
+        types = accepted[key][0]
+        if isinstance(value, bool) != (bool in types) or not isinstance(value, types):
+            names = " or ".join("table" if t is dict else "list" if t is list else t.__name__ for t in types)
+            raise GraceConfigError(f"{where}: {key} = {value!r} must be a {names}")
+
+
+def _positive_int(value, key, low=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise GraceConfigError(f"{key} = {value!r} must be an int >= {low}")
+    return value
+
+

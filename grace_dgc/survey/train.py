@@ -1,0 +1,199 @@
+"""Training one model for a survey cell: the seeded model and data order, the measured step
+loop, evaluation. See :mod:`grace_dgc.survey.runner` for what each measurement means."""
+import hashlib
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+
+import grace_dgc
+
+from ..errors import GraceConfigError
+from .metrics import RankTotals, epoch_record
+
+
+def load_workload(cell):
+    from .workloads import get_workload
+    data_dir = cell.data_dir
+    if data_dir is None and cell.workload.startswith("mnist1d") and cell.cache_dir:
+        data_dir = cell.cache_dir        # mnist1d keeps its generated arrays there
+    return get_workload(cell.workload, data_dir=data_dir, seed=cell.data_seed,
+                        **cell.workload_options, **cell.hyper)
+
+
+def _mix(*numbers):
+    """A 63-bit seed from ints (stable across runs and platforms)."""
+    digest = hashlib.blake2b(",".join(map(str, numbers)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _loss_and_hits(output, targets):
+    """(mean loss, correct predictions, predictions) for both workload kinds."""
+    if output.dim() == 3:      # lm: (N, bptt, vocab) against next tokens (N, bptt)
+        output = output.reshape(-1, output.shape[-1])
+        targets = targets.reshape(-1)
+    loss = F.cross_entropy(output, targets)
+    hits = (output.argmax(dim=-1) == targets).sum()
+    return loss, hits, targets.numel()
+
+
+def evaluate(ctx, model, split, batch_size):
+    """(loss, accuracy) on ``split``, sharded over ranks and summed; floating buffers
+    (BatchNorm statistics, which each rank updates from its own batches) are averaged
+    over ranks first so every rank evaluates the same model."""
+    if ctx.size > 1:
+        with torch.no_grad():
+            for buffer in model.buffers():
+                if buffer.is_floating_point():
+                    summed = ctx.engine.allreduce(buffer.detach().clone())
+                    buffer.copy_(summed / ctx.size)
+    inputs, targets = split
+    shard = torch.arange(ctx.rank, len(inputs), ctx.size)
+    loss_sum = hits = count = 0.0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(shard), batch_size):
+            idx = shard[start:start + batch_size]
+            x, y = inputs[idx].to(ctx.device), targets[idx].to(ctx.device)
+            loss, correct, n = _loss_and_hits(model(x), y)
+            loss_sum += loss.item() * n
+            hits += correct.item()
+            count += n
+    loss_sum, hits, count = ctx.sum([loss_sum, hits, count])
+    return loss_sum / max(count, 1), hits / max(count, 1)
+
+
+def _peak_memory(ctx):
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # Linux: KiB
+    gpu_mb = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 20 if ctx.device.type == "cuda" else 0.0
+    return rss_mb, gpu_mb
+
+
+def train(ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=None, progress=False,
+          desc=None, scalars=None):
+    """Train one model from its seeded init; returns (history, totals).
+
+    ``on_epoch(record)`` gets each epoch's record (every rank calls it; the caller writes
+    on rank 0); ``scalars(step, {tag: value})``, if given, gets per-step and per-epoch
+    scalars on rank 0 (the TensorBoard log). Evaluation time is not training time.
+    """
+    seed = cell.seed
+    method = cell.method
+    params = dict(method["params"])
+    from ..registry import COMPRESSORS
+    if "seed" in COMPRESSORS.accepted_params(method["compressor"]) and "seed" not in params:
+        params["seed"] = seed       # a stochastic method's own randomness follows the run seed
+
+    torch.manual_seed(seed)
+    model = workload.make_model().to(ctx.device)
+    grace = grace_dgc.build(method["compressor"], method["memory"], method["communicator"],
+                            engine=ctx.engine_kind, **params)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=workload.momentum,
+                                weight_decay=workload.weight_decay)
+    dist_opt = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
+
+    inputs, targets = train_split
+    if ctx.device.type == "cuda":
+        inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+    per_worker = workload.batch_size
+    global_batch = per_worker * ctx.size
+    steps = len(inputs) // global_batch
+    if steps == 0:
+        raise GraceConfigError(
+            f"batch_size {per_worker} × {ctx.size} workers = {global_batch} exceeds the {len(inputs)} "
+            f"training samples of {workload.name!r}; lower batch_size or workers")
+    if cell.max_steps:
+        steps = min(steps, cell.max_steps)
+    skip = cell.timing_skip_steps
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+
+    from tqdm.auto import tqdm
+    bar = tqdm(total=epochs * steps, desc=desc, position=1, leave=False, unit="step", dynamic_ncols=True,
+               disable=not (progress and ctx.rank == 0))
+    history, elapsed, global_step = [], 0.0, 0
+    try:
+        for epoch in range(epochs):
+            epoch_lr = lr * workload.lr_gamma ** sum(epoch >= m for m in workload.lr_milestones)
+            for group in optimizer.param_groups:
+                group["lr"] = epoch_lr
+            grace.set_epoch(epoch)
+            order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(_mix(seed, epoch)))
+            augment_rng = torch.Generator().manual_seed(_mix(seed, epoch, "augment", ctx.rank))
+            if ctx.device.type == "cuda":
+                order = order.to(ctx.device)
+            model.train()
+            totals = RankTotals()
+            method_stats = {}
+            ctx.sync()
+            epoch_start = time.perf_counter()
+            for step in range(steps):
+                start = step * global_batch + ctx.rank * per_worker
+                idx = order[start:start + per_worker]
+                x, y = inputs[idx], targets[idx]
+                if workload.augment is not None:
+                    x = workload.augment(x, augment_rng)
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+                ctx.sync()
+                t0 = time.perf_counter()
+                dist_opt.zero_grad()
+                loss, hits, count = _loss_and_hits(model(x), y)
+                loss.backward()
+                ctx.sync()
+                t1 = time.perf_counter()
+                if workload.grad_clip:      # clip the averaged gradient, then update once
+                    dist_opt.synchronize()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), workload.grad_clip)
+                    optimizer.step()
+                else:
+                    dist_opt.step()
+                ctx.sync()
+                t2 = time.perf_counter()
+                stats = grace.stats()
+                grace.reset_stats()
+                totals.loss += loss.item() * count
+                totals.hits += hits.item()
+                totals.count += count
+                totals.bytes_sent += stats["bytes_sent"]
+                totals.dense_bytes += stats["dense_bytes"]
+                totals.exchanges += stats["tensors"]
+                if global_step >= skip:
+                    totals.timed_steps += 1
+                    totals.compute += t1 - t0
+                    totals.wait += t2 - t1
+                    totals.compress += stats["compress_seconds"]
+                    totals.communicate += stats["communicate_seconds"]
+                    totals.decompress += stats["decompress_seconds"]
+                method_stats = {k: v for k, v in stats.items() if k not in _GRACE_KEYS}
+                if scalars is not None and ctx.rank == 0:
+                    scalars(global_step, {"train/loss": loss.item(), "train/bytes_sent": stats["bytes_sent"],
+                                          "train/step_s": t2 - t0, "train/lr": epoch_lr})
+                global_step += 1
+                bar.update()
+            ctx.sync()
+            totals.train_time = time.perf_counter() - epoch_start
+            totals.peak_rss_mb, totals.peak_gpu_mb = _peak_memory(ctx)
+            ranks = [RankTotals.from_list(values) for values in ctx.gather(totals.as_list())]
+            test_loss, test_acc = evaluate(ctx, model, eval_split, cell.eval_batch_size)
+            record = epoch_record(ranks, epoch + 1, epoch_lr, steps, global_batch, elapsed, test_loss, test_acc,
+                                  method_stats)
+            elapsed = record["elapsed_s"]
+            history.append(record)
+            if scalars is not None and ctx.rank == 0:
+                scalars(global_step, {"epoch/test_accuracy": test_acc, "epoch/test_loss": test_loss,
+                                      "epoch/train_loss": record["train_loss"],
+                                      "epoch/bytes_per_step": record["bytes_per_step"]})
+            bar.set_postfix(epoch=epoch + 1, test_acc=f"{test_acc:.3f}")
+            if on_epoch is not None:
+                on_epoch(record)
+    finally:
+        bar.close()
+        dist_opt.remove_hooks()
+    return history, {"global_batch": global_batch, "steps_per_epoch": steps,
+                     "parameters": sum(p.numel() for p in model.parameters())}
+
+
+_GRACE_KEYS = {"tensors", "bytes_sent", "dense_bytes", "compress_seconds", "communicate_seconds",
+               "decompress_seconds", "steps", "compression_ratio", "bytes_per_step"}
+

@@ -1,0 +1,56 @@
+"""Learning-rate tuning: each method's lr is chosen among its candidates by short runs scored
+on a held-out split (the same split for every method), once per (method, workers, network)."""
+import math
+
+import torch
+
+from .results import append_record, read_records
+from .train import _mix, train
+
+
+def holdout_split(workload, cell):
+    """(train part, held-out part): the workload's own validation split when it has one
+    (PTB), else a seeded ``tune_holdout`` fraction of train (same for every method)."""
+    if workload.valid is not None:
+        return workload.train, workload.valid
+    inputs, targets = workload.train
+    order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(_mix("holdout", cell.data_seed)))
+    held = max(1, int(round(len(inputs) * cell.tune_holdout)))
+    keep, out = order[held:], order[:held]
+    return (inputs[keep], targets[keep]), (inputs[out], targets[out])
+
+
+def tune_lr(ctx, cell, workload, out_dir, progress=False):
+    """Pick the lr among ``cell['tune_lr']`` with the best held-out accuracy after short
+    runs (ties: lower held-out loss); reuse a recorded tuning of the same key."""
+    key = cell.tuning_key
+    existing = None
+    if ctx.rank == 0:
+        existing = next((r for r in reversed(read_records(out_dir))
+                         if r.get("type") == "tuning" and r.get("tuning_key") == key), None)
+    existing = ctx.broadcast_object(existing)
+    if existing is not None:
+        return existing["chosen_lr"], existing
+    train_part, held_part = holdout_split(workload, cell)
+    epochs = cell.tune_epochs or max(1, workload.epochs // 4)
+    candidates = []
+    for lr in cell.tune_lr:
+        history, _ = train(ctx, cell, workload, lr, train_part, held_part, epochs, progress=progress,
+                           desc=f"tune {cell['label']} lr={lr:g}")
+        last = history[-1]
+        candidates.append({"lr": lr, "heldout_accuracy": last["test_accuracy"], "heldout_loss": last["test_loss"]})
+
+    def score(c):
+        loss = c["heldout_loss"] if math.isfinite(c["heldout_loss"]) else math.inf
+        return (c["heldout_accuracy"] if math.isfinite(c["heldout_accuracy"]) else -1.0, -loss)
+
+    best = max(candidates, key=score)
+    record = {"type": "tuning", "tuning_key": key, "label": cell.label, "workers": cell.workers,
+              "network": cell.network["tag"], "seed": cell.seed, "tune_epochs": epochs,
+              "holdout_size": len(held_part[0]), "train_size": len(train_part[0]),
+              "candidates": candidates, "chosen_lr": best["lr"]}
+    if ctx.rank == 0:
+        append_record(out_dir, record)
+    return best["lr"], record
+
+
