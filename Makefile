@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine with Python 3.11:
-#   make test    — create .venv, install torch 2.13.0 (CPU), the project, Horovod; run the tests
+#   make test    — create .venv, install torch 2.13.0 (CPU), the project, Horovod; lint (ruff, mypy); run the tests
 #   make survey  — the main job: the quick comparative survey and its report
 PYTHON ?= python3.11
 VENV   ?= .venv
@@ -17,7 +17,12 @@ venv: $(VENV)/.installed
 horovod: venv
 	scripts/install-horovod.sh $(PY)
 
-test: venv horovod
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: venv horovod lint
 	$(PY) -m pytest -q
 
 survey: venv
@@ -25,4 +30,4 @@ survey: venv
 	$(VENV)/bin/grace-dgc survey --preset quick --out runs/quick
 	@echo "report: runs/quick/report.md (plots: runs/quick/*.png)"
 
-.PHONY: venv horovod test survey
+.PHONY: venv horovod lint test survey

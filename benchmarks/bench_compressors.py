@@ -30,6 +30,7 @@ copy_ runs in cache and fixed per-call costs dominate: those figures are for ref
     buffers of the 1 Mi-element chunks most passes run in).
 A method that fails is skipped with the reason printed (and fails ``--check``).
 """
+
 import argparse
 import statistics
 import sys
@@ -46,18 +47,18 @@ from grace_dgc.workspace import chunks
 
 # parameters that make a method do its typical job on N(0, 1) data
 PARAMS = {
-    "threshold": {"threshold": 2.576},      # |x| ≥ 2.576: ~1% of N(0, 1), like topk's default
+    "threshold": {"threshold": 2.576},  # |x| ≥ 2.576: ~1% of N(0, 1), like topk's default
 }
-TIME_BOUND = 8.0        # × copy_, for tensors far larger than the cache (see --check)
+TIME_BOUND = 8.0  # × copy_, for tensors far larger than the cache (see --check)
 # The measured exceptions: besides their random draw, the stochastic quantizers run 12-15
 # elementwise passes per element (one torch kernel each; no fusion on a CPU without a
 # compiler), and on this 2-core machine the draw itself costs 10-19 × copy_ as the CPU's
 # clock varies: bound = the draw (timed in the same rounds) + 16 × copy_.
 EXCEPTIONS = {"qsgd": 16.0, "terngrad": 16.0, "natural": 16.0}
-CHECKED_FROM = 10_000_000   # elements
+CHECKED_FROM = 10_000_000  # elements
 # what each stochastic method draws per element (the others: uniform floats)
 DRAWS = {"natural": "integers"}
-SCRATCH_GRADIENTS, SCRATCH_CHUNKS = 1.0, 32 * 2**20     # ≤ 1 gradient + 32 MiB of chunk buffers
+SCRATCH_GRADIENTS, SCRATCH_CHUNKS = 1.0, 32 * 2**20  # ≤ 1 gradient + 32 MiB of chunk buffers
 
 
 def roundtrip(compressor, tensor, out):
@@ -65,7 +66,7 @@ def roundtrip(compressor, tensor, out):
     payload, ctx = compressor.compress(tensor, "bench")
     sent = wire.nbytes(payload)
     for _ in range(compressor.rounds if compressor.rounds > 1 else 0):
-        following = compressor.next_round(payload, ctx)     # None once the last round is seen
+        following = compressor.next_round(payload, ctx)  # None once the last round is seen
         if following is None:
             break
         payload, ctx = following
@@ -100,10 +101,18 @@ def rng_draw(n, device, kind):
     def draw():
         for start, stop in chunks(n, device):
             if kind == "integers":
-                torch.randint(0, 1 << 23, (stop - start,), generator=generator, device=device,
-                              dtype=torch.int32, out=buffer[: stop - start])
+                torch.randint(
+                    0,
+                    1 << 23,
+                    (stop - start,),
+                    generator=generator,
+                    device=device,
+                    dtype=torch.int32,
+                    out=buffer[: stop - start],
+                )
             else:
                 torch.rand(stop - start, generator=generator, device=device, out=buffer[: stop - start])
+
     return draw
 
 
@@ -121,8 +130,10 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    report(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
-          f"{args.repeats} interleaved repeats after 1 warm-up; x copy = min time / min copy_ time")
+    report(
+        f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
+        f"{args.repeats} interleaved repeats after 1 warm-up; x copy = min time / min copy_ time"
+    )
     failures = []
     for n in args.sizes:
         tensor = torch.randn(n // 1000, 1000, generator=torch.Generator().manual_seed(0)).to(device)
@@ -131,19 +142,22 @@ def main(argv=None):
 
         def copy():
             target.copy_(tensor)
+
         copy_ms = min(interleaved([copy], device, args.repeats)[0]) * 1e3
         checked = numel >= CHECKED_FROM
-        report(f"\n{numel} elements: copy_ {copy_ms:.2f} ms (min)"
-               f"{'' if checked else ' (below the checked size: for reference)'}\n"
-               f"{'method':<10} {'min ms':>8} {'x copy':>7} {'median x':>9} {'rng x':>6} {'bound':>6} "
-               f"{'scratch':>7} {'wire bytes':>12} {'bits/elem':>9}")
+        report(
+            f"\n{numel} elements: copy_ {copy_ms:.2f} ms (min)"
+            f"{'' if checked else ' (below the checked size: for reference)'}\n"
+            f"{'method':<10} {'min ms':>8} {'x copy':>7} {'median x':>9} {'rng x':>6} {'bound':>6} "
+            f"{'scratch':>7} {'wire bytes':>12} {'bits/elem':>9}"
+        )
         for name in grace_dgc.list_compressors(args.only):
             try:
                 compressor = COMPRESSORS.get(name)(**PARAMS.get(name, {}))
                 sent = roundtrip(compressor, tensor, out)
                 calls = [copy, lambda: roundtrip(compressor, tensor, out)]
                 stochastic = isinstance(compressor, StochasticCompressor)
-                if stochastic:      # its draw, timed in the same rounds
+                if stochastic:  # its draw, timed in the same rounds
                     calls.append(rng_draw(numel, device, DRAWS.get(name, "uniforms")))
                 times = interleaved(calls, device, args.repeats)
             except Exception as error:
@@ -158,14 +172,19 @@ def main(argv=None):
             gradient_bytes = numel * tensor.element_size()
             scratch = compressor.workspace.nbytes() / gradient_bytes
             flag = ""
-            if checked and (ratio > bound or
-                            compressor.workspace.nbytes() > SCRATCH_GRADIENTS * gradient_bytes + SCRATCH_CHUNKS):
+            if checked and (
+                ratio > bound or compressor.workspace.nbytes() > SCRATCH_GRADIENTS * gradient_bytes + SCRATCH_CHUNKS
+            ):
                 flag = "  OVER"
-                failures.append(f"{name} at {numel}: {ratio:.1f} x copy (bound {bound:.1f}), scratch "
-                                f"{scratch:.2f} gradients (bound {SCRATCH_GRADIENTS} + 32 MiB)")
-            report(f"{name:<10} {min(mine) * 1e3:>8.1f} {ratio:>7.1f} {median:>9.1f} "
-                   f"{f'{rng:.1f}' if stochastic else '':>6} {bound:>6.1f} {scratch:>7.2f} {sent:>12} "
-                   f"{8 * sent / numel:>9.3f}{flag}")
+                failures.append(
+                    f"{name} at {numel}: {ratio:.1f} x copy (bound {bound:.1f}), scratch "
+                    f"{scratch:.2f} gradients (bound {SCRATCH_GRADIENTS} + 32 MiB)"
+                )
+            report(
+                f"{name:<10} {min(mine) * 1e3:>8.1f} {ratio:>7.1f} {median:>9.1f} "
+                f"{f'{rng:.1f}' if stochastic else '':>6} {bound:>6.1f} {scratch:>7.2f} {sent:>12} "
+                f"{8 * sent / numel:>9.3f}{flag}"
+            )
     if failures:
         report("\nover the bound: " + "; ".join(failures))
     elif args.check:

@@ -12,6 +12,7 @@ repeats (robust to other load on a shared machine) of:
 and the ratio exact/DGC (> 1: DGC is faster), plus the mean sent count / k over the runs
 (each run draws a new random sample start).
 """
+
 import argparse
 import statistics
 
@@ -35,8 +36,10 @@ def main(argv=None):
     dgc = grace_dgc.build("dgc", compress_ratio=args.ratio, communicator="allgather", engine="local").compressor
     topk = grace_dgc.build("topk", compress_ratio=args.ratio, communicator="allgather", engine="local").compressor
     print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} ratio={args.ratio}")
-    print(f"{'elements':>10} {'k':>7} | {'topk sel ms':>11} {'dgc sel ms':>10} {'speed-up':>8} | "
-          f"{'topk cmp ms':>11} {'dgc cmp ms':>10} {'speed-up':>8} | sent/k")
+    print(
+        f"{'elements':>10} {'k':>7} | {'topk sel ms':>11} {'dgc sel ms':>10} {'speed-up':>8} | "
+        f"{'topk cmp ms':>11} {'dgc cmp ms':>10} {'speed-up':>8} | sent/k"
+    )
     for n in args.sizes:
         gen = torch.Generator().manual_seed(n)
         grad = torch.randn(n // 1000, 1000, generator=gen).to(device)
@@ -47,9 +50,11 @@ def main(argv=None):
         _, dgc_sel = timed(lambda: sent.append(dgc.select(importance, k).numel()), device, args.repeats)
         _, exact_cmp = timed(lambda: topk.compress(grad, "g"), device, args.repeats)
         _, dgc_cmp = timed(lambda: dgc.compress(grad, "g"), device, args.repeats)
-        print(f"{n:>10} {k:>7} | {exact_sel * 1e3:>11.2f} {dgc_sel * 1e3:>10.2f} {exact_sel / dgc_sel:>7.1f}x | "
-              f"{exact_cmp * 1e3:>11.2f} {dgc_cmp * 1e3:>10.2f} {exact_cmp / dgc_cmp:>7.1f}x | "
-              f"{statistics.mean(sent) / k:.3f}")
+        print(
+            f"{n:>10} {k:>7} | {exact_sel * 1e3:>11.2f} {dgc_sel * 1e3:>10.2f} {exact_sel / dgc_sel:>7.1f}x | "
+            f"{exact_cmp * 1e3:>11.2f} {dgc_cmp * 1e3:>10.2f} {exact_cmp / dgc_cmp:>7.1f}x | "
+            f"{statistics.mean(sent) / k:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ weight, y = x·W, 200 MB of fp32 gradient), 3 steps, peak memory of plain
 ``torch.distributed.all_reduce`` on the gradient against grace methods through
 ``DistributedOptimizer``; ``extra`` is the excess over plain allreduce in gradients (200 MB).
 """
+
 import argparse
 import os
 import resource
@@ -42,9 +43,12 @@ from grace_dgc.launch import run_local
 
 WIDTHS = (1024, 4096, 4096, 1024, 10)
 MODES = ("ddp", "optimizer", "hook", "torch-hook")
-MEMORY_METHODS = (("allreduce", None), ("none", ("none", "none", "allreduce", {})),
-                  ("topk+residual", ("topk", "residual", "allgather", {"compress_ratio": 0.01})),
-                  ("dgc+momentum", ("dgc", "momentum", "allgather", {"compress_ratio": 0.001})))
+MEMORY_METHODS = (
+    ("allreduce", None),
+    ("none", ("none", "none", "allreduce", {})),
+    ("topk+residual", ("topk", "residual", "allgather", {"compress_ratio": 0.01})),
+    ("dgc+momentum", ("dgc", "momentum", "allgather", {"compress_ratio": 0.001})),
+)
 
 
 def peak_mb():
@@ -79,6 +83,7 @@ def train_job(rank, world_size, mode, steps, batch):
             model.register_comm_hook(state, hook)
         elif mode == "torch-hook":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
             model.register_comm_hook(None, allreduce_hook)
     generator = torch.Generator().manual_seed(rank)
     times = []
@@ -108,8 +113,9 @@ def memory_job(rank, world_size, method, steps):
     spec = dict(MEMORY_METHODS)[method]
     if spec is not None:
         comp, mem, comm, params = spec
-        optimizer = grace_dgc.DistributedOptimizer(optimizer, grace_dgc.build(comp, mem, comm, **params),
-                                                   [("w", weight)])
+        optimizer = grace_dgc.DistributedOptimizer(
+            optimizer, grace_dgc.build(comp, mem, comm, **params), [("w", weight)]
+        )
     x = torch.randn(8, 7072, device=device)
     for _ in range(steps):
         optimizer.zero_grad()
@@ -133,11 +139,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     report = Report()
     unit = "peak GPU MB" if args.backend == "nccl" else "peak RSS MB"
-    report(f"torch {torch.__version__}, {args.ranks} {args.backend} ranks, MLP {'-'.join(map(str, WIDTHS))} "
-          f"({sum(p.numel() for p in mlp().parameters()) / 1e6:.1f}M parameters), batch {args.batch}, "
-          f"{args.steps} steps per run, {args.repeats} interleaved repeats")
+    report(
+        f"torch {torch.__version__}, {args.ranks} {args.backend} ranks, MLP {'-'.join(map(str, WIDTHS))} "
+        f"({sum(p.numel() for p in mlp().parameters()) / 1e6:.1f}M parameters), batch {args.batch}, "
+        f"{args.steps} steps per run, {args.repeats} interleaved repeats"
+    )
     runs = {mode: [] for mode in MODES}
-    for repeat in range(args.repeats):      # --repeats 0: the memory case only
+    for repeat in range(args.repeats):  # --repeats 0: the memory case only
         for mode in MODES:
             per_rank = run_local(train_job, args.ranks, (mode, args.steps, args.batch), backend=args.backend)
             seconds, memory = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
@@ -149,8 +157,10 @@ def main(argv=None):
         report(f"\n{'mode':<11} {'ms/step':>8} {'x ddp':>6} {unit:>12} {'x ddp':>6}   (minimum over repeats)")
         for mode in MODES:
             seconds, memory = min(t for t, _ in runs[mode]), min(m for _, m in runs[mode])
-            report(f"{mode:<11} {seconds * 1e3:>8.1f} {seconds / base_time:>6.3f} {memory:>12.0f} "
-                  f"{memory / base_memory:>6.3f}")
+            report(
+                f"{mode:<11} {seconds * 1e3:>8.1f} {seconds / base_time:>6.3f} {memory:>12.0f} "
+                f"{memory / base_memory:>6.3f}"
+            )
     if args.memory_case:
         report(f"\none 50M-element parameter (200 MB gradient), {args.ranks} ranks, 3 steps: {unit}")
         baseline = None

@@ -1,4 +1,5 @@
 """Wall-clock timing shared by the benchmark scripts (device-synchronised)."""
+
 import statistics
 import time
 
@@ -13,7 +14,7 @@ def sync(device):
 def timed(fn, device, repeats):
     """(median, min) seconds of ``repeats`` calls after one warm-up call; the minimum is the
     least disturbed by other processes on a shared machine."""
-    fn()    # warm-up: allocator, lazy initialisation
+    fn()  # warm-up: allocator, lazy initialisation
     times = []
     for _ in range(repeats):
         sync(device)
@@ -27,10 +28,11 @@ def timed(fn, device, repeats):
 def shown_argv(argv):
     """The arguments a benchmark ran with, less ``--readme PATH`` (for the README)."""
     import sys
+
     args = list(sys.argv[1:] if argv is None else argv)
     if "--readme" in args:
         at = args.index("--readme")
-        del args[at:at + 2]
+        del args[at : at + 2]
     return args
 
 
@@ -49,6 +51,7 @@ class Report:
         """Replace the block between ``<!-- KEY:begin -->`` and ``<!-- KEY:end -->`` in ``path``
         with the command line and the printed figures."""
         import shlex
+
         begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
         with open(path, encoding="utf-8") as handle:
             text = handle.read()

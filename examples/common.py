@@ -3,6 +3,7 @@
 Each script imports it with ``from common import ...``: ``python``, ``torchrun`` and
 ``horovodrun ... python`` put the script's own folder first on ``sys.path``.
 """
+
 import argparse
 
 import torch
@@ -14,14 +15,19 @@ from grace_dgc.errors import parse_value
 def parse_args(description, checkpoint=False):
     """The command line; ``args.params`` holds the ``--param`` pairs as a dict (see ``method_params``).
     With ``checkpoint``, ``--checkpoint DIR`` is accepted too."""
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compressor", default="topk", help=f"one of {', '.join(grace_dgc.list_compressors())}")
     parser.add_argument("--memory", default="residual", help=f"one of {', '.join(grace_dgc.list_memories())}")
-    parser.add_argument("--communicator", default="allgather",
-                        help=f"one of {', '.join(grace_dgc.list_communicators())}")
-    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                        help="a method parameter, e.g. compress_ratio=0.01 (repeatable)")
+    parser.add_argument(
+        "--communicator", default="allgather", help=f"one of {', '.join(grace_dgc.list_communicators())}"
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a method parameter, e.g. compress_ratio=0.01 (repeatable)",
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -41,7 +47,7 @@ def method_params(pairs):
         name, sep, value = pair.partition("=")
         if not sep:
             raise SystemExit(f"--param {pair!r}: expected NAME=VALUE, e.g. compress_ratio=0.01")
-        params[name] = parse_value(value)     # true/false become booleans
+        params[name] = parse_value(value)  # true/false become booleans
     return params
 
 
@@ -80,6 +86,9 @@ def report_wire(grace, rank):
     """Rank 0 prints the bytes it put on the wire per step, against a dense fp32 exchange."""
     stats = grace.stats()
     if rank == 0:
-        print(f"bytes sent per step (rank 0): {stats['bytes_per_step']:.0f}  "
-              f"dense fp32: {stats['dense_bytes'] / stats['steps']:.0f}  "
-              f"ratio: {stats['compression_ratio']:.4f}", flush=True)
+        print(
+            f"bytes sent per step (rank 0): {stats['bytes_per_step']:.0f}  "
+            f"dense fp32: {stats['dense_bytes'] / stats['steps']:.0f}  "
+            f"ratio: {stats['compression_ratio']:.4f}",
+            flush=True,
+        )

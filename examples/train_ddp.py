@@ -12,6 +12,7 @@ Data are generated (a random teacher network labels Gaussian inputs), so the scr
 anywhere: gloo on CPU, NCCL when every rank has a GPU. Rank 0 prints the loss (averaged
 over ranks) and, at the end, the bytes each rank put on the wire.
 """
+
 import os
 
 import torch
@@ -29,7 +30,7 @@ def main():
     device = select_device(cuda, int(os.environ.get("LOCAL_RANK", 0)))
 
     model = make_model(device, args.seed)
-    model = torch.nn.parallel.DistributedDataParallel(model)      # broadcasts rank 0's parameters
+    model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     grace = grace_dgc.build(args.compressor, args.memory, args.communicator, **args.params)
     state, hook = grace_dgc.ddp_comm_hook(grace, model, optimizer)
@@ -46,8 +47,11 @@ def main():
             state.load_state_dict(checkpoint["grace"])
             start = checkpoint["step"]
     if rank == 0:
-        print(f"{grace} in a DDP hook on {world_size} ranks ({device.type})"
-              + (f", resumed at step {start}" if start else ""), flush=True)
+        print(
+            f"{grace} in a DDP hook on {world_size} ranks ({device.type})"
+            + (f", resumed at step {start}" if start else ""),
+            flush=True,
+        )
 
     end = start + args.steps
     inputs, labels = generated_data(end, args.batch, rank, world_size, args.seed, device)
@@ -61,8 +65,15 @@ def main():
         report_loss(rank, step, end - 1, args.log_every, mean_loss.item() / world_size)
 
     if path:
-        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "grace": state.state_dict(), "step": end}, path)
+        torch.save(
+            {
+                "model": model.module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "grace": state.state_dict(),
+                "step": end,
+            },
+            path,
+        )
     report_wire(grace, rank)
     dist.destroy_process_group()
 

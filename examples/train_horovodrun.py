@@ -8,6 +8,7 @@ Needs Horovod with PyTorch support (``scripts/install-horovod.sh``). Data are ge
 (a random teacher network labels Gaussian inputs). Rank 0 prints the loss (averaged over
 ranks) and, at the end, the bytes each rank put on the wire.
 """
+
 import horovod.torch as hvd
 import torch
 from common import generated_data, make_model, parse_args, report_loss, report_wire, select_device
@@ -23,9 +24,10 @@ def main():
 
     model = make_model(device, args.seed)
     grace = grace_dgc.build(args.compressor, args.memory, args.communicator, **args.params)
-    optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
-                                               grace, model.named_parameters())
-    grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0)     # same start on every rank
+    optimizer = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), grace, model.named_parameters()
+    )
+    grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0)  # same start on every rank
     if rank == 0:
         print(f"{grace} on {world_size} ranks ({device.type})", flush=True)
 

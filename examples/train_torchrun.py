@@ -7,6 +7,7 @@ Data are generated (a random teacher network labels Gaussian inputs), so the scr
 anywhere: gloo on CPU, NCCL when every rank has a GPU. Rank 0 prints the loss (averaged
 over ranks) and, at the end, the bytes each rank put on the wire.
 """
+
 import os
 
 import torch
@@ -25,9 +26,10 @@ def main():
 
     model = make_model(device, args.seed)
     grace = grace_dgc.build(args.compressor, args.memory, args.communicator, **args.params)
-    optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
-                                               grace, model.named_parameters())
-    grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0)     # same start on every rank
+    optimizer = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), grace, model.named_parameters()
+    )
+    grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0)  # same start on every rank
     if rank == 0:
         print(f"{grace} on {world_size} ranks ({device.type})", flush=True)
 

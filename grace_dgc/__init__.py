@@ -1,8 +1,9 @@
 """grace_dgc: gradient compression for distributed PyTorch training.
 
-    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.01)
-    optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
+grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.01)
+optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
 """
+
 from . import communicators, compressors, memories  # noqa: F401  (register the built-ins)
 from .ddp import ddp_comm_hook
 from .engines import create_engine
@@ -11,20 +12,34 @@ from .grace import Grace, build, from_params
 from .interfaces import Communicator, Compressor, Memory
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from .registry import (
-                       list_communicators,
-                       list_compressors,
-                       list_memories,
-                       register_communicator,
-                       register_compressor,
-                       register_memory,
+    list_communicators,
+    list_compressors,
+    list_memories,
+    register_communicator,
+    register_compressor,
+    register_memory,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Grace", "build", "from_params", "Compressor", "Memory", "Communicator",
-    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-    "list_compressors", "list_memories", "list_communicators",
-    "register_compressor", "register_memory", "register_communicator",
-    "create_engine", "GraceConfigError", "GraceCommError", "ddp_comm_hook",
+    "Grace",
+    "build",
+    "from_params",
+    "Compressor",
+    "Memory",
+    "Communicator",
+    "DistributedOptimizer",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "list_compressors",
+    "list_memories",
+    "list_communicators",
+    "register_compressor",
+    "register_memory",
+    "register_communicator",
+    "create_engine",
+    "GraceConfigError",
+    "GraceCommError",
+    "ddp_comm_hook",
 ]

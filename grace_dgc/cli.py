@@ -1,5 +1,6 @@
 """The ``grace-dgc`` command: ``list`` the registry, a ``demo``, and the survey tools
 (``survey``, ``report``, ``project``)."""
+
 import argparse
 import inspect
 import sys
@@ -9,8 +10,11 @@ from . import registry
 
 def _params(cls):
     sig = inspect.signature(cls.__init__)
-    return ", ".join(f"{p.name}={p.default!r}" for p in list(sig.parameters.values())[1:]
-                     if p.name != "engine" and p.default is not p.empty)
+    return ", ".join(
+        f"{p.name}={p.default!r}"
+        for p in list(sig.parameters.values())[1:]
+        if p.name != "engine" and p.default is not p.empty
+    )
 
 
 def _summary(cls):
@@ -20,8 +24,11 @@ def _summary(cls):
 def registry_table(markdown=False):
     """The methods table (as in the README): one row per registered name."""
     rows = []
-    for kind, reg in (("compressor", registry.COMPRESSORS), ("memory", registry.MEMORIES),
-                      ("communicator", registry.COMMUNICATORS)):
+    for kind, reg in (
+        ("compressor", registry.COMPRESSORS),
+        ("memory", registry.MEMORIES),
+        ("communicator", registry.COMMUNICATORS),
+    ):
         for name in reg.names():
             cls = reg.get(name)
             aliases = sorted(a for a, n in reg._aliases.items() if n == name and a != name)
@@ -32,8 +39,10 @@ def registry_table(markdown=False):
     header = ("kind", "name", "aliases", "parameters (defaults)", "communicators", "what it is")
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(f"`{c}`" if i == 1 else c.replace("|", "\\|")
-                                    for i, c in enumerate(row)) + " |" for row in rows]
+        lines += [
+            "| " + " | ".join(f"`{c}`" if i == 1 else c.replace("|", "\\|") for i, c in enumerate(row)) + " |"
+            for row in rows
+        ]
         return "\n".join(lines)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(5)]
     fmt = "  ".join(f"{{:{w}}}" for w in widths) + "  {}"
@@ -48,13 +57,17 @@ def _add_demo(sub):
     p = sub.add_parser("demo", help="2-rank demo training on generated data: loss and bytes per method")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--methods", default="none,fp16,topk:residual,randomk:residual,threshold:residual",
-                   help="comma-separated compressor[:memory] names")
+    p.add_argument(
+        "--methods",
+        default="none,fp16,topk:residual,randomk:residual,threshold:residual",
+        help="comma-separated compressor[:memory] names",
+    )
     p.set_defaults(func=_cmd_demo)
 
 
 def _cmd_demo(args):
     from .demo import run_demo
+
     run_demo([m.split(":") for m in args.methods.split(",")], args.workers, args.steps)
 
 
@@ -66,7 +79,8 @@ def main(argv=None):
     p.set_defaults(func=_cmd_list)
     _add_demo(sub)
     from .survey.cli import add_subcommands
-    add_subcommands(sub)        # survey, report, project
+
+    add_subcommands(sub)  # survey, report, project
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -13,6 +13,7 @@ are per parameter, exactly as with :class:`~grace_dgc.DistributedOptimizer`, and
 depend on how DDP groups parameters into buckets (it regroups them after the first
 iteration). Grace averages over ranks, which is the division DDP's built-in allreduce does.
 """
+
 import torch
 
 from .errors import GraceConfigError
@@ -33,12 +34,13 @@ class GraceHookState:
 
     def __init__(self, grace, model=None, optimizer=None):
         self.grace = grace
-        self.names = {}         # parameter -> name
+        self.names = {}  # parameter -> name
         if model is not None:
             module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
             if not isinstance(module, torch.nn.Module):
                 raise GraceConfigError(
-                    f"model must be a torch.nn.Module or its DDP wrapper, got {type(model).__name__}")
+                    f"model must be a torch.nn.Module or its DDP wrapper, got {type(model).__name__}"
+                )
             self.names = {param: name for name, param in module.named_parameters()}
             # e.g. the momentum memory takes over SGD's momentum
             grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self.names.items()})
@@ -52,7 +54,8 @@ class GraceHookState:
             if self._named_by_model:
                 raise GraceConfigError(
                     f"DDP bucket holds a parameter of shape {tuple(param.shape)} that is not in the model "
-                    f"given to ddp_comm_hook; pass the model wrapped by this DistributedDataParallel")
+                    f"given to ddp_comm_hook; pass the model wrapped by this DistributedDataParallel"
+                )
             name = self.names[param] = f"param.{len(self.names)}"
         return name
 
@@ -63,8 +66,10 @@ class GraceHookState:
         self.grace.load_state_dict(state["grace"])
 
     def __getstate__(self):
-        raise TypeError("GraceHookState holds a live Grace (threads, process group) and is not picklable; "
-                        "checkpoint state.state_dict() and restore it with load_state_dict()")
+        raise TypeError(
+            "GraceHookState holds a live Grace (threads, process group) and is not picklable; "
+            "checkpoint state.state_dict() and restore it with load_state_dict()"
+        )
 
 
 def grace_hook(state, bucket):
@@ -78,17 +83,17 @@ def grace_hook(state, bucket):
     # (and sums them where they lie when nothing else reads them).
     group = state.grace.step_group_async(grads, [state.name_of(param) for param in params], inplace=True)
     buffer = bucket.buffer()
-    result = torch.futures.Future()
+    result: torch.futures.Future = torch.futures.Future()
 
-    def write_back(done):      # ``done``, not ``group``: a closure over the future would make a
-        try:                   # cycle that keeps a rebuilt bucket's old buffer alive until gc
+    def write_back(done):  # ``done``, not ``group``: a closure over the future would make a
+        try:  # cycle that keeps a rebuilt bucket's old buffer alive until gc
             for grad, average in zip(grads, done.result()):
                 if average.data_ptr() != grad.data_ptr():
                     grad.copy_(average)
-            if buffer.is_cuda:      # DDP reads the buffer on its own thread's stream
+            if buffer.is_cuda:  # DDP reads the buffer on its own thread's stream
                 torch.cuda.current_stream(buffer.device).synchronize()
             result.set_result(buffer)
-        except BaseException as error:      # DDP re-raises it from backward's end
+        except BaseException as error:  # DDP re-raises it from backward's end
             result.set_exception(error)
 
     group.add_done_callback(write_back)
@@ -104,6 +109,5 @@ def ddp_comm_hook(grace, model=None, optimizer=None):
     Build ``grace`` on the same process group as DDP (``grace_dgc.build(..., process_group=pg)``).
     """
     if not hasattr(grace, "step_async"):
-        raise GraceConfigError(
-            f"ddp_comm_hook needs a Grace (grace_dgc.build(...)), got {type(grace).__name__}")
+        raise GraceConfigError(f"ddp_comm_hook needs a Grace (grace_dgc.build(...)), got {type(grace).__name__}")
     return GraceHookState(grace, model, optimizer), grace_hook

@@ -3,6 +3,7 @@
 Every part validates its parameters with these helpers: numbers with :func:`check_range`
 (finite unless infinity has a documented meaning), flags with :func:`check_bool`.
 """
+
 import math
 import numbers
 
@@ -19,8 +20,7 @@ class GraceCommError(RuntimeError):
     """A collective failed or timed out; the message names the ranks that did not answer."""
 
 
-def check_range(name, value, low=None, high=None, *, low_open=False, high_open=False, kind=float,
-                allow_inf=False):
+def check_range(name, value, low=None, high=None, *, low_open=False, high_open=False, kind=float, allow_inf=False):
     """Validate ``low <(=) value <(=) high`` and return ``kind(value)``.
 
     NaN is never accepted, infinity only with ``allow_inf`` (where it means something, e.g.
@@ -55,6 +55,7 @@ def parse_value(text):
     """A command-line or ``--param`` value: a Python literal (``0.01``, ``[1, 2]``, ``None``),
     ``true``/``false`` in any case as booleans, else the text itself."""
     import ast
+
     lowered = text.strip().lower()
     if lowered in ("true", "false"):
         return lowered == "true"

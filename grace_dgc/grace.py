@@ -9,23 +9,29 @@ The whole data path of one gradient is :meth:`Grace._exchange`, top to bottom:
 group of gradients takes the path together: each is compensated, compressed, remembered and
 decompressed on its own, and their payloads share each exchange.
 """
+
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from . import handshake
 from .engines import AutoEngine, create_engine
+from .engines.base import Engine
 from .errors import GraceConfigError, GraceNonFiniteError, check_range
-from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES
+from .interfaces import Communicator, Compressor, Memory, Payload
+from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry
 from .workspace import flat_span
 
 TIMERS = ("compress", "communicate", "decompress")
 NONFINITE_POLICIES = ("skip", "raise")
 
 
-def all_finite(tensors):
+def all_finite(tensors: Sequence[Tensor]) -> bool:
     """No NaN and no infinity in ``tensors``: a sum per tensor (one read), checked element by
     element only when that sum is not finite (it may overflow with finite elements)."""
     for tensor in tensors:
@@ -41,7 +47,15 @@ class Grace:
     was measured; ``state_dict()`` carries the compressor's and memory's state.
     """
 
-    def __init__(self, compressor, memory, communicator, engine, nonfinite="skip", world_size=None):
+    def __init__(
+        self,
+        compressor: Compressor,
+        memory: Memory,
+        communicator: Communicator,
+        engine: Engine,
+        nonfinite: str = "skip",
+        world_size: int | None = None,
+    ) -> None:
         self.compressor = compressor
         self.memory = memory
         self.communicator = communicator
@@ -51,32 +65,37 @@ class Grace:
         self.nonfinite = nonfinite
         if world_size is not None:
             check_range("world_size", world_size, 1, kind=int)
-        self.expected_world_size = world_size   # checked against the engine's when bound
-        self.skipped = 0        # groups skipped for a non-finite gradient (on any rank)
+        self.expected_world_size = world_size  # checked against the engine's when bound
+        self.skipped = 0  # groups skipped for a non-finite gradient (on any rank)
         self._bound = False
-        self._agreed = set()    # group signatures the ranks agreed on (see handshake)
-        self.params = {}        # constructor parameters per part, as build() routed them
+        self._agreed: set[tuple] = set()  # group signatures the ranks agreed on (see handshake)
+        self.params: dict[str, dict[str, Any]] = {}  # constructor parameters per part, as build() routed them
         # engine="auto" before any process group exists (a script that builds its parts
         # before init_process_group) waits for the first exchange to choose and bind
         if not isinstance(engine, AutoEngine) or engine.name in ("torch", "horovod"):
             self.bind()
-        self._worker = None
+        self._worker: ThreadPoolExecutor | None = None
         self.reset_stats()
 
     # -- the data path -------------------------------------------------------------
-    def step(self, tensor, name):
+    def step(self, tensor: Tensor, name: str) -> Tensor:
         """Exchange one gradient; returns the average every rank agrees on."""
         return self.step_async(tensor, name).result()
 
-    def step_async(self, tensor, name):
+    def step_async(self, tensor: Tensor, name: str) -> Future[Tensor]:
         """Start :meth:`step` on the communication thread; returns a Future of the average."""
         group = self.step_group_async([tensor], [name])
-        single = Future()
-        group.add_done_callback(lambda done: single.set_exception(done.exception()) if done.exception()
-                                else single.set_result(done.result()[0]))
+        single: Future[Tensor] = Future()
+        group.add_done_callback(
+            lambda done: (
+                single.set_exception(done.exception()) if done.exception() else single.set_result(done.result()[0])
+            )
+        )
         return single
 
-    def step_group_async(self, tensors, names, inplace=False):
+    def step_group_async(
+        self, tensors: Sequence[Tensor], names: Sequence[str], inplace: bool = False
+    ) -> Future[list[Tensor]]:
         """Exchange a fusion group: each tensor is compressed (and remembered) on its own,
         their payloads travel together (one size exchange and one data collective per round).
         Returns a Future of the list of averages.
@@ -92,25 +111,29 @@ class Grace:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grace-comm")
         ready = None
-        if any(t.is_cuda for t in tensors):     # the gradients are produced on the caller's stream
+        if any(t.is_cuda for t in tensors):  # the gradients are produced on the caller's stream
             ready = torch.cuda.Event()
             ready.record()
         return self._worker.submit(self._exchange, list(tensors), list(names), inplace, ready)
 
-    def _exchange(self, tensors, names, inplace=False, ready=None):
+    def _exchange(
+        self, tensors: list[Tensor], names: list[str], inplace: bool = False, ready: Any = None
+    ) -> list[Tensor]:
         if ready is not None:
             torch.cuda.current_stream(tensors[0].device).wait_event(ready)
         if not self._bound:
             self.bind()
         signature = tuple((n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors))
-        if signature not in self._agreed:     # first exchange of this group: do ranks agree?
+        if signature not in self._agreed:  # first exchange of this group: do ranks agree?
             handshake.agree(self, tensors, names)
             self._agreed.add(signature)
         comp, memory = self.compressor, self.memory
         # the averages land in the inputs when they are handed over (a non-contiguous one
         # through a temporary), else in new tensors
-        outputs = [t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-                   for t in tensors]
+        outputs = [
+            t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            for t in tensors
+        ]
         # Non-finite gradients: a NaN/Inf rides along in a plain sum to every rank; otherwise
         # the ranks learn of it before any state changes (one small allgather of flags)
         rides = memory.identity and comp.rounds == 1 and self.communicator.reduces
@@ -125,7 +148,7 @@ class Grace:
         sources = tensors
         if inplace and consume and comp.elementwise and len(tensors) > 1:
             flat = flat_span(tensors)
-            if flat is not None:    # a bucket's flat buffer: compressed, reduced, decompressed at once
+            if flat is not None:  # a bucket's flat buffer: compressed, reduced, decompressed at once
                 sources, outputs = [flat], [flat]
         keys = names if sources is tensors else [names[0] + "…"]
         with self._timed("compress"):
@@ -136,30 +159,30 @@ class Grace:
             consume = not any(p.untyped_storage().data_ptr() in inputs for payload in payloads for p in payload)
         gathered = self._communicate(payloads, keys, consume)
         active, rounds = list(range(len(sources))), 1
-        while comp.rounds > 1 and active:   # multi-round methods (PowerSGD: P, then Q) see each round's sum
+        while comp.rounds > 1 and active:  # multi-round methods (PowerSGD: P, then Q) see each round's sum
             following = {}
             with self._timed("compress"):
                 for i in active:
                     step = comp.next_round(self._sum_payloads(gathered[i]), ctxs[i])
-                    if step is not None:    # None: the round just exchanged was this tensor's last
+                    if step is not None:  # None: the round just exchanged was this tensor's last
                         following[i] = step
             if following and rounds == comp.rounds:
-                raise RuntimeError(f"{type(comp).__name__}.next_round asked for more than "
-                                   f"rounds={comp.rounds} exchanges")
+                raise RuntimeError(
+                    f"{type(comp).__name__}.next_round asked for more than rounds={comp.rounds} exchanges"
+                )
             active = sorted(following)
             for i in active:
                 payloads[i], ctxs[i] = following[i]
             if active:
-                for i, got in zip(active, self._communicate([payloads[i] for i in active],
-                                                            [keys[i] for i in active])):
+                for i, got in zip(active, self._communicate([payloads[i] for i in active], [keys[i] for i in active])):
                     gathered[i] = got
                 rounds += 1
-        with self._timed("compress"):       # each tensor's local payload of its last round
+        with self._timed("compress"):  # each tensor's local payload of its last round
             for c, n, payload, ctx in zip(compensated, keys, payloads, ctxs):
                 memory.update(c, n, comp, payload, ctx)
         with self._timed("decompress"):
             for out, got, ctx in zip(outputs, gathered, ctxs):
-                if self.communicator.reduces:       # payloads were already summed on the wire
+                if self.communicator.reduces:  # payloads were already summed on the wire
                     comp.decompress_into(got[0], ctx, out)
                 else:
                     comp.decompress_aggregate_into(got, ctx, out)
@@ -172,7 +195,7 @@ class Grace:
         # every rank holds the same average, so all see this alike: a NaN/Inf that rode along,
         # or a payload that overflowed (fp16 beyond ±65504) after the inputs passed the check
         if not all_finite(outputs):
-            if not rides:       # the memory's update already saw the overflow: forget it
+            if not rides:  # the memory's update already saw the overflow: forget it
                 for key in keys:
                     memory.reset(key)
             return self._skip(tensors, outputs, names, inplace, None)
@@ -183,7 +206,7 @@ class Grace:
                 tensor.copy_(out)
         return list(tensors)
 
-    def _nonfinite_ranks(self, tensors):
+    def _nonfinite_ranks(self, tensors: list[Tensor]) -> list[int]:
         """Ranks whose gradients hold a NaN or an infinity (the same list on every rank)."""
         mine = 0.0 if all_finite(tensors) else 1.0
         if self.engine.size == 1:
@@ -191,7 +214,9 @@ class Grace:
         flags = self.engine.allgather(torch.tensor([mine], device=tensors[0].device))
         return [rank for rank, flag in enumerate(flags) if float(flag[0])]
 
-    def _skip(self, tensors, outputs, names, inplace, ranks):
+    def _skip(
+        self, tensors: list[Tensor], outputs: list[Tensor], names: list[str], inplace: bool, ranks: list[int] | None
+    ) -> list[Tensor]:
         """A gradient of this group is not finite on some rank: every rank skips it alike.
         Memories and compressors are left as they were (``rides``: the identity memory
         keeps nothing); the averages are NaN, so the step is skipped by
@@ -207,33 +232,35 @@ class Grace:
             target.fill_(float("nan"))
         return list(tensors) if inplace else outputs
 
-    def _communicate(self, payloads, names, consume=False):
+    def _communicate(self, payloads: list[Payload], names: list[str], consume: bool = False) -> list[list[Payload]]:
         with self._timed("communicate"):
             sent_before = self.engine.bytes_sent
             if consume and self.communicator.reduces_in_place:
-                gathered = self.communicator.exchange_many(payloads, names, consume=True)
+                gathered = self.communicator.exchange_many(payloads, names, consume=True)  # type: ignore[call-arg]
             else:
                 gathered = self.communicator.exchange_many(payloads, names)
             self._stats["bytes_sent"] += self.engine.bytes_sent - sent_before
         return gathered
 
-    def _sum_payloads(self, gathered):
+    def _sum_payloads(self, gathered: list[Payload]) -> Payload:
         if self.communicator.reduces:
             return gathered[0]
         return [torch.stack(parts).sum(dim=0) for parts in zip(*gathered)]
 
-    def bind(self):
+    def bind(self) -> None:
         """Hand the engine to the parts that need the world size (fp16's pre-division,
         momentum's clipping): when built, or at the first exchange with ``engine="auto"``."""
         if self.expected_world_size is not None and self.engine.size != self.expected_world_size:
-            raise GraceConfigError(f"built for world_size={self.expected_world_size} but the {self.engine.name} "
-                                   f"engine has {self.engine.size} ranks")
+            raise GraceConfigError(
+                f"built for world_size={self.expected_world_size} but the {self.engine.name} "
+                f"engine has {self.engine.size} ranks"
+            )
         self.compressor.bind(self.engine)
         self.memory.bind(self.engine)
         self._bound = True
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         """The number of ranks (GRACE scripts read ``grace.world_size``, some before
         ``init_process_group``: then the one given to :func:`build`, checked when bound)."""
         if not self._bound and self.expected_world_size is not None:
@@ -241,29 +268,29 @@ class Grace:
         return self.engine.size
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return self.engine.rank
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         """Tell schedule-driven parts (e.g. DGC's warm-up) the current epoch."""
         for part in (self.compressor, self.memory, self.communicator):
             part.set_epoch(epoch)
 
     # -- stats -----------------------------------------------------------------
     @contextmanager
-    def _timed(self, key):
+    def _timed(self, key: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
         finally:
             self._stats[key + "_seconds"] += time.perf_counter() - start
 
-    def reset_stats(self):
-        self._stats = {"tensors": 0, "bytes_sent": 0, "dense_bytes": 0, "skipped": 0}
+    def reset_stats(self) -> None:
+        self._stats: dict[str, float] = {"tensors": 0, "bytes_sent": 0, "dense_bytes": 0, "skipped": 0}
         self._stats.update({key + "_seconds": 0.0 for key in TIMERS})
-        self._steps = {}
+        self._steps: dict[str, int] = {}
 
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         """Counters since the last :meth:`reset_stats` (all measured, none assumed).
 
         steps: exchanges of the most-exchanged tensor name (= optimizer steps);
@@ -271,85 +298,116 @@ class Grace:
         included; dense_bytes: what an fp32 allreduce of the same tensors would hand over;
         compression_ratio: bytes_sent / dense_bytes (0.001 = a thousandth is sent).
         """
-        out = dict(self._stats)
+        out: dict[str, Any] = dict(self._stats)
         out["steps"] = max(self._steps.values(), default=0)
         out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
         out["bytes_per_step"] = out["bytes_sent"] / out["steps"] if out["steps"] else 0.0
-        for part in (self.compressor, self.memory):     # method-specific figures, e.g. DGC's ratio
+        for part in (self.compressor, self.memory):  # method-specific figures, e.g. DGC's ratio
             out.update(part.stats())
         return out
 
     # -- checkpointing ----------------------------------------------------------
     STATE_FORMAT = 1
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The compressor's and memory's state (copies), with what it belongs to: the
         format version, the three method names and the world size. Plain tensors, numbers,
         strings and containers only: it loads with ``torch.load(..., weights_only=True)``."""
-        return {"format": self.STATE_FORMAT, "methods": self._methods(), "world_size": self.world_size,
-                "compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
+        return {
+            "format": self.STATE_FORMAT,
+            "methods": self._methods(),
+            "world_size": self.world_size,
+            "compressor": self.compressor.state_dict(),
+            "memory": self.memory.state_dict(),
+        }
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output. A state of other methods or another world
         size is refused with an error naming both (per-rank state such as residuals has no
         meaning on a different number of ranks); a state without the header (grace_dgc 0.1)
         loads as before."""
         if not isinstance(state, dict) or "compressor" not in state or "memory" not in state:
-            raise GraceConfigError("load_state_dict needs a Grace.state_dict(): a dict with 'compressor' and "
-                                   f"'memory', got {type(state).__name__} with keys {sorted(state)[:6]}"
-                                   if isinstance(state, dict) else
-                                   f"load_state_dict needs a Grace.state_dict() dict, got {type(state).__name__}")
+            raise GraceConfigError(
+                "load_state_dict needs a Grace.state_dict(): a dict with 'compressor' and "
+                f"'memory', got {type(state).__name__} with keys {sorted(state)[:6]}"
+                if isinstance(state, dict)
+                else f"load_state_dict needs a Grace.state_dict() dict, got {type(state).__name__}"
+            )
         if "format" in state:
             if state["format"] != self.STATE_FORMAT:
-                raise GraceConfigError(f"state format {state['format']!r} is not supported; accepted: "
-                                       f"{self.STATE_FORMAT}")
+                raise GraceConfigError(
+                    f"state format {state['format']!r} is not supported; accepted: {self.STATE_FORMAT}"
+                )
             mine = self._methods()
             if state["methods"] != mine:
-                raise GraceConfigError(f"the state was saved by {_describe(state['methods'])}; this Grace is "
-                                       f"{_describe(mine)}: build the same methods to resume")
+                raise GraceConfigError(
+                    f"the state was saved by {_describe(state['methods'])}; this Grace is "
+                    f"{_describe(mine)}: build the same methods to resume"
+                )
             if state["world_size"] != self.world_size:
-                raise GraceConfigError(f"the state was saved on {state['world_size']} ranks; this run has "
-                                       f"{self.world_size}: per-rank state (residuals, momenta) does not carry over")
+                raise GraceConfigError(
+                    f"the state was saved on {state['world_size']} ranks; this run has "
+                    f"{self.world_size}: per-rank state (residuals, momenta) does not carry over"
+                )
         try:
             self.compressor.load_state_dict(state["compressor"])
             self.memory.load_state_dict(state["memory"])
         except (KeyError, TypeError, AttributeError) as error:
-            raise GraceConfigError(f"the state does not fit {_describe(self._methods())} ({type(error).__name__}: "
-                                   f"{error}); was it saved by another method?") from error
+            raise GraceConfigError(
+                f"the state does not fit {_describe(self._methods())} ({type(error).__name__}: "
+                f"{error}); was it saved by another method?"
+            ) from error
 
-    def _methods(self):
-        return {part: getattr(obj, "registered_name", type(obj).__name__)
-                for part, obj in (("compressor", self.compressor), ("memory", self.memory),
-                                  ("communicator", self.communicator))}
+    def _methods(self) -> dict[str, str]:
+        return {
+            part: getattr(obj, "registered_name", type(obj).__name__)
+            for part, obj in (
+                ("compressor", self.compressor),
+                ("memory", self.memory),
+                ("communicator", self.communicator),
+            )
+        }
 
-    def __repr__(self):
-        return (f"Grace(compressor={self.compressor.registered_name!r}, "
-                f"memory={self.memory.registered_name!r}, "
-                f"communicator={self.communicator.registered_name!r}, engine={self.engine.name!r})")
+    def __repr__(self) -> str:
+        return (
+            f"Grace(compressor={self.compressor.registered_name!r}, "
+            f"memory={self.memory.registered_name!r}, "
+            f"communicator={self.communicator.registered_name!r}, engine={self.engine.name!r})"
+        )
 
 
-def _describe(methods):
+def _describe(methods: dict[str, str]) -> str:
     return "compressor {compressor!r}, memory {memory!r}, communicator {communicator!r}".format(**methods)
 
 
-def _route(params, parts):
+def _route(params: dict[str, Any], parts: list[tuple[str, Registry, str]]) -> dict[str, dict[str, Any]]:
     """Split ``params`` among the parts whose constructors accept them (GRACE passes one
     flat dict); a parameter no part accepts is an error naming what each part accepts."""
-    routed = {kind: {} for kind, _, _ in parts}
+    routed: dict[str, dict[str, Any]] = {kind: {} for kind, _, _ in parts}
     for key, value in params.items():
         takers = [kind for kind, registry, name in parts if key in registry.accepted_params(name)]
         if not takers:
             accepted = "; ".join(
                 f"{kind} {name!r}: {', '.join(registry.accepted_params(name)) or '(none)'}"
-                for kind, registry, name in parts)
+                for kind, registry, name in parts
+            )
             raise GraceConfigError(f"unknown parameter {key!r}. Accepted parameters: {accepted}")
         for kind in takers:
             routed[kind][key] = value
     return routed
 
 
-def build(compressor="none", memory="none", communicator="allreduce", engine="auto",
-          process_group=None, timeout=None, nonfinite="skip", world_size=None, **params):
+def build(
+    compressor: str = "none",
+    memory: str = "none",
+    communicator: str = "allreduce",
+    engine: str | Engine = "auto",
+    process_group: Any = None,
+    timeout: float | None = None,
+    nonfinite: str = "skip",
+    world_size: int | None = None,
+    **params: Any,
+) -> Grace:
     """Compose a :class:`Grace` from three registered names and their parameters.
 
     ``engine`` is ``auto`` / ``local`` / ``torch`` / ``horovod`` or an Engine instance;
@@ -360,11 +418,16 @@ def build(compressor="none", memory="none", communicator="allreduce", engine="au
     what ``grace.world_size`` says before the engine is chosen, and a different number of
     ranks at the first exchange is an error. Other keyword arguments go to whichever of the three parts accepts them.
     """
-    names = {"compressor": COMPRESSORS.canonical(compressor),
-             "memory": MEMORIES.canonical(memory),
-             "communicator": COMMUNICATORS.canonical(communicator)}
-    parts = [("compressor", COMPRESSORS, names["compressor"]), ("memory", MEMORIES, names["memory"]),
-             ("communicator", COMMUNICATORS, names["communicator"])]
+    names = {
+        "compressor": COMPRESSORS.canonical(compressor),
+        "memory": MEMORIES.canonical(memory),
+        "communicator": COMMUNICATORS.canonical(communicator),
+    }
+    parts = [
+        ("compressor", COMPRESSORS, names["compressor"]),
+        ("memory", MEMORIES, names["memory"]),
+        ("communicator", COMMUNICATORS, names["communicator"]),
+    ]
     routed = _route(params, parts)
     comp_cls = COMPRESSORS.get(names["compressor"])
     comm_cls = COMMUNICATORS.get(names["communicator"])
@@ -372,20 +435,29 @@ def build(compressor="none", memory="none", communicator="allreduce", engine="au
         fitting = [c for c in COMMUNICATORS.names() if not COMMUNICATORS.get(c).needs_summable]
         raise GraceConfigError(
             f"compressor {names['compressor']!r} sends payloads that cannot be summed, so "
-            f"communicator {names['communicator']!r} cannot carry it; use one of: {', '.join(fitting)}")
-    engine_kwargs = {key: value for key, value in (("process_group", process_group), ("timeout", timeout))
-                     if value is not None}
+            f"communicator {names['communicator']!r} cannot carry it; use one of: {', '.join(fitting)}"
+        )
+    engine_kwargs = {
+        key: value for key, value in (("process_group", process_group), ("timeout", timeout)) if value is not None
+    }
     eng = create_engine(engine, **engine_kwargs)
-    grace = Grace(comp_cls(**routed["compressor"]), MEMORIES.get(names["memory"])(**routed["memory"]),
-                  comm_cls(eng, **routed["communicator"]), eng, nonfinite=nonfinite, world_size=world_size)
+    grace = Grace(
+        comp_cls(**routed["compressor"]),
+        MEMORIES.get(names["memory"])(**routed["memory"]),
+        comm_cls(eng, **routed["communicator"]),
+        eng,
+        nonfinite=nonfinite,
+        world_size=world_size,
+    )
     grace.params = routed
     return grace
 
 
-def from_params(params, engine="auto"):
+def from_params(params: dict[str, Any], engine: str | Engine = "auto") -> Grace:
     """Build from a GRACE-style dict with GRACE's defaults and keys (see
     :func:`grace_dgc.compat.grace_from_params`): ``{'compressor': 'topk', 'memory':
     'residual', 'communicator': 'allgather'}`` keeps 30 % as GRACE does. :func:`build` is
     the native API (grace_dgc's defaults, one keyword per parameter)."""
     from .compat import grace_from_params
+
     return grace_from_params(params, engine=engine)

@@ -9,14 +9,23 @@ disagree still meet in it. On any difference every rank gathers the others' desc
 raises a :class:`~grace_dgc.errors.GraceConfigError` naming the fields, the ranks and their
 values.
 """
+
 import hashlib
 
 import torch
 
 from .errors import GraceConfigError
 
-FIELDS = ("world size", "compressor", "memory", "communicator", "compressor parameters",
-          "memory parameters", "communicator parameters", "tensors (name, shape, dtype)")
+FIELDS = (
+    "world size",
+    "compressor",
+    "memory",
+    "communicator",
+    "compressor parameters",
+    "memory parameters",
+    "communicator parameters",
+    "tensors (name, shape, dtype)",
+)
 
 
 def describe(grace, tensors, names):
@@ -54,7 +63,8 @@ def agree(grace, tensors, names):
         details.append(f"{field} — {shown}")
     raise GraceConfigError(
         "the ranks run different configurations (every rank must build the same methods with the same "
-        "parameters and exchange the same tensors in the same order): " + " | ".join(details))
+        "parameters and exchange the same tensors in the same order): " + " | ".join(details)
+    )
 
 
 def _short(text, limit=240):

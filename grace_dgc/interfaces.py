@@ -9,9 +9,22 @@ itself) but never a compressor's scratch workspace, and ``compress`` never write
 input. ``decompress`` returns a tensor the caller owns; ``decompress_into`` writes into the
 caller's ``out``.
 """
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
 import torch
+from torch import Tensor
 
 from .workspace import Workspace
+
+if TYPE_CHECKING:
+    from .engines.base import Engine
+    from .grace import Grace
+
+Payload = list[Tensor]  # the tensors one compressor puts on the wire for one gradient
 
 
 class Compressor:
@@ -28,18 +41,21 @@ class Compressor:
                 included; it returns the next payload, or None once the tensor is done.
                 Such payloads must be summable (with any communicator).
     """
+
+    registered_name: ClassVar[str]  # set by the registry's decorator
+
     summable = False
     average = True
     rounds = 1
     elementwise = False
 
-    def compress(self, tensor, name):
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         raise NotImplementedError
 
-    def decompress(self, payload, ctx):
+    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         raise NotImplementedError
 
-    def next_round(self, summed_payload, ctx):
+    def next_round(self, summed_payload: Payload, ctx: Any) -> tuple[Payload, Any]:
         """``(payload, ctx)`` of the next round, given the round just exchanged summed over
         ranks; or None when that round was the last (its payloads are then decompressed with
         ``ctx``, and the memory is updated with this rank's payload of that round). Seeing the
@@ -47,35 +63,35 @@ class Compressor:
         """
         raise NotImplementedError
 
-    def decompress_aggregate(self, payloads, ctx):
+    def decompress_aggregate(self, payloads: Sequence[Payload], ctx: Any) -> Tensor:
         """``aggregate`` of every rank's decompressed payload. Sparse methods override it to
         add all ranks' values into one dense tensor instead of building one per rank."""
         return self.aggregate([self.decompress(p, ctx) for p in payloads])
 
     # -- the allocation-free forms the data path uses (defaults: the plain forms + a copy) --
-    def decompress_into(self, payload, ctx, out):
+    def decompress_into(self, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
         """Write ``decompress(payload, ctx)`` into ``out`` (shaped and typed like the
         gradient) and return ``out``. Built-in methods override it to skip the full-size
         temporary; a plugin gets this copying default."""
         return out.copy_(self.decompress(payload, ctx).reshape(out.shape))
 
-    def decompress_aggregate_into(self, payloads, ctx, out):
+    def decompress_aggregate_into(self, payloads: Sequence[Payload], ctx: Any, out: Tensor) -> Tensor:
         """``decompress_aggregate`` written into ``out``; returns ``out``."""
         return out.copy_(self.decompress_aggregate(payloads, ctx).reshape(out.shape))
 
-    def subtract_sent_(self, tensor, payload, ctx):
+    def subtract_sent_(self, tensor: Tensor, payload: Payload, ctx: Any) -> Tensor:
         """``tensor -= decompress(payload, ctx)`` in place (the residual of error feedback);
         returns ``tensor``. Sparsifiers subtract at their indices only."""
         scratch = self.workspace.like("decompressed", tensor)
         return tensor.sub_(self.decompress_into(payload, ctx, scratch))
 
-    def mask_sent_(self, tensor, payload, ctx):
+    def mask_sent_(self, tensor: Tensor, payload: Payload, ctx: Any) -> Tensor:
         """``tensor ⊙ ¬sent_mask(payload, ctx)`` in place (momentum factor masking); returns
         ``tensor``. Methods that send every element zero it; sparsifiers zero their indices."""
         return tensor.masked_fill_(self.sent_mask(payload, ctx).view(tensor.shape), 0)
 
     @property
-    def workspace(self):
+    def workspace(self) -> Workspace:
         """This compressor's scratch buffers (:class:`~grace_dgc.workspace.Workspace`),
         created on first use; temporaries of one call, never part of a payload."""
         workspace = self.__dict__.get("_workspace")
@@ -83,11 +99,11 @@ class Compressor:
             workspace = self.__dict__["_workspace"] = Workspace()
         return workspace
 
-    def aggregate(self, tensors):
+    def aggregate(self, tensors: Sequence[Tensor]) -> Tensor:
         """Combine the decompressed tensors of all ranks (default: their sum)."""
-        return torch.stack(tensors).sum(dim=0) if len(tensors) > 1 else tensors[0]
+        return torch.stack(list(tensors)).sum(dim=0) if len(tensors) > 1 else tensors[0]
 
-    def sent_mask(self, payload, ctx):
+    def sent_mask(self, payload: Payload, ctx: Any) -> Tensor:
         """Bool tensor shaped like the gradient: True where this rank's own payload carried
         the element (used by memories such as ``momentum`` for momentum factor masking).
 
@@ -98,22 +114,22 @@ class Compressor:
         return self.decompress(payload, ctx) != 0
 
     # -- optional hooks: no-ops unless a method needs them ------------------------------
-    def bind(self, engine):
+    def bind(self, engine: Engine) -> None:
         """Called by Grace with its engine (when built, or at the first exchange with
         ``engine="auto"``): keep what the method needs, e.g. the world size (fp16's
         pre-division) or the rank (the stochastic methods' streams)."""
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         """The current epoch, from ``Grace.set_epoch`` (e.g. DGC's warm-up)."""
 
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         """Method-specific figures merged into ``Grace.stats()`` (e.g. DGC's current ratio)."""
         return {}
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
 
@@ -128,39 +144,42 @@ class Memory:
     ``identity = True`` declares that ``compensate`` returns its input and ``update`` does
     nothing (the ``none`` memory): Grace may then reduce payloads in place.
     """
+
+    registered_name: ClassVar[str]  # set by the registry's decorator
+
     identity = False
 
-    def compensate(self, tensor, name):
+    def compensate(self, tensor: Tensor, name: str) -> Tensor:
         return tensor
 
-    def reset(self, name=None):
+    def reset(self, name: str | None = None) -> None:
         """Forget what was kept, for every tensor or only ``name``'s (deliberately, e.g.
         after changing the model); the next step starts from zero state."""
 
-    def update(self, tensor, name, compressor, payload, ctx):
+    def update(self, tensor: Tensor, name: str, compressor: Compressor, payload: Payload, ctx: Any) -> None:
         pass
 
     # -- optional hooks: no-ops unless a method needs them ------------------------------
-    def bind(self, engine):
+    def bind(self, engine: Engine) -> None:
         """Called by Grace with its engine (see :meth:`Compressor.bind`); e.g. the momentum
         memory's clipping threshold scales with the world size."""
 
-    def attach_optimizer(self, optimizer, grace, named_parameters):
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, grace: Grace, named_parameters: Any) -> None:
         """Called by ``DistributedOptimizer`` and the DDP hook with the optimizer (or None)
         and ``{name: parameter}``: for memories that read parameters or take over the
         optimizer's momentum (``momentum``)."""
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         """The current epoch, from ``Grace.set_epoch``."""
 
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         """Method-specific figures merged into ``Grace.stats()``."""
         return {}
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
 
@@ -171,20 +190,23 @@ class Communicator:
     broadcast) or a single summed one when ``reduces`` is True (allreduce).
     ``exchange_many`` moves several tensors' payloads in one exchange (a fusion group).
     """
+
+    registered_name: ClassVar[str]  # set by the registry's decorator
+
     reduces = False
     needs_summable = False
-    reduces_in_place = False    # exchange_many accepts consume=True (see Allreduce)
+    reduces_in_place = False  # exchange_many accepts consume=True (see Allreduce)
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         """The current epoch, from ``Grace.set_epoch`` (no built-in communicator needs it)."""
 
-    def exchange(self, payload, name):
+    def exchange(self, payload: Payload, name: str) -> list[Payload]:
         raise NotImplementedError
 
-    def exchange_many(self, payloads, names):
+    def exchange_many(self, payloads: list[Payload], names: list[str]) -> list[list[Payload]]:
         """Exchange several payloads at once: they travel as one payload (their tensors
         concatenated into one list), so one size exchange and one data collective serve the
         whole group. Returns, per payload, what :meth:`exchange` would have returned."""
@@ -193,6 +215,6 @@ class Communicator:
         gathered = self.exchange([t for payload in payloads for t in payload], ",".join(names))
         out, start = [], 0
         for payload in payloads:
-            out.append([tensors[start:start + len(payload)] for tensors in gathered])
+            out.append([tensors[start : start + len(payload)] for tensors in gathered])
             start += len(payload)
         return out

@@ -4,6 +4,7 @@ process group on localhost; used by the CLI, the survey and the tests.
 Results come back in rank order; a rank that raises makes the whole call raise with its
 traceback, and a run that exceeds ``timeout`` is killed rather than left hanging.
 """
+
 import os
 import pickle
 import socket
@@ -21,10 +22,13 @@ def free_port():
 
 def _worker(rank, world_size, port, backend, fn, args, results):
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     try:
         import torch
+
         # ranks share the machine's cores: don't let each spin up a full-size thread pool
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if backend == "nccl":
@@ -48,16 +52,18 @@ def run_local(fn, world_size, args=(), backend="gloo", timeout=300):
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
     for proc in procs:
         proc.start()
-    collected, failures = {}, []
+    collected: dict[int, object] = {}
+    failures: list[tuple[int, str]] = []
     deadline = time.monotonic() + timeout
     while len(collected) + len(failures) < world_size:
         if results.empty():
-            if time.monotonic() > deadline or (
-                    not any(p.is_alive() for p in procs) and results.empty()):
+            if time.monotonic() > deadline or (not any(p.is_alive() for p in procs) and results.empty()):
                 break
             time.sleep(0.02)
             continue
@@ -67,7 +73,7 @@ def run_local(fn, world_size, args=(), backend="gloo", timeout=300):
         else:
             failures.append((rank, value))
         if failures:
-            break   # the other ranks may be blocked in a collective: stop them
+            break  # the other ranks may be blocked in a collective: stop them
     for proc in procs:
         proc.join(timeout=5 if not failures else 0.5)
         if proc.is_alive():
@@ -77,6 +83,7 @@ def run_local(fn, world_size, args=(), backend="gloo", timeout=300):
         raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
     if len(collected) < world_size:
         missing = sorted(set(range(world_size)) - set(collected))
-        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout}s "
-                           f"(or died without a result)")
+        raise TimeoutError(
+            f"ranks {missing} of {world_size} did not finish within {timeout}s (or died without a result)"
+        )
     return [collected[r] for r in range(world_size)]

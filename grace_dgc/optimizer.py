@@ -4,12 +4,20 @@ a :class:`~grace_dgc.grace.Grace` as soon as backward produces them.
 It is a plain wrapper (no dynamically built subclass): it shares the wrapped optimizer's
 ``param_groups`` and ``state`` objects, so LR schedulers and ``zero_grad`` act on it.
 """
+
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .engines import create_engine
+from .engines.base import Engine
 from .errors import GraceConfigError
+
+if TYPE_CHECKING:
+    from .grace import Grace
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -53,14 +61,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``synchronize()`` (or ``step()``), not between ``backward()`` and it.
     """
 
-    def __init__(self, optimizer, grace, named_parameters=None, backward_passes_per_step=1,
-                 fusion_bytes=4 * 2**20):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grace: Grace,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        backward_passes_per_step: int = 1,
+        fusion_bytes: int = 4 * 2**20,
+    ) -> None:
         # Deliberately no super().__init__: the wrapped optimizer owns groups and state.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise GraceConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise GraceConfigError(
-                f"backward_passes_per_step={backward_passes_per_step!r}; accepted: an int >= 1")
+            raise GraceConfigError(f"backward_passes_per_step={backward_passes_per_step!r}; accepted: an int >= 1")
         if isinstance(fusion_bytes, bool) or not isinstance(fusion_bytes, int) or fusion_bytes < 0:
             raise GraceConfigError(f"fusion_bytes={fusion_bytes!r}; accepted: an int >= 0 (0: no fusion)")
         self.optimizer = optimizer
@@ -70,23 +83,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = self._make_buckets(list(self._names), fusion_bytes)
         self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
         self._views = self._bucket_views(self._buckets)
-        self._passes = {}       # param -> backward passes since the last exchange
-        self._ready = {}        # bucket index -> its parameters whose gradients are final
-        self._pending = {}      # bucket index -> Future of its averaged gradients
+        self._passes: dict[torch.nn.Parameter, int] = {}  # param -> backward passes since the last exchange
+        self._ready: dict[int, set] = {}  # bucket index -> its parameters whose gradients are final
+        self._pending: dict[int, Future] = {}  # bucket index -> Future of its averaged gradients
         self._synchronized = False  # averaged gradients are in p.grad, awaiting step()
         self._skipped_mark = grace.skipped
-        self.found_inf = False      # this step had a NaN/Inf gradient on some rank: step() skips it
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for p in self._names]
+        self.found_inf = False  # this step had a NaN/Inf gradient on some rank: step() skips it
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._names]
         self._attach_memory()
 
     @staticmethod
-    def _make_buckets(params, fusion_bytes):
-        buckets, size = [], 0
+    def _make_buckets(params: list[torch.nn.Parameter], fusion_bytes: int) -> list[list[torch.nn.Parameter]]:
+        buckets: list[list[torch.nn.Parameter]] = []
+        size = 0
         for param in reversed(params):
             nbytes = param.numel() * param.element_size()
-            if (not buckets or size + nbytes > fusion_bytes or param.dtype != buckets[-1][0].dtype
-                    or param.device != buckets[-1][0].device):
+            if (
+                not buckets
+                or size + nbytes > fusion_bytes
+                or param.dtype != buckets[-1][0].dtype
+                or param.device != buckets[-1][0].device
+            ):
                 buckets.append([])
                 size = 0
             buckets[-1].append(param)
@@ -94,7 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return buckets
 
     @staticmethod
-    def _bucket_views(buckets):
+    def _bucket_views(buckets: list[list[torch.nn.Parameter]]) -> Any:
         """param -> its gradient's view into its bucket's flat buffer (zeros), for buckets of
         several parameters; a lone parameter's own gradient is already flat."""
         views = {}
@@ -106,10 +123,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 views[param] = view.view_as(param)
         return views
 
-    def _to_view(self, param):
+    def _to_view(self, param: torch.nn.Parameter) -> None:
         """Make ``param.grad`` its bucket view (zeros if there is no gradient)."""
         view, grad = self._views.get(param), param.grad
-        if view is None:        # a bucket of its own: the gradient stays where autograd put it
+        if view is None:  # a bucket of its own: the gradient stays where autograd put it
             if grad is None:
                 param.grad = torch.zeros_like(param)
             elif not grad.is_contiguous():
@@ -119,12 +136,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif grad.data_ptr() != view.data_ptr():
             param.grad = view.copy_(grad)
 
-    def _attach_memory(self):
+    def _attach_memory(self) -> None:
         # e.g. the momentum memory takes over SGD's momentum
         self.grace.memory.attach_optimizer(self.optimizer, self.grace, {n: p for p, n in self._names.items()})
 
     @staticmethod
-    def _name_parameters(optimizer, named_parameters):
+    def _name_parameters(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.nn.Parameter, str]:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         if named_parameters is None:
             return {p: f"param.{i}" for i, p in enumerate(params)}
@@ -138,19 +155,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if missing:
             raise GraceConfigError(
                 f"named_parameters lacks {len(missing)} of the optimizer's parameters "
-                f"(positions {missing[:5]}...); pass model.named_parameters() of the same model")
+                f"(positions {missing[:5]}...); pass model.named_parameters() of the same model"
+            )
         return {p: by_param[p] for p in params}
 
     # -- the exchange ------------------------------------------------------------
-    def _on_grad_ready(self, param):
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if self._synchronized:
-            raise RuntimeError("backward() ran between synchronize() and step(); call step() "
-                               "(or zero_grad()) before the next backward pass")
+            raise RuntimeError(
+                "backward() ran between synchronize() and step(); call step() "
+                "(or zero_grad()) before the next backward pass"
+            )
         bucket = self._bucket_of[param]
         if bucket in self._pending or param in self._ready.get(bucket, ()):
             raise RuntimeError(
                 f"gradient of {self._names[param]!r} was computed again before step()/synchronize(); "
-                f"use backward_passes_per_step={self.backward_passes_per_step + 1} to accumulate passes")
+                f"use backward_passes_per_step={self.backward_passes_per_step + 1} to accumulate passes"
+            )
         count = self._passes.get(param, 0) + 1
         self._passes[param] = count
         if count == self.backward_passes_per_step:
@@ -158,33 +179,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._ready.setdefault(bucket, set()).add(param)
             self._submit_in_order()
 
-    def _submit_in_order(self):
+    def _submit_in_order(self) -> None:
         """Submit the complete buckets whose predecessors are all submitted: every rank issues
         its exchanges in bucket order, even when a parameter gets no gradient on some rank
         only (that bucket, and the ones after it, then wait for ``synchronize()``, which
         exchanges zeros for it)."""
         while len(self._pending) < len(self._buckets):
-            bucket = len(self._pending)             # buckets go out as 0, 1, 2, ...
+            bucket = len(self._pending)  # buckets go out as 0, 1, 2, ...
             if len(self._ready.get(bucket, ())) < len(self._buckets[bucket]):
                 break
             self._submit(bucket)
 
-    def _submit(self, bucket):
+    def _submit(self, bucket: int) -> None:
         params = self._buckets[bucket]
-        for param in params:    # unused this step (on every rank): exchange zeros
+        for param in params:  # unused this step (on every rank): exchange zeros
             self._to_view(param)
         self._pending[bucket] = self.grace.step_group_async(
-            [p.grad for p in params], [self._names[p] for p in params], inplace=True)
+            cast(list[torch.Tensor], [p.grad for p in params]), [self._names[p] for p in params], inplace=True
+        )
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Wait for every parameter's exchange and write the averaged gradients."""
         for bucket in range(len(self._buckets)):
             if bucket not in self._pending:
                 self._submit(bucket)
         for bucket, future in self._pending.items():
             for param, average in zip(self._buckets[bucket], future.result()):
-                if average.data_ptr() != param.grad.data_ptr():    # written in place: already there
-                    param.grad.copy_(average)
+                grad = cast(torch.Tensor, param.grad)  # _submit gave every parameter one
+                if average.data_ptr() != grad.data_ptr():  # written in place: already there
+                    grad.copy_(average)
         self._pending.clear()
         self._ready.clear()
         self._passes.clear()
@@ -194,27 +217,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._skipped_mark = self.grace.skipped
 
     @contextmanager
-    def skip_synchronize(self):
+    def skip_synchronize(self) -> Iterator[None]:
         """Horovod's idiom ``synchronize(); clip; with skip_synchronize(): step()`` (step()
         already skips a second exchange after synchronize(); this is for ported scripts)."""
         self._synchronized = True
         yield
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         if closure is not None:
-            raise GraceConfigError("DistributedOptimizer.step does not take a closure "
-                                   "(the closure's backward would need its own exchange)")
+            raise GraceConfigError(
+                "DistributedOptimizer.step does not take a closure (the closure's backward would need its own exchange)"
+            )
         if not self._synchronized:
             self.synchronize()
         self._synchronized = False
-        if self.found_inf:      # every rank skips this step alike (grace's nonfinite="skip")
+        if self.found_inf:  # every rank skips this step alike (grace's nonfinite="skip")
             return None
         return self.optimizer.step()
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pending:
-            raise RuntimeError("zero_grad() called while gradient exchanges are in flight; "
-                               "call step() or synchronize() first")
+            raise RuntimeError(
+                "zero_grad() called while gradient exchanges are in flight; call step() or synchronize() first"
+            )
         self._passes.clear()
         self._ready.clear()
         self._synchronized = False
@@ -222,49 +247,49 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- what the wrapped optimizer owns ---------------------------------------------
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
-    def param_groups(self, value):
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
     @property
-    def state(self):
+    def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
     @property
-    def defaults(self):
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise GraceConfigError("add parameter groups to the wrapped optimizer before wrapping it")
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus grace's compressor and memory state."""
         return {"optimizer": self.optimizer.state_dict(), "grace": self.grace.state_dict()}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "optimizer" in state_dict and "grace" in state_dict:
             self.optimizer.load_state_dict(state_dict["optimizer"])
             self.grace.load_state_dict(state_dict["grace"])
-        else:                  # a plain optimizer checkpoint
+        else:  # a plain optimizer checkpoint
             self.optimizer.load_state_dict(state_dict)
-            self._attach_memory()   # its momentum must move into the memory again, not apply twice
+            self._attach_memory()  # its momentum must move into the memory again, not apply twice
 
-    def remove_hooks(self):
+    def remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, {self.grace!r})"
 
-    def __getstate__(self):
+    def __getstate__(self) -> Any:
         raise TypeError("DistributedOptimizer is not picklable; save state_dict() instead")
 
 
-def broadcast_parameters(params, root_rank=0, engine="auto"):
+def broadcast_parameters(params: Any, root_rank: int = 0, engine: str | Engine = "auto") -> None:
     """Copy parameters/buffers from ``root_rank`` to every rank, in place.
 
     ``params``: a ``state_dict()`` or an iterable of ``(name, tensor)`` pairs.
@@ -281,7 +306,9 @@ def broadcast_parameters(params, root_rank=0, engine="auto"):
                 tensor.data.copy_(buffer)
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0, engine="auto"):
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int = 0, engine: str | Engine = "auto"
+) -> None:
     """Make every rank's optimizer state (and grace state) equal to ``root_rank``'s."""
     eng = create_engine(engine)
     state = eng.broadcast_object(optimizer.state_dict(), root_rank)

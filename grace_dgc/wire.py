@@ -5,6 +5,7 @@ plus a header of per-tensor byte lengths (int64). Receivers rebuild each tensor 
 dtype and trailing shape of their own payload in the same position: every rank runs the
 same compressor, so only the leading dimension may differ between ranks.
 """
+
 import numbers
 import struct
 
@@ -32,13 +33,12 @@ def decode(buffer, header, template):
     lengths = header.tolist()
     out, start = [], 0
     for length, like in zip(lengths, template):
-        raw = buffer[start:start + length]
+        raw = buffer[start : start + length]
         if (raw.storage_offset() % like.element_size()) != 0:
-            raw = raw.clone()   # a view as a wider dtype needs an aligned offset
+            raw = raw.clone()  # a view as a wider dtype needs an aligned offset
         start += length
         values = raw.view(like.dtype)
-        out.append(values.reshape(like.shape) if like.dim() == 0
-                   else values.reshape(-1, *like.shape[1:]))
+        out.append(values.reshape(like.shape) if like.dim() == 0 else values.reshape(-1, *like.shape[1:]))
     return out
 
 
@@ -53,16 +53,18 @@ MAX_BITS = 32
 
 
 def _check_bits(bits):
-    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 1 <= bits <= MAX_BITS:
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 1 <= int(bits) <= MAX_BITS:
         raise ValueError(f"bits={bits!r} is out of range; accepted: integers 1..{MAX_BITS}")
 
 
 # Masks of the SWAR stages below, per width: after stage j, each 2^(j+4)-bit lane of an
 # int64 word holds 2^j·bits packed bits at its bottom (stage 0: pairs of bytes, 1: pairs of
 # 16-bit lanes, 2: the two 32-bit halves).
-_SWAR_MASKS = {1: (0x0003000300030003, 0x0000000F0000000F, 0xFF),
-               2: (0x000F000F000F000F, 0x000000FF000000FF, 0xFFFF),
-               4: (0x00FF00FF00FF00FF, 0x0000FFFF0000FFFF, 0xFFFFFFFF)}
+_SWAR_MASKS = {
+    1: (0x0003000300030003, 0x0000000F0000000F, 0xFF),
+    2: (0x000F000F000F000F, 0x000000FF000000FF, 0xFFFF),
+    4: (0x00FF00FF00FF00FF, 0x0000FFFF0000FFFF, 0xFFFFFFFF),
+}
 
 
 # The integer type whose low bytes hold the ``bits`` bytes an int64 word packs to.
@@ -80,7 +82,7 @@ def _pack_words(codes, bits, workspace):
     n = codes.numel()
     count = -(-n // 8)
     words = _scratch(workspace, "pack_words", count, torch.int64, codes.device)
-    as_bytes = words.view(torch.uint8)      # folded in place: never the caller's codes
+    as_bytes = words.view(torch.uint8)  # folded in place: never the caller's codes
     as_bytes[:n].copy_(codes)
     as_bytes[n:].zero_()
     shifted = _scratch(workspace, "pack_shifted", count, torch.int64, codes.device)
@@ -108,7 +110,7 @@ def pack_chunks(n, bits, encode, device, workspace=None):
         codes = encode(start, stop)
         codes = codes.view(torch.uint8) if codes.dtype in (torch.uint8, torch.bool) else codes.to(torch.uint8)
         first = start // 8 * bits
-        out[first: first + packed_nbytes(stop - start, bits)] = _pack_words(codes, bits, workspace)
+        out[first : first + packed_nbytes(stop - start, bits)] = _pack_words(codes, bits, workspace)
     return out
 
 
@@ -122,12 +124,12 @@ def _unpack_words(packed, bits, start, stop, workspace):
     """Codes ``start:stop`` (``start`` a multiple of 8) of a packed stream, as uint8; a
     workspace buffer when one is given."""
     first, size = start // 8 * bits, packed_nbytes(stop - start, bits)
-    raw = packed[first: first + size]
-    if size % bits or raw.storage_offset() % bits:     # whole, aligned words of ``bits`` bytes
+    raw = packed[first : first + size]
+    if size % bits or raw.storage_offset() % bits:  # whole, aligned words of ``bits`` bytes
         raw = torch.nn.functional.pad(raw, (0, (-size) % bits))
     raw = raw.view(_PACKED_WORD[bits])
     words = _scratch(workspace, "unpack_words", raw.numel(), torch.int64, packed.device).copy_(raw)
-    if bits > 1:        # the widening cast extended the sign bit
+    if bits > 1:  # the widening cast extended the sign bit
         words.bitwise_and_((1 << (8 * bits)) - 1)
     shifted = _scratch(workspace, "unpack_shifted", raw.numel(), torch.int64, packed.device)
     lane, width = 64, 8 * bits
@@ -135,7 +137,8 @@ def _unpack_words(packed, bits, start, stop, workspace):
         lane, width = lane // 2, width // 2
         words.bitwise_or_(torch.bitwise_left_shift(words, lane - width, out=shifted)).bitwise_and_(mask)
     words.bitwise_or_(torch.bitwise_left_shift(words, 8 - bits, out=shifted)).bitwise_and_(
-        int.from_bytes(bytes([(1 << bits) - 1] * 8), "little"))
+        int.from_bytes(bytes([(1 << bits) - 1] * 8), "little")
+    )
     return words.view(torch.uint8)[: stop - start]
 
 
@@ -166,7 +169,7 @@ def _pack_wide(codes, bits):
     """
     n = codes.numel()
     groups = torch.nn.functional.pad(codes.reshape(-1).to(torch.int64), (0, (-n) % 8)).reshape(-1, 8)
-    columns = [None] * bits
+    columns: list = [None] * bits
     for j in range(8):
         start = j * bits
         for byte in range(start // 8, (start + bits - 1) // 8 + 1):
@@ -182,7 +185,7 @@ def _unpack_wide(packed, bits, n):
     codes = []
     for j in range(8):
         start = j * bits
-        window = 0      # the bytes code j touches, little-endian
+        window = 0  # the bytes code j touches, little-endian
         for byte in range(start // 8, (start + bits - 1) // 8 + 1):
             window = window | (groups[:, byte] << (8 * (byte - start // 8)))
         codes.append((window >> (start % 8)) & ((1 << bits) - 1))
@@ -207,7 +210,7 @@ def pack_bits(codes, bits, workspace=None):
     if bits == 8:
         return codes.clone()
     shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
-    stream = ((codes.unsqueeze(1) >> shifts) & 1).reshape(-1)           # n·bits bits
+    stream = ((codes.unsqueeze(1) >> shifts) & 1).reshape(-1)  # n·bits bits
     stream = torch.nn.functional.pad(stream, (0, (-stream.numel()) % 8))
     weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32)).to(torch.uint8)
     return (stream.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.uint8) if n else stream
@@ -239,6 +242,7 @@ def packed_nbytes(n, bits):
 
 # -- signs: the 1-bit format of the sign family (signsgd, signum, efsignsgd, onebit) -----
 
+
 def pack_signs(tensor, workspace=None):
     """Bit i = 1 where ``tensor_i ≥ 0``, else 0, packed by :func:`pack_bits` (8 per byte).
 
@@ -248,6 +252,7 @@ def pack_signs(tensor, workspace=None):
 
     def encode(start, stop):
         return torch.ge(flat[start:stop], 0, out=_scratch(workspace, "signs", stop - start, torch.bool, flat.device))
+
     return pack_chunks(flat.numel(), 1, encode, flat.device, workspace)
 
 

@@ -4,6 +4,7 @@ A fresh full-size temporary costs more than the arithmetic done in it on a CPU (
 of every large allocation are faulted in anew: about 5× one ``copy_`` for an fp32 tensor),
 so the data path keeps its temporaries here instead of allocating them every step.
 """
+
 import torch
 
 
@@ -42,7 +43,7 @@ class Workspace:
         return f"Workspace({len(self._buffers)} buffers, {self.nbytes()} bytes)"
 
 
-CPU_CHUNK = 1 << 20     # elements; a chunk's fp32 temporaries (4 MiB) stay in the cache
+CPU_CHUNK = 1 << 20  # elements; a chunk's fp32 temporaries (4 MiB) stay in the cache
 
 
 def chunks(numel, device, multiple=1):
@@ -64,9 +65,13 @@ def flat_span(tensors):
         return None
     storage, offset, total = first.untyped_storage(), first.storage_offset(), 0
     for tensor in tensors:
-        if (tensor.dtype != first.dtype or tensor.device != first.device or not tensor.is_contiguous()
-                or tensor.untyped_storage().data_ptr() != storage.data_ptr()
-                or tensor.storage_offset() != offset + total):
+        if (
+            tensor.dtype != first.dtype
+            or tensor.device != first.device
+            or not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+            or tensor.storage_offset() != offset + total
+        ):
             return None
         total += tensor.numel()
     if len(tensors) == 1:

@@ -1,4 +1,5 @@
 """Helpers shared by the test files."""
+
 from grace_dgc.registry import COMPRESSORS
 
 

@@ -9,6 +9,7 @@ tests/test_horovod.py compares the two. Cases are listed at run time from the re
 so methods added later are covered; a case that raises records its traceback (every rank
 runs the same code on same-shaped data, so they fail at the same point and stay matched).
 """
+
 import os
 import pickle
 import sys
@@ -20,9 +21,13 @@ import grace_dgc
 from grace_dgc.registry import COMMUNICATORS, COMPRESSORS
 
 # parameters that make each method do real work on these small tensors (others: defaults)
-PARAMS = {"topk": {"compress_ratio": 0.3}, "randomk": {"compress_ratio": 0.3},
-          "threshold": {"threshold": 0.8}, "dgc": {"compress_ratio": 0.3, "min_compress_size": 1},
-          "twobit": {"threshold": 0.5}}
+PARAMS = {
+    "topk": {"compress_ratio": 0.3},
+    "randomk": {"compress_ratio": 0.3},
+    "threshold": {"threshold": 0.8},
+    "dgc": {"compress_ratio": 0.3, "min_compress_size": 1},
+    "twobit": {"threshold": 0.5},
+}
 STEPS = 2
 # (memory, compressor, communicator) extra cases with error feedback
 WITH_MEMORY = [("residual", "topk", "allgather"), ("residual", "randomk", "allreduce")]
@@ -45,10 +50,13 @@ def cases():
 def gradients(rank, step):
     """Deterministic per-rank gradients: a matrix, an odd-length vector and a 1-element one."""
     gen = torch.Generator().manual_seed(1000 * rank + step)
-    grads = {"w": torch.randn(12, 10, generator=gen), "b": torch.randn(37, generator=gen) * (rank + 1),
-             "s": torch.randn(1, generator=gen)}
+    grads = {
+        "w": torch.randn(12, 10, generator=gen),
+        "b": torch.randn(37, generator=gen) * (rank + 1),
+        "s": torch.randn(1, generator=gen),
+    }
     if rank == 1:
-        grads["b"][::2] = 0.0       # different payload sizes per rank for variable-size methods
+        grads["b"][::2] = 0.0  # different payload sizes per rank for variable-size methods
     return grads
 
 
@@ -59,12 +67,13 @@ def record_payloads(grace):
     def logged(payload, name):
         log.append([(t.dtype, t.numel()) for t in payload])
         return exchange(payload, name)
+
     grace.communicator.exchange = logged
     return log
 
 
 def run_case(rank, comp, mem, comm, params):
-    grace = grace_dgc.build(comp, mem, comm, **params)     # engine="auto"
+    grace = grace_dgc.build(comp, mem, comm, **params)  # engine="auto"
     log = record_payloads(grace)
     steps = []
     for step in range(STEPS):
@@ -76,8 +85,9 @@ def primitives(engine):
     """The engine seam itself: uneven allgather, dtypes Horovod lacks, non-contiguous tensors."""
     rank, out = engine.rank, {}
     before = engine.bytes_sent
-    out["gather_uneven"] = engine.allgather(torch.arange(rank + 2, dtype=torch.float32),
-                                            sizes=[r + 2 for r in range(engine.size)])
+    out["gather_uneven"] = engine.allgather(
+        torch.arange(rank + 2, dtype=torch.float32), sizes=[r + 2 for r in range(engine.size)]
+    )
     out["gather_bf16"] = engine.allgather(torch.full((3,), rank + 0.5, dtype=torch.bfloat16))
     out["gather_bool"] = engine.allgather(torch.tensor([True, bool(rank)]))
     out["gather_empty"] = engine.allgather(torch.empty(0, dtype=torch.uint8), sizes=[0] * engine.size)
@@ -85,8 +95,8 @@ def primitives(engine):
     out["sum_bf16"] = engine.allreduce(torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16) * (rank + 1))
     out["sum_int8"] = engine.allreduce(torch.tensor([100, -100, 7], dtype=torch.int8))
     out["sum_bool"] = engine.allreduce(torch.tensor([False, rank == 1, True]))
-    out["sum_int64"] = engine.allreduce(torch.tensor([2 ** 40 + rank]))
-    strided = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)       # non-contiguous
+    out["sum_int64"] = engine.allreduce(torch.tensor([2**40 + rank]))
+    strided = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)  # non-contiguous
     engine.broadcast(strided, root=engine.size - 1)
     out["bcast_strided"] = strided
     out["bcast_bf16"] = engine.broadcast(torch.full((4,), float(rank), dtype=torch.bfloat16), root=0)
@@ -100,8 +110,9 @@ def optimizer_run(rank, steps=3):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.2)
-    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                         grace, model.named_parameters())
+    opt = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), grace, model.named_parameters()
+    )
     grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(7 + rank)
     losses = []
@@ -112,8 +123,12 @@ def optimizer_run(rank, steps=3):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-            "losses": losses, "engine": grace.engine.name, "bytes": grace.stats()["bytes_sent"]}
+    return {
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "losses": losses,
+        "engine": grace.engine.name,
+        "bytes": grace.stats()["bytes_sent"],
+    }
 
 
 def engine_job(rank, world_size):
@@ -124,8 +139,10 @@ def engine_job(rank, world_size):
             results["cases"][key] = run_case(rank, comp, mem, comm, params)
         except Exception:
             results["errors"][key] = traceback.format_exc()
-    for part, job in (("primitives", lambda: primitives(grace_dgc.create_engine("auto"))),
-                      ("optimizer", lambda: optimizer_run(rank))):
+    for part, job in (
+        ("primitives", lambda: primitives(grace_dgc.create_engine("auto"))),
+        ("optimizer", lambda: optimizer_run(rank)),
+    ):
         try:
             results[part] = job()
         except Exception:
@@ -138,11 +155,10 @@ def expected_bytes(payload_log, communicator, engine):
     Horovod's allgather is unpadded); None for communicators this rule does not know."""
     total = 0
     for payload in payload_log:
-        if communicator == "allreduce":   # Horovod sums bf16 in fp32 and small ints in int32
+        if communicator == "allreduce":  # Horovod sums bf16 in fp32 and small ints in int32
             widen = {torch.bfloat16: 4, torch.bool: 4, torch.uint8: 4, torch.int8: 4, torch.int16: 4}
-            total += sum(n * (widen.get(d, d.itemsize) if engine == "horovod" else d.itemsize)
-                         for d, n in payload)
-        elif communicator in ("allgather", "broadcast"):     # int64 size header + the bytes
+            total += sum(n * (widen.get(d, d.itemsize) if engine == "horovod" else d.itemsize) for d, n in payload)
+        elif communicator in ("allgather", "broadcast"):  # int64 size header + the bytes
             total += 8 * len(payload) + sum(n * d.itemsize for d, n in payload)
         else:
             return None
@@ -151,6 +167,7 @@ def expected_bytes(payload_log, communicator, engine):
 
 if __name__ == "__main__":
     import horovod.torch as hvd
+
     hvd.init()
     result = engine_job(hvd.rank(), hvd.size())
     with open(os.path.join(sys.argv[1], f"rank{hvd.rank()}.pkl"), "wb") as fh:

@@ -1,5 +1,6 @@
 """none, fp16, bf16, topk, randomk, threshold and the residual memory, on one process,
 against references written here."""
+
 import numpy as np
 import pytest
 import torch
@@ -30,7 +31,7 @@ def test_none_fp16_bf16_values():
     assert payload[0].dtype == torch.float16
     with np.errstate(over="ignore"):
         expected = np.array([1.0, -2.5, 3.14159265, 1e-8, 70000.0], dtype=np.float32).astype(np.float16)
-    assert np.array_equal(out.numpy(), expected.astype(np.float32))        # 70000 → inf, as IEEE half
+    assert np.array_equal(out.numpy(), expected.astype(np.float32))  # 70000 → inf, as IEEE half
     payload, out = roundtrip(make("bf16").compressor, x)
     assert payload[0].dtype == torch.bfloat16
     bits = x.numpy().view(np.uint32)
@@ -40,9 +41,11 @@ def test_none_fp16_bf16_values():
 
 
 @settings(max_examples=60, deadline=None)
-@given(arrays(np.float32, shapes, elements=finite),
-       st.sampled_from(["none", "fp16", "bf16", "topk", "randomk", "threshold"]),
-       st.sampled_from([torch.float32, torch.float64]))
+@given(
+    arrays(np.float32, shapes, elements=finite),
+    st.sampled_from(["none", "fp16", "bf16", "topk", "randomk", "threshold"]),
+    st.sampled_from([torch.float32, torch.float64]),
+)
 def test_compress_decompress_keeps_shape_and_dtype(values, name, dtype):
     tensor = torch.from_numpy(values).to(dtype)
     _, out = roundtrip(make(name).compressor, tensor)
@@ -50,11 +53,10 @@ def test_compress_decompress_keeps_shape_and_dtype(values, name, dtype):
 
 
 @settings(max_examples=80, deadline=None)
-@given(arrays(np.float32, st.integers(1, 300), elements=finite, unique=True),
-       st.floats(0.001, 1.0))
+@given(arrays(np.float32, st.integers(1, 300), elements=finite, unique=True), st.floats(0.001, 1.0))
 def test_topk_returns_exactly_the_k_largest_magnitudes(values, ratio):
     values = np.abs(values) * np.where(np.arange(len(values)) % 2, -1, 1).astype(np.float32)
-    assume(len(np.unique(np.abs(values))) == len(values))     # no ties in magnitude
+    assume(len(np.unique(np.abs(values))) == len(values))  # no ties in magnitude
     tensor = torch.from_numpy(values)
     comp = make("topk", compress_ratio=ratio).compressor
     (sent, indices), out = roundtrip(comp, tensor)
@@ -110,9 +112,18 @@ def test_randomk_rng_untouched_and_values_at_indices():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(arrays(np.float32, 17, elements=finite), min_size=1, max_size=12),
-       st.sampled_from([("topk", {"compress_ratio": 0.1}), ("threshold", {"threshold": 50.0}),
-                        ("randomk", {"compress_ratio": 0.2}), ("fp16", {}), ("bf16", {})]))
+@given(
+    st.lists(arrays(np.float32, 17, elements=finite), min_size=1, max_size=12),
+    st.sampled_from(
+        [
+            ("topk", {"compress_ratio": 0.1}),
+            ("threshold", {"threshold": 50.0}),
+            ("randomk", {"compress_ratio": 0.2}),
+            ("fp16", {}),
+            ("bf16", {}),
+        ]
+    ),
+)
 def test_error_feedback_conserves_gradient_mass(grads, method):
     """Σ transmitted + final residual = Σ gradients (β = γ = 1)."""
     name, params = method
@@ -129,10 +140,10 @@ def test_error_feedback_conserves_gradient_mass(grads, method):
 def test_residual_beta_gamma_follow_the_formula():
     grace = make("topk", "residual", compress_ratio=0.5, beta=0.5, gamma=2.0)
     g1, g2 = torch.tensor([4.0, 1.0, -3.0, 0.5]), torch.tensor([1.0, 1.0, 1.0, 1.0])
-    out1 = grace.step(g1, "w")                     # p = 2 g1 = [8, 2, -6, 1]; send 8, -6
+    out1 = grace.step(g1, "w")  # p = 2 g1 = [8, 2, -6, 1]; send 8, -6
     assert out1.tolist() == [8.0, 0.0, -6.0, 0.0]
     assert grace.memory.residuals["w"].tolist() == [0.0, 2.0, 0.0, 1.0]
-    out2 = grace.step(g2, "w")                     # p = 0.5 e + 2 g2 = [2, 3, 2, 2.5]
+    out2 = grace.step(g2, "w")  # p = 0.5 e + 2 g2 = [2, 3, 2, 2.5]
     assert out2.tolist() == [0.0, 3.0, 0.0, 2.5]
 
 
@@ -173,30 +184,44 @@ def test_state_dict_round_trip_resumes_exactly():
 def test_sent_mask_is_the_exact_sent_set_even_for_zeros(name):
     """Memories learn what was sent from sent_mask; a sent exact zero counts as sent."""
     x = torch.tensor([0.0, 1e-30, 0.0, 5.0, -4.0, 0.0, 3.0, 0.0])
-    comp = make(name, **({"compress_ratio": 0.5} if name in ("topk", "randomk") else
-                         {"threshold": 0.0} if name == "threshold" else {})).compressor
+    comp = make(
+        name,
+        **(
+            {"compress_ratio": 0.5}
+            if name in ("topk", "randomk")
+            else {"threshold": 0.0}
+            if name == "threshold"
+            else {}
+        ),
+    ).compressor
     payload, ctx = comp.compress(x, "w")
     mask = comp.sent_mask(payload, ctx)
     if name == "randomk":
         expected = torch.zeros(8, dtype=torch.bool)
         expected[ctx[0]] = True
     elif name == "topk":
-        expected = torch.tensor([False, True, False, True, True, False, True, False])   # k = 4
+        expected = torch.tensor([False, True, False, True, True, False, True, False])  # k = 4
     else:
-        expected = torch.ones(8, dtype=torch.bool)           # dense casts and threshold 0 send all
+        expected = torch.ones(8, dtype=torch.bool)  # dense casts and threshold 0 send all
     assert torch.equal(mask, expected)
 
 
-@pytest.mark.parametrize("name, params", [("topk", {"compress_ratio": 0.4}), ("threshold", {"threshold": 0.5}),
-                                          ("dgc", {"compress_ratio": 0.4, "min_compress_size": 1}),
-                                          ("dgc", {"compress_ratio": 0.4})])
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("topk", {"compress_ratio": 0.4}),
+        ("threshold", {"threshold": 0.5}),
+        ("dgc", {"compress_ratio": 0.4, "min_compress_size": 1}),
+        ("dgc", {"compress_ratio": 0.4}),
+    ],
+)
 def test_decompress_aggregate_equals_the_sum_of_decompressed(name, params):
     """The sparse fast path (one scatter-add over all ranks) equals decompress-then-sum,
     including indices several ranks sent."""
     comp = make(name, **params).compressor
     gen = torch.Generator().manual_seed(0)
     ranks = [torch.randn(6, 5, generator=gen) for _ in range(3)]
-    ranks[1][0, 0] = ranks[2][0, 0] = 10.0          # an index all send
+    ranks[1][0, 0] = ranks[2][0, 0] = 10.0  # an index all send
     payloads, ctxs = zip(*(comp.compress(x, "w") for x in ranks))
     expected = sum(comp.decompress(p, ctxs[0]) for p in payloads)
     assert torch.allclose(comp.decompress_aggregate(list(payloads), ctxs[0]), expected, atol=1e-6)

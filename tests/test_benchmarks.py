@@ -1,5 +1,6 @@
 """The benchmark scripts run and write their figures into a README block (no timing is
 asserted: figures belong to the benchmarks, not to tests)."""
+
 import os
 import sys
 
@@ -21,8 +22,10 @@ def test_bench_compressors_reports_every_method_and_writes_the_readme_block(tmp_
     assert set(grace_dgc.list_compressors()) <= rows
     assert "skipped" not in printed
     text = readme.read_text()
-    assert text.startswith("intro\n<!-- bench_compressors:begin -->\n```\n$ python benchmarks/bench_compressors.py "
-                           "--sizes 3000 --repeats 1 --check\n")
+    assert text.startswith(
+        "intro\n<!-- bench_compressors:begin -->\n```\n$ python benchmarks/bench_compressors.py "
+        "--sizes 3000 --repeats 1 --check\n"
+    )
     assert "old figures" not in text and text.endswith("<!-- bench_compressors:end -->\nrest\n")
     assert "--readme" not in text
 

@@ -1,5 +1,6 @@
 """grace_dgc.compat: GRACE's defaults, keys, names and constructors, and GRACE-idiom scripts
 (torch.distributed with explicit ranks, and Horovod) run with only their imports changed."""
+
 import os
 import subprocess
 import sys
@@ -20,15 +21,29 @@ def local(params):
     return compat.grace_from_params({**params, "engine": "local"})
 
 
-@pytest.mark.parametrize("name, attribute, value", [
-    ("topk", "compress_ratio", 0.3), ("randomk", "compress_ratio", 0.3), ("dgc", "compress_ratio", 0.3),
-    ("qsgd", "quantum_num", 127), ("qsgd", "bucket_size", 128), ("qsgd_cuda", "quantum_num", 127),
-    ("signum", "momentum", 0.9), ("threshold", "threshold", 0.01), ("powersgd", "compress_rank", 1)])
+@pytest.mark.parametrize(
+    "name, attribute, value",
+    [
+        ("topk", "compress_ratio", 0.3),
+        ("randomk", "compress_ratio", 0.3),
+        ("dgc", "compress_ratio", 0.3),
+        ("qsgd", "quantum_num", 127),
+        ("qsgd", "bucket_size", 128),
+        ("qsgd_cuda", "quantum_num", 127),
+        ("signum", "momentum", 0.9),
+        ("threshold", "threshold", 0.01),
+        ("powersgd", "compress_rank", 1),
+    ],
+)
 def test_grace_defaults_not_grace_dgc_defaults(name, attribute, value):
     grace = local({"compressor": name, "memory": "none", "communicator": "allgather"})
     assert getattr(grace.compressor, attribute) == value
-    assert grace_dgc.from_params({"compressor": name, "communicator": "allgather",
-                                  "engine": "local"}).compressor.__dict__[attribute] == value
+    assert (
+        grace_dgc.from_params({"compressor": name, "communicator": "allgather", "engine": "local"}).compressor.__dict__[
+            attribute
+        ]
+        == value
+    )
 
 
 def test_grace_memory_defaults_and_keys():
@@ -38,8 +53,12 @@ def test_grace_memory_defaults_and_keys():
     assert dgc.memory.gradient_clipping is None
     clipped = local({"compressor": "dgc", "memory": "dgc", "communicator": "allgather", "gradient_clipping": True})
     assert clipped.memory.gradient_clipping == compat.GRACE_CLIP_NORM
-    assert local({"compressor": "dgc", "memory": "dgc", "communicator": "allgather",
-                  "gradient_clipping": 0.5}).memory.gradient_clipping == 0.5
+    assert (
+        local(
+            {"compressor": "dgc", "memory": "dgc", "communicator": "allgather", "gradient_clipping": 0.5}
+        ).memory.gradient_clipping
+        == 0.5
+    )
     assert local({"compressor": "topk", "kernel": "cupy", "communicator": "allgather"}).compressor.compress_ratio == 0.3
     with pytest.raises(GraceConfigError, match="kernel='radix'; accepted: torch, cupy, rdxtopk"):
         local({"compressor": "topk", "kernel": "radix", "communicator": "allgather"})
@@ -49,7 +68,7 @@ def test_grace_memory_defaults_and_keys():
 
 def test_grace_names_and_communicators():
     assert local({"compressor": "natural_cuda", "communicator": "allgather"}).compressor.registered_name == "natural"
-    for compressor in ("qsgd", "terngrad", "topk"):     # GRACE's default allreduce: payloads not summable
+    for compressor in ("qsgd", "terngrad", "topk"):  # GRACE's default allreduce: payloads not summable
         grace = local({"compressor": compressor})
         assert grace.communicator.registered_name == "allgather"
     assert local({"compressor": "fp16"}).communicator.registered_name == "allreduce"
@@ -66,17 +85,33 @@ def test_constructors_equal_build():
     torch.manual_seed(0)
     grads = [torch.randn(50, 7) for _ in range(4)]
     pairs = [
-        (compat.Allgather(compat.TopKCompressor(0.3), compat.ResidualMemory(), 1),
-         grace_dgc.build("topk", "residual", "allgather", engine="local", compress_ratio=0.3)),
-        (compat.Allreduce(compat.QSGDCompressor(), compat.NoneMemory()),
-         grace_dgc.build("qsgd", "none", "allgather", engine="local", quantum_num=127, bucket_size=128)),
-        (compat.Broadcast(compat.DgcCompressor(0.3), compat.DgcMemory(0.9, True, 1), 1),
-         grace_dgc.build("dgc", "momentum", "broadcast", engine="local", compress_ratio=0.3,
-                         gradient_clipping=compat.GRACE_CLIP_NORM)),
-        (compat.AllToAll(compat.TernGradCompressor(), compat.NoneMemory(), 1),
-         grace_dgc.build("terngrad", "none", "allgather", engine="local")),
-        (compat.Allgather(compat.EFSignSGDCompressor(0.1), compat.EFSignSGDMemory(0.1), 1),
-         grace_dgc.build("efsignsgd", "efsignsgd", "allgather", engine="local", lr=0.1)),
+        (
+            compat.Allgather(compat.TopKCompressor(0.3), compat.ResidualMemory(), 1),
+            grace_dgc.build("topk", "residual", "allgather", engine="local", compress_ratio=0.3),
+        ),
+        (
+            compat.Allreduce(compat.QSGDCompressor(), compat.NoneMemory()),
+            grace_dgc.build("qsgd", "none", "allgather", engine="local", quantum_num=127, bucket_size=128),
+        ),
+        (
+            compat.Broadcast(compat.DgcCompressor(0.3), compat.DgcMemory(0.9, True, 1), 1),
+            grace_dgc.build(
+                "dgc",
+                "momentum",
+                "broadcast",
+                engine="local",
+                compress_ratio=0.3,
+                gradient_clipping=compat.GRACE_CLIP_NORM,
+            ),
+        ),
+        (
+            compat.AllToAll(compat.TernGradCompressor(), compat.NoneMemory(), 1),
+            grace_dgc.build("terngrad", "none", "allgather", engine="local"),
+        ),
+        (
+            compat.Allgather(compat.EFSignSGDCompressor(0.1), compat.EFSignSGDMemory(0.1), 1),
+            grace_dgc.build("efsignsgd", "efsignsgd", "allgather", engine="local", lr=0.1),
+        ),
     ]
     for ported, native in pairs:
         assert ported.world_size == 1
@@ -97,13 +132,13 @@ def test_powersgd_memory_sets_the_rank_and_refuses_foreign_parts():
 
 def test_declared_world_size_is_checked_at_the_first_exchange():
     grace = compat.Allgather(compat.TopKCompressor(), compat.ResidualMemory(), 2)
-    assert grace.world_size == 2        # GRACE scripts read it before init_process_group
+    assert grace.world_size == 2  # GRACE scripts read it before init_process_group
     with pytest.raises(GraceConfigError, match="built for world_size=2 but the local engine has 1 ranks"):
         grace.step(torch.ones(4), "w")
 
 
 # -- GRACE-idiom scripts, written as GRACE's examples are -------------------------------
-DIST_SCRIPT = '''
+DIST_SCRIPT = """
 import argparse, json
 import torch
 import torch.distributed as dist
@@ -151,7 +186,7 @@ for step in range(30):
     model.zero_grad()
 params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 json.dump({'losses': losses, 'first': first, 'params': params}, open(args.out, 'w'))
-'''
+"""
 
 
 def _run_dist(tmp_path, helper):
@@ -159,9 +194,27 @@ def _run_dist(tmp_path, helper):
     script.write_text(DIST_SCRIPT)
     port = free_port()
     outs = [tmp_path / f"rank{r}-{helper}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(script), "--rank", str(r), "--world_size", "2", "--port",
-                               str(port), "--out", str(outs[r])] + (["--helper"] if helper else []),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                "--rank",
+                str(r),
+                "--world_size",
+                "2",
+                "--port",
+                str(port),
+                "--out",
+                str(outs[r]),
+            ]
+            + (["--helper"] if helper else []),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for proc in procs:
         try:
             _, err = proc.communicate(timeout=120)
@@ -171,6 +224,7 @@ def _run_dist(tmp_path, helper):
             raise AssertionError("the GRACE-style script did not finish in 120 s") from None
         assert proc.returncode == 0, err[-3000:]
     import json
+
     return [json.loads(out.read_text()) for out in outs]
 
 
@@ -187,10 +241,10 @@ def _topk_03(values):
 def test_grace_dist_script_runs_with_only_its_imports_changed(tmp_path):
     runs = {helper: _run_dist(tmp_path, helper) for helper in (False, True)}
     for ranks in runs.values():
-        assert ranks[0]["params"] == ranks[1]["params"]          # ranks stay in sync
+        assert ranks[0]["params"] == ranks[1]["params"]  # ranks stay in sync
         for rank in ranks:
             assert rank["losses"][-1] < 0.5 * rank["losses"][0]
-        for name, (raw0, _avg0) in ranks[0]["first"].items():   # step 1: mean of each rank's top 30 %
+        for name, (raw0, _avg0) in ranks[0]["first"].items():  # step 1: mean of each rank's top 30 %
             raw1 = ranks[1]["first"][name][0]
             expected = (_topk_03(raw0) + _topk_03(raw1)) / 2
             for rank in ranks:
@@ -198,7 +252,7 @@ def test_grace_dist_script_runs_with_only_its_imports_changed(tmp_path):
     assert runs[False][0]["params"] == runs[True][0]["params"]  # the helper builds the same thing
 
 
-HOROVOD_SCRIPT = '''
+HOROVOD_SCRIPT = """
 import sys
 import torch
 import torch.nn.functional as F
@@ -231,7 +285,7 @@ same = hvd.allgather(flat.unsqueeze(0))
 assert torch.equal(same[0], same[1]), 'ranks diverged'
 print(f'rank {hvd.rank()} engine {grc.engine.name} ratio {grc.compressor.compress_ratio} '
       f'first {losses[0]:.4f} last {losses[-1]:.4f}', flush=True)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -243,6 +297,7 @@ def test_grace_horovod_script_runs_with_only_its_imports_changed(tmp_path):
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-3000:] + out[-3000:]
     import re
+
     lines = re.findall(r"rank (\d) engine (\w+) ratio ([\d.]+) first ([\d.]+) last ([\d.]+)", out)
     assert sorted(line[0] for line in lines) == ["0", "1"], out
     for _, engine, ratio, first, last in lines:
@@ -253,6 +308,7 @@ def test_grace_horovod_script_runs_with_only_its_imports_changed(tmp_path):
 def test_horovod_optimizer_refuses_horovod_options_with_a_grace():
     assert HOROVOD_MISSING is None, HOROVOD_MISSING
     import grace_dgc.compat.horovod as hvd
+
     model = torch.nn.Linear(2, 1)
     grace = grace_dgc.build("topk", "residual", "allgather", engine="local")
     with pytest.raises(GraceConfigError, match="num_groups cannot be combined with a Grace"):

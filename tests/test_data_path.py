@@ -2,6 +2,7 @@
 chunked passes against one pass, exact sampled top-k, random-k's sampler, in-place
 exchanges, flat buckets and copies out of state_dict. Behaviour only; speed is measured by
 benchmarks/bench_compressors.py and benchmarks/bench_overhead.py."""
+
 import copy
 
 import numpy as np
@@ -19,8 +20,13 @@ from grace_dgc.launch import run_local
 from grace_dgc.registry import COMPRESSORS
 from grace_dgc.workspace import Workspace, flat_span
 
-PARAMS = {"topk": {"compress_ratio": 0.3}, "randomk": {"compress_ratio": 0.3}, "threshold": {"threshold": 0.8},
-          "dgc": {"compress_ratio": 0.3, "min_compress_size": 1}, "twobit": {"threshold": 0.5}}
+PARAMS = {
+    "topk": {"compress_ratio": 0.3},
+    "randomk": {"compress_ratio": 0.3},
+    "threshold": {"threshold": 0.8},
+    "dgc": {"compress_ratio": 0.3, "min_compress_size": 1},
+    "twobit": {"threshold": 0.5},
+}
 SINGLE_ROUND = [n for n in grace_dgc.list_compressors() if COMPRESSORS.get(n).rounds == 1]
 
 
@@ -48,6 +54,7 @@ def small_chunks(monkeypatch):
 
 # -- the allocation-free forms equal the plain ones -------------------------------------------
 
+
 @pytest.mark.parametrize("name", grace_dgc.list_compressors())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decompress_into_and_subtract_sent_equal_the_plain_forms(name, dtype):
@@ -61,7 +68,7 @@ def test_decompress_into_and_subtract_sent_equal_the_plain_forms(name, dtype):
                 break
             payload, ctx = following
         plain = comp.decompress(payload, ctx)
-        out = torch.full_like(x, 7.0)      # stale values must be overwritten
+        out = torch.full_like(x, 7.0)  # stale values must be overwritten
         assert comp.decompress_into(payload, ctx, out) is out and same(out, plain.reshape(x.shape).to(dtype))
         residual = x.clone()
         assert comp.subtract_sent_(residual, payload, ctx) is residual
@@ -106,19 +113,20 @@ def test_workspace_reuses_buffers_and_copies_start_empty():
     a = ws.get("s", 10, torch.float32, "cpu")
     b = ws.get("s", 6, torch.float32, "cpu")
     assert b.data_ptr() == a.data_ptr() and b.numel() == 6 and ws.nbytes() == 40
-    ws.get("s", 20, torch.float32, "cpu")          # grows
+    ws.get("s", 20, torch.float32, "cpu")  # grows
     assert ws.nbytes() == 80
     assert copy.deepcopy(ws).nbytes() == 0
 
 
 # -- bit packing --------------------------------------------------------------------------
 
+
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([1, 2, 4]), st.integers(0, 700), st.integers(0, 2**32 - 1), st.integers(0, 5))
 def test_pack_chunks_match_the_reference_stream_at_any_offset(bits, n, seed, offset):
     """Every chunk border and any misaligned packed buffer (a received payload slice)."""
     rng = np.random.default_rng(seed)
-    codes = rng.integers(0, 2 ** bits, n).astype(np.uint8)
+    codes = rng.integers(0, 2**bits, n).astype(np.uint8)
     reference = np.packbits(((codes[:, None] >> np.arange(bits)) & 1).reshape(-1), bitorder="little")
     old = workspace.CPU_CHUNK
     try:
@@ -141,6 +149,7 @@ def test_unpack_select_writes_exactly_one_of_the_two_values(small_chunks):
 
 
 # -- exact top-k and the threshold scan ------------------------------------------------------
+
 
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 3000), st.floats(0.0005, 1.0), st.integers(0, 2**31), st.integers(1, 50))
@@ -167,7 +176,7 @@ def test_exact_top_k_is_torch_topk_with_ties_to_the_lowest_indices(n, ratio, see
 
 def test_exact_top_k_on_a_large_tensor_matches_torch_topk():
     x = torch.randn(400_000, generator=torch.Generator().manual_seed(5))
-    x[[7, 99, 12345]] = float("nan")                 # torch.topk ranks NaN highest; so does this
+    x[[7, 99, 12345]] = float("nan")  # torch.topk ranks NaN highest; so does this
     for k in (1, 40, 4000, 40_000):
         chosen = exact_top_k(x, k, Workspace())
         assert set(chosen.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
@@ -181,12 +190,14 @@ def test_at_least_is_the_magnitude_comparison_with_nan_as_asked(keep_nan, small_
         indices, magnitudes = at_least(x, threshold, Workspace(), keep_nan)
         expected = torch.nonzero(~(x.abs() < threshold) if keep_nan else x.abs() >= threshold).view(-1)
         assert torch.equal(indices, expected) and same(magnitudes, x.abs()[expected])
-        half = at_least(x.half(), threshold, Workspace(), keep_nan)[0]     # the comparison path
-        assert torch.equal(half, torch.nonzero(~(x.half().abs() < threshold) if keep_nan
-                                               else x.half().abs() >= threshold).view(-1))
+        half = at_least(x.half(), threshold, Workspace(), keep_nan)[0]  # the comparison path
+        assert torch.equal(
+            half, torch.nonzero(~(x.half().abs() < threshold) if keep_nan else x.half().abs() >= threshold).view(-1)
+        )
 
 
 # -- random-k's sampler ------------------------------------------------------------------------
+
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 5000), st.floats(0.0001, 1.0), st.integers(0, 2**31))
@@ -198,7 +209,7 @@ def test_distinct_indices_are_k_distinct_sorted_and_reproducible(n, ratio, seed)
     assert int(a.min()) >= 0 and int(a.max()) < n and bool((a[1:] > a[:-1]).all())
 
 
-@pytest.mark.parametrize("n, k", [(50, 3), (50, 12), (40, 20)])      # the sampler and the permutation
+@pytest.mark.parametrize("n, k", [(50, 3), (50, 12), (40, 20)])  # the sampler and the permutation
 def test_distinct_indices_are_uniform(n, k):
     """Each index is kept with probability k/n (chi-square over 4000 draws), and pairs are
     not biased towards neighbours."""
@@ -214,6 +225,7 @@ def test_distinct_indices_are_uniform(n, k):
 
 
 # -- the exchange: in place, flat buckets --------------------------------------------------
+
 
 def test_flat_span_finds_back_to_back_views_only():
     flat = torch.arange(10.0)
@@ -236,7 +248,7 @@ def test_inplace_exchange_writes_the_inputs_and_equals_a_copying_one(name, memor
     for _ in range(3):
         inputs = [v.clone() for v in views]
         expected = copying.step_group_async(inputs, names).result()
-        assert all(torch.equal(i, v) for i, v in zip(inputs, views))        # inputs untouched
+        assert all(torch.equal(i, v) for i, v in zip(inputs, views))  # inputs untouched
         handed = [t.clone() for t in views]
         bucket = torch.cat([t.reshape(-1) for t in handed])
         handed = [bucket[:100], bucket[100:160].view(6, 10), bucket[160:]]
@@ -277,8 +289,11 @@ def test_state_dict_hands_out_copies():
 def optimizer_views_job(rank, world_size):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
-    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         grace_dgc.build("none", "none", "allreduce"), model.named_parameters())
+    opt = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        grace_dgc.build("none", "none", "allreduce"),
+        model.named_parameters(),
+    )
     out = []
     for step in range(3):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -290,7 +305,7 @@ def optimizer_views_job(rank, world_size):
         model(x).square().sum().backward()
         opt.synchronize()
         grads = [p.grad for p in model.parameters()]
-        spans = flat_span(grads[::-1])        # one bucket: reverse registration order, back to back
+        spans = flat_span(grads[::-1])  # one bucket: reverse registration order, back to back
         out.append({"local": local, "averaged": [g.clone() for g in grads], "one_buffer": spans is not None})
         opt.step()
     return out
@@ -311,7 +326,7 @@ def test_inplace_exchange_of_a_non_contiguous_tensor(name):
     comm = "allreduce" if COMPRESSORS.get(name).summable else "allgather"
     grace = grace_dgc.build(name, "none", comm, engine="local", **PARAMS.get(name, {}))
     reference = grace_dgc.build(name, "none", comm, engine="local", **PARAMS.get(name, {}))
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3)).t()      # a transposed view
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3)).t()  # a transposed view
     expected = reference.step(x.clone(), "w")
     got = grace.step_group_async([x], ["w"], inplace=True).result()[0]
     assert got is x and torch.equal(x, expected)
@@ -320,6 +335,7 @@ def test_inplace_exchange_of_a_non_contiguous_tensor(name):
 def test_the_optional_hooks_are_declared_on_the_interfaces():
     """A plugin defining only compress/decompress gets no-op bind, set_epoch, stats (and a
     memory no-op attach_optimizer), so Grace calls them without probing."""
+
     class Plain(grace_dgc.Compressor):
         summable = True
 
@@ -345,6 +361,7 @@ def test_the_optional_hooks_are_declared_on_the_interfaces():
 def test_a_stochastic_compressor_draws_from_its_engines_rank():
     class Rank1:
         rank, size, name = 1, 2, "fake"
+
     seeded = COMPRESSORS.get("qsgd")(seed=5)
     bound = COMPRESSORS.get("qsgd")(seed=4)
     bound.bind(Rank1())

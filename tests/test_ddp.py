@@ -4,6 +4,7 @@ References: DDP's built-in allreduce and torch's fp16_compress_hook (bit for bit
 DistributedOptimizer on the same model and data (bit for bit), an uninterrupted run
 (checkpoint → reload → continue). One run_local call does every case.
 """
+
 import io
 import pickle
 
@@ -21,14 +22,16 @@ WORLD, STEPS = 2, 5
 
 def make_model(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                               torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)
+    )
 
 
 def batches(rank, steps=STEPS, per_rank=8):
     gen = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(per_rank, 8, generator=gen), torch.randint(0, 3, (per_rank,), generator=gen))
-            for _ in range(steps)]
+    return [
+        (torch.randn(per_rank, 8, generator=gen), torch.randint(0, 3, (per_rank,), generator=gen)) for _ in range(steps)
+    ]
 
 
 def flat(tensors):
@@ -41,7 +44,7 @@ def train(model, opt, data):
     for x, y in data:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()          # DistributedOptimizer writes the averaged gradients into .grad
+        opt.step()  # DistributedOptimizer writes the averaged gradients into .grad
         trace.append((flat(p.grad for p in model.parameters()), flat(model.parameters())))
     return trace
 
@@ -56,14 +59,17 @@ def ddp_with(seed, hook=None, state=None):
 
 def recording(hook, log):
     """``hook`` that also logs, per bucket: (parameter count, local buffer in, buffer out)."""
+
     def logged(state, bucket):
         entry = [len(bucket.parameters()), bucket.buffer().clone(), None]
-        log.append(entry)       # in call order (completions may come in another order)
+        log.append(entry)  # in call order (completions may come in another order)
 
         def done(future):
             entry[2] = future.value().clone()
             return future.value()
+
         return hook(state, bucket).then(done)
+
     return logged
 
 
@@ -102,9 +108,11 @@ def ddp_job(rank, world_size):
     out["grace_topk"] = train(ddp, opt, data)
     out["topk_stats"] = state.grace.stats()
     model = make_model(0)
-    dopt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                          grace_dgc.build(TOPK[0], TOPK[1], TOPK[2], **TOPK[3]),
-                                          model.named_parameters())
+    dopt = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        grace_dgc.build(TOPK[0], TOPK[1], TOPK[2], **TOPK[3]),
+        model.named_parameters(),
+    )
     out["dopt_topk"] = train(model, dopt, data)
 
     # checkpoint after 2 steps → fresh objects (another init) → load → continue
@@ -145,32 +153,35 @@ def test_none_equals_ddps_builtin_allreduce_bit_for_bit(results):
     iterations, current = [], []
     for count, _, _ in results[0]["buckets"]:
         current.append(count)
-        if sum(current) == 6:       # the model has 6 parameters
+        if sum(current) == 6:  # the model has 6 parameters
             iterations.append(tuple(current))
             current = []
     assert len(iterations) == STEPS and not current
     assert all(len(it) > 1 for it in iterations) and max(map(max, iterations)) > 1
-    assert iterations[0] != iterations[1] == iterations[-1], iterations     # rebuilt after the first
+    assert iterations[0] != iterations[1] == iterations[-1], iterations  # rebuilt after the first
 
 
 def test_fp16_equals_fp16_compress_hook_bit_for_bit(results):
     """Per bucket: grace's fp16 hook result equals torch's fp16_compress_hook exactly, and
     both equal the formula written here from the ranks' local gradients h_r:
     fp32(Σ_r fp16(h_r) / N), the sum taken in fp16."""
+
     def formula(halves):
         total = halves[0] / WORLD
         for h in halves[1:]:
             total = total + h / WORLD
         return total.float()
+
     for key in ("grace_fp16_buckets", "builtin_fp16_buckets"):
         for calls in zip(*(r[key] for r in results)):
             halves = [local.half() for _, local, _ in calls]
             for _, _, out in calls:
                 assert torch.equal(out, formula(halves)), key
-    for grace_calls, torch_calls in zip(zip(*(r["grace_fp16_buckets"] for r in results)),
-                                        zip(*(r["builtin_fp16_buckets"] for r in results))):
-        assert all(torch.equal(a[1], b[1]) for a, b in zip(grace_calls, torch_calls))   # same inputs
-        assert all(torch.equal(a[2], b[2]) for a, b in zip(grace_calls, torch_calls))   # same outputs
+    for grace_calls, torch_calls in zip(
+        zip(*(r["grace_fp16_buckets"] for r in results)), zip(*(r["builtin_fp16_buckets"] for r in results))
+    ):
+        assert all(torch.equal(a[1], b[1]) for a, b in zip(grace_calls, torch_calls))  # same inputs
+        assert all(torch.equal(a[2], b[2]) for a, b in zip(grace_calls, torch_calls))  # same outputs
     assert len(results[0]["grace_fp16_buckets"]) == len(results[0]["builtin_fp16_buckets"]) > STEPS
 
 
@@ -209,9 +220,15 @@ def test_bad_input_and_pickling():
     with pytest.raises(TypeError, match="state_dict"):
         pickle.dumps(state)
     # deliberate change (issue 10): a state says what it is: format, methods, world size
-    assert pickle.loads(pickle.dumps(state.state_dict())) == {"grace": {
-        "format": 1, "methods": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
-        "world_size": 1, "compressor": {}, "memory": {}}}
+    assert pickle.loads(pickle.dumps(state.state_dict())) == {
+        "grace": {
+            "format": 1,
+            "methods": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
+            "world_size": 1,
+            "compressor": {},
+            "memory": {},
+        }
+    }
 
 
 class FakeBucket:
@@ -237,8 +254,9 @@ def test_hook_writes_each_parameters_exchange_into_the_bucket_and_reports_errors
     """One process (local engine): topk keeps k = ⌊0.34·n⌋ largest of each parameter's gradient;
     without a model, parameters are named in the order the hook first sees them."""
     a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))
-    state, hook = grace_dgc.ddp_comm_hook(grace_dgc.build("topk", "residual", "allgather", engine="local",
-                                                          compress_ratio=0.34))
+    state, hook = grace_dgc.ddp_comm_hook(
+        grace_dgc.build("topk", "residual", "allgather", engine="local", compress_ratio=0.34)
+    )
     bucket = FakeBucket([b, a])
     out = hook(state, bucket).wait()
     assert out is bucket.buffer()
@@ -250,6 +268,7 @@ def test_hook_writes_each_parameters_exchange_into_the_bucket_and_reports_errors
 
     def broken(tensor, name):
         raise ValueError(f"compensate failed for {name}")
+
     state.grace.memory.compensate = broken
     with pytest.raises(ValueError, match="compensate failed for param.1"):
         hook(state, FakeBucket([a])).wait()

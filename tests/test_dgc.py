@@ -1,4 +1,5 @@
 """DGC (sampled threshold, warm-up, dense rule) and the momentum-corrected memory."""
+
 import copy
 import logging
 import math
@@ -64,16 +65,29 @@ def make(kind, n, gen):
         return t
     if kind == "ties":
         return torch.randint(-3, 4, (n,), generator=gen).float()
-    return torch.randn(n, generator=gen) ** 5   # heavy tails
+    return torch.randn(n, generator=gen) ** 5  # heavy tails
 
 
 @settings(max_examples=150, deadline=None)
-@given(rows=st.integers(1, 60), cols=st.integers(1, 90), ratio=st.floats(1e-3, 1.0),
-       sample_ratio=st.sampled_from([0.001, 0.01, 0.2, 1.0]), kind=st.sampled_from(KINDS),
-       decay=st.sampled_from([0.5, 0.8, 0.999]), iters=st.integers(0, 3), seed=st.integers(0, 2**20))
+@given(
+    rows=st.integers(1, 60),
+    cols=st.integers(1, 90),
+    ratio=st.floats(1e-3, 1.0),
+    sample_ratio=st.sampled_from([0.001, 0.01, 0.2, 1.0]),
+    kind=st.sampled_from(KINDS),
+    decay=st.sampled_from([0.5, 0.8, 0.999]),
+    iters=st.integers(0, 3),
+    seed=st.integers(0, 2**20),
+)
 def test_selection_bounds_hypothesis(rows, cols, ratio, sample_ratio, kind, decay, iters, seed):
-    comp = DGCCompressor(compress_ratio=ratio, sample_ratio=sample_ratio, min_compress_size=0,
-                         max_adaptation_iters=iters, threshold_decay=decay, seed=seed)
+    comp = DGCCompressor(
+        compress_ratio=ratio,
+        sample_ratio=sample_ratio,
+        min_compress_size=0,
+        max_adaptation_iters=iters,
+        threshold_decay=decay,
+        seed=seed,
+    )
     gen = torch.Generator().manual_seed(seed)
     check_selection(comp, make(kind, rows * cols, gen).reshape(rows, cols), ratio)
 
@@ -87,8 +101,7 @@ def test_selection_bounds_large_sampled(kind):
         gen = torch.Generator().manual_seed(seed)
         tensor = make(kind, n, gen).reshape(200, 500)
         for iters, decay in ((10, 0.8), (0, 0.999)):
-            comp = DGCCompressor(compress_ratio=ratio, max_adaptation_iters=iters,
-                                 threshold_decay=decay, seed=seed)
+            comp = DGCCompressor(compress_ratio=ratio, max_adaptation_iters=iters, threshold_decay=decay, seed=seed)
             check_selection(comp, tensor, ratio)
 
 
@@ -103,21 +116,21 @@ def test_selection_branches_reached(monkeypatch):
 
     monkeypatch.setattr(torch, "topk", spy)
     comp = DGCCompressor(compress_ratio=0.001, seed=3)
-    comp.compress(torch.full((400, 500), 2.0), "t")      # all equal: all pass, top-k of candidates
+    comp.compress(torch.full((400, 500), 2.0), "t")  # all equal: all pass, top-k of candidates
     (sample_n, _), (cand_n, cand_k) = sizes
     assert sample_n < 2500 and cand_n == 200_000 and cand_k == 200
     sizes.clear()
     comp.compress(torch.randn(400, 500, generator=torch.Generator().manual_seed(0)), "t")
-    assert sizes[0][0] < 2500 and all(n < 200_000 for n, _ in sizes)   # never a full top-k
+    assert sizes[0][0] < 2500 and all(n < 200_000 for n, _ in sizes)  # never a full top-k
 
 
 def test_warmup_paper_numbers_and_default_schedule():
-    paper = [0.75, 0.9375, 0.984375, 0.99609375, 0.999]     # printed as 99.6% in the paper
+    paper = [0.75, 0.9375, 0.984375, 0.99609375, 0.999]  # printed as 99.6% in the paper
     comp = DGCCompressor(compress_ratio=0.001, warmup_epochs=5, warmup_coeff=0.25)
     for epoch, sparsity in enumerate(paper + [0.999, 0.999]):
         comp.set_epoch(epoch)
         assert 1 - comp.stats()["dgc_compress_ratio"] == pytest.approx(sparsity, abs=1e-12)
-    comp = DGCCompressor(compress_ratio=0.001, warmup_epochs=5)   # 0.001^((e+1)/5)
+    comp = DGCCompressor(compress_ratio=0.001, warmup_epochs=5)  # 0.001^((e+1)/5)
     expected = [10 ** (-0.6 * (e + 1)) for e in range(5)] + [0.001]
     got = [comp.ratio_at(e) for e in range(6)]
     assert got == pytest.approx(expected, rel=1e-9)
@@ -127,8 +140,9 @@ def test_warmup_paper_numbers_and_default_schedule():
 
 
 def test_warmup_drives_what_is_sent_through_grace():
-    grace = grace_dgc.build("dgc", "none", "allgather", engine="local", compress_ratio=0.001,
-                            warmup_epochs=5, warmup_coeff=0.25)
+    grace = grace_dgc.build(
+        "dgc", "none", "allgather", engine="local", compress_ratio=0.001, warmup_epochs=5, warmup_coeff=0.25
+    )
     tensor = torch.randn(100, 200, generator=torch.Generator().manual_seed(1))
     for epoch, ratio in enumerate([0.25, 0.0625, 0.015625, 0.00390625, 0.001]):
         grace.set_epoch(epoch)
@@ -142,7 +156,7 @@ def test_warmup_steps_per_tensor():
     tensor = torch.randn(100, 100, generator=torch.Generator().manual_seed(2))
     for step in range(6):
         ratio = 0.001 ** (min(step + 1, 4) / 4)
-        for name in ("a", "b"):       # each tensor advances its own counter
+        for name in ("a", "b"):  # each tensor advances its own counter
             payload, _ = comp.compress(tensor, name)
             k, high = bounds(tensor.numel(), ratio)
             assert k <= payload[1].numel() <= high
@@ -151,13 +165,22 @@ def test_warmup_steps_per_tensor():
     assert [comp.ratio_at(s) for s in range(5)] == [0.5, 0.5, 0.1, 0.1, 0.01]
 
 
-@pytest.mark.parametrize("shape,dense_1d,dense", [((5000,), True, True), ((20, 50), True, True),
-                                                 ((5000,), False, False), ((32, 32), True, False),
-                                                 ((), True, True), ((0, 7), True, True)])
+@pytest.mark.parametrize(
+    "shape,dense_1d,dense",
+    [
+        ((5000,), True, True),
+        ((20, 50), True, True),
+        ((5000,), False, False),
+        ((32, 32), True, False),
+        ((), True, True),
+        ((0, 7), True, True),
+    ],
+)
 @pytest.mark.parametrize("fp16", [False, True])
 def test_dense_rule_and_bytes(shape, dense_1d, dense, fp16):
-    grace = grace_dgc.build("dgc", "none", "allgather", engine="local", compress_ratio=0.01,
-                            dense_1d=dense_1d, fp16_values=fp16)
+    grace = grace_dgc.build(
+        "dgc", "none", "allgather", engine="local", compress_ratio=0.01, dense_1d=dense_1d, fp16_values=fp16
+    )
     tensor = torch.randn(shape, generator=torch.Generator().manual_seed(3))
     payload, ctx = grace.compressor.compress(tensor, "x")
     value_bytes = 2 if fp16 else 4
@@ -180,6 +203,7 @@ def test_dense_rule_and_bytes(shape, dense_1d, dense, fp16):
 
 # -- momentum memory against a hand-written reference ----------------------------------
 
+
 class FakeEngine:
     def __init__(self, size):
         self.size = size
@@ -193,7 +217,7 @@ def reference_momentum(grads, params, k, m, nesterov, wd, clip, world):
     for g, w in zip(grads, params):
         if clip is not None:
             limit = clip / math.sqrt(world)
-            g = g * min(1.0, limit / (np.sqrt((g ** 2).sum()) + 1e-6))
+            g = g * min(1.0, limit / (np.sqrt((g**2).sum()) + 1e-6))
         g = g + wd * w
         if nesterov:
             u = m * (u + g)
@@ -218,9 +242,18 @@ def test_momentum_memory_matches_reference(nesterov, clip):
     grads = [rng.normal(size=n) * (1 + 3 * (t % 2)) for t in range(steps)]
     weights = [rng.normal(size=n) for _ in range(steps)]
     expected, u_ref, v_ref = reference_momentum(grads, weights, k, 0.9, nesterov, 0.01, clip, world)
-    grace = grace_dgc.build("topk", "momentum", "allgather", engine="local", compress_ratio=(k + 0.5) / n,
-                            momentum=0.9, nesterov=nesterov, weight_decay=0.01, gradient_clipping=clip)
-    grace.memory.bind(FakeEngine(world))      # clipping threshold scales with N^-1/2
+    grace = grace_dgc.build(
+        "topk",
+        "momentum",
+        "allgather",
+        engine="local",
+        compress_ratio=(k + 0.5) / n,
+        momentum=0.9,
+        nesterov=nesterov,
+        weight_decay=0.01,
+        gradient_clipping=clip,
+    )
+    grace.memory.bind(FakeEngine(world))  # clipping threshold scales with N^-1/2
     param = torch.zeros(n)
     grace.memory.attach_optimizer(torch.optim.Adam([param]), grace, {"w": param})
     for g, w, want in zip(grads, weights, expected):
@@ -243,7 +276,7 @@ def test_momentum_zero_is_error_feedback_and_masking_uses_sent_set():
     mem = MomentumMemory(momentum=0.5)
     comp = grace_dgc.build("topk", "none", "allgather", compress_ratio=0.5).compressor
     v = mem.compensate(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), "z")
-    payload = sparse_payload(torch.zeros(4), torch.tensor([0, 2]))     # two zeros at 0 and 2
+    payload = sparse_payload(torch.zeros(4), torch.tensor([0, 2]))  # two zeros at 0 and 2
     mem.update(v, "z", comp, payload, (torch.Size([1, 4]), torch.float32))
     assert torch.equal(mem.momentums["z"], torch.tensor([[0.0, 2.0, 0.0, 4.0]]))
     assert torch.equal(mem.velocities["z"], torch.tensor([[0.0, 2.0, 0.0, 4.0]]))
@@ -258,12 +291,13 @@ def test_dense_payload_keeps_momentum(compressor, communicator):
     buf = torch.zeros(10)
     for _ in range(4):
         g = torch.randn(10, generator=gen)
-        g[3] = 0.0      # an element with zero gradient does not turn masking on
+        g[3] = 0.0  # an element with zero gradient does not turn masking on
         buf = 0.9 * buf + g
         assert torch.allclose(grace.step(g, "bias"), buf, atol=1e-6)
 
 
 # -- the SGD-momentum rule ---------------------------------------------------------------
+
 
 def train(model, optimizer, steps, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -280,8 +314,10 @@ def test_sgd_momentum_moves_into_memory(nesterov, caplog):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
     twin = copy.deepcopy(model)
-    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.01},
-              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0}]
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n.endswith("weight")], "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0},
+    ]
     sgd = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=nesterov)
     grace = grace_dgc.build("none", "momentum", "allreduce", engine="local", momentum=0.5)
     with caplog.at_level(logging.WARNING, logger="grace_dgc"):
@@ -290,8 +326,10 @@ def test_sgd_momentum_moves_into_memory(nesterov, caplog):
     assert all(g["momentum"] == 0 and g["weight_decay"] == 0 and not g["nesterov"] for g in sgd.param_groups)
     assert grace.memory.settings["0.weight"] == (0.9, nesterov, 0.01)
     assert grace.memory.settings["0.bias"] == (0.9, nesterov, 0.0)
-    twin_groups = [{"params": [p for n, p in twin.named_parameters() if n.endswith("weight")], "weight_decay": 0.01},
-                   {"params": [p for n, p in twin.named_parameters() if n.endswith("bias")], "weight_decay": 0}]
+    twin_groups = [
+        {"params": [p for n, p in twin.named_parameters() if n.endswith("weight")], "weight_decay": 0.01},
+        {"params": [p for n, p in twin.named_parameters() if n.endswith("bias")], "weight_decay": 0},
+    ]
     plain = torch.optim.SGD(twin_groups, lr=0.1, momentum=0.9, nesterov=nesterov)
     for got, want in zip(train(model, opt, 5, 1), train(twin, plain, 5, 1)):
         assert torch.allclose(got, want, atol=1e-6)
@@ -309,10 +347,14 @@ def test_sgd_rule_errors_and_weight_decay_needs_parameters():
 
 
 def test_config_errors():
-    for bad, word in [({"compress_ratio": 0}, "compress_ratio"), ({"sample_ratio": 2}, "sample_ratio"),
-                      ({"warmup_epochs": 2, "warmup_steps": 3}, "warmup_steps"),
-                      ({"warmup_ratios": [0.5, 0.1], "warmup_epochs": 3}, "warmup_ratios"),
-                      ({"warmup_coeff": 1.5}, "warmup_coeff"), ({"threshold_decay": 1}, "threshold_decay")]:
+    for bad, word in [
+        ({"compress_ratio": 0}, "compress_ratio"),
+        ({"sample_ratio": 2}, "sample_ratio"),
+        ({"warmup_epochs": 2, "warmup_steps": 3}, "warmup_steps"),
+        ({"warmup_ratios": [0.5, 0.1], "warmup_epochs": 3}, "warmup_ratios"),
+        ({"warmup_coeff": 1.5}, "warmup_coeff"),
+        ({"threshold_decay": 1}, "threshold_decay"),
+    ]:
         with pytest.raises(GraceConfigError, match=word):
             DGCCompressor(**bad)
     with pytest.raises(GraceConfigError, match="momentum"):
@@ -322,6 +364,7 @@ def test_config_errors():
 
 
 # -- checkpoint round trip ---------------------------------------------------------------
+
 
 def test_checkpoint_round_trip():
     params = dict(compress_ratio=0.01, warmup_steps=3, momentum=0.9, gradient_clipping=5.0)
@@ -347,21 +390,22 @@ def two_rank_worker(rank, world_size):
     params = dict(compress_ratio=0.01, momentum=0.9, gradient_clipping=50.0, seed=11)
     grace = grace_dgc.build("dgc", "dgc", "allgather", engine="torch", **params)
     shadow = grace_dgc.build("dgc", "dgc", "allgather", engine="local", **params)
-    shadow.memory.bind(grace.engine)      # same clipping threshold as the real run
+    shadow.memory.bind(grace.engine)  # same clipping threshold as the real run
     gen = torch.Generator().manual_seed(100 + rank)
     results, own = [], []
     for _ in range(3):
         for name, shape in SHAPES.items():
             g = torch.randn(shape, generator=gen)
             results.append(grace.step(g, name))
-            own.append(shadow.step(g, name))     # what this rank sent (local engine: not averaged)
+            own.append(shadow.step(g, name))  # what this rank sent (local engine: not averaged)
     # DistributedOptimizer: SGD's momentum moves into the memory, ranks stay in sync
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = grace_dgc.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         grace_dgc.build("dgc", "momentum", "allgather", engine="torch", compress_ratio=0.05),
-        model.named_parameters())
+        model.named_parameters(),
+    )
     for _ in range(3):
         opt.zero_grad()
         model(torch.randn(16, 40, generator=gen)).pow(2).mean().backward()
@@ -372,8 +416,8 @@ def two_rank_worker(rank, world_size):
 def test_two_ranks_dgc_momentum_allgather():
     (res0, own0, model0, bytes0), (res1, own1, model1, _) = run_local(two_rank_worker, 2)
     for a, b, s0, s1 in zip(res0, res1, own0, own1):
-        assert torch.equal(a, b)                                 # ranks agree
-        assert torch.allclose(a, (s0 + s1) / 2, atol=1e-6)       # the average of what each sent
+        assert torch.equal(a, b)  # ranks agree
+        assert torch.allclose(a, (s0 + s1) / 2, atol=1e-6)  # the average of what each sent
     for a, b in zip(model0, model1):
         assert torch.equal(a, b)
     # sparse tensors sent between k and ⌊1.3k⌋ values each step (bias dense)
@@ -389,11 +433,14 @@ def test_plain_sgd_checkpoint_does_not_bring_momentum_back():
     """Loading a plain SGD state dict (momentum 0.9 in its groups) into a DistributedOptimizer
     whose memory is `momentum` hands the momentum to the memory again."""
     import grace_dgc
+
     model = torch.nn.Linear(4, 2)
     plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()
-    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                         grace_dgc.build("none", "momentum", engine="local"),
-                                         model.named_parameters())
+    opt = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        grace_dgc.build("none", "momentum", engine="local"),
+        model.named_parameters(),
+    )
     opt.load_state_dict(plain)
     assert opt.param_groups[0]["momentum"] == 0
     assert all(s[0] == 0.9 for s in opt.grace.memory.settings.values())

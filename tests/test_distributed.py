@@ -3,6 +3,7 @@ compressor × communicator pair, DistributedOptimizer sync, checkpoint/resume.
 
 Each test spawns its ranks once and checks many cases inside (spawning costs seconds).
 """
+
 import copy
 
 import pytest
@@ -13,16 +14,20 @@ from grace_dgc.launch import run_local
 from grace_dgc.registry import COMMUNICATORS, COMPRESSORS
 
 # parameters that make each method do real work on small tensors
-PARAMS = {"topk": {"compress_ratio": 0.3}, "randomk": {"compress_ratio": 0.3},
-          "threshold": {"threshold": 0.8}, "dgc": {"compress_ratio": 0.3, "min_compress_size": 1},
-          "twobit": {"threshold": 0.5}}
+PARAMS = {
+    "topk": {"compress_ratio": 0.3},
+    "randomk": {"compress_ratio": 0.3},
+    "threshold": {"threshold": 0.8},
+    "dgc": {"compress_ratio": 0.3, "min_compress_size": 1},
+    "twobit": {"threshold": 0.5},
+}
 
 
 def valid_pairs():
     pairs = []
     for comp in COMPRESSORS.names():
         cls = COMPRESSORS.get(comp)
-        if cls.rounds > 1:              # multi-round methods have their own tests
+        if cls.rounds > 1:  # multi-round methods have their own tests
             continue
         for comm in COMMUNICATORS.names():
             comm_cls = COMMUNICATORS.get(comm)
@@ -37,7 +42,7 @@ def rank_input(rank, numel=37):
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(numel, generator=gen) * (rank + 1)
     if rank == 1:
-        x[::2] = 0.0        # sparse on rank 1: threshold sends little there
+        x[::2] = 0.0  # sparse on rank 1: threshold sends little there
     return x.reshape(-1, 1) if numel % 2 else x
 
 
@@ -58,9 +63,13 @@ def aggregate_job(rank, world_size, pairs):
             extra = grace.step(empty, "e")
         else:
             extra = None
-        out[(comp, comm)] = {"result": result, "mine": mine, "extra": extra,
-                             "wire_dtype": payload[0].dtype,
-                             "bytes": grace.stats()["bytes_sent"]}
+        out[(comp, comm)] = {
+            "result": result,
+            "mine": mine,
+            "extra": extra,
+            "wire_dtype": payload[0].dtype,
+            "bytes": grace.stats()["bytes_sent"],
+        }
     return out
 
 
@@ -90,8 +99,7 @@ def test_every_valid_pair_aggregates_to_the_expected_average(world_size):
 
 def test_bytes_on_the_wire_per_communicator():
     """2 ranks, topk k=11 of 37 (fp32 + int32) and the dense baseline."""
-    results = run_local(aggregate_job, 2, ([("topk", "allgather"), ("topk", "broadcast"),
-                                            ("none", "allreduce")],))
+    results = run_local(aggregate_job, 2, ([("topk", "allgather"), ("topk", "broadcast"), ("none", "allreduce")],))
     header = 2 * 8
     assert [r[("topk", "allgather")]["bytes"] for r in results] == [header + 11 * 8] * 2
     # broadcast: a rank sends its header to the size allgather and its buffer once, as root
@@ -101,6 +109,7 @@ def test_bytes_on_the_wire_per_communicator():
 
 # -- DistributedOptimizer ------------------------------------------------------------
 
+
 def make_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
@@ -108,10 +117,11 @@ def make_model(seed=0):
 
 def batches(rank, steps, per_rank=6):
     gen = torch.Generator().manual_seed(7)
-    data = [(torch.randn(per_rank * 3, 8, generator=gen), torch.randint(0, 3, (per_rank * 3,), generator=gen))
-            for _ in range(steps)]
-    return [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
-            for x, y in data]
+    data = [
+        (torch.randn(per_rank * 3, 8, generator=gen), torch.randint(0, 3, (per_rank * 3,), generator=gen))
+        for _ in range(steps)
+    ]
+    return [(x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]) for x, y in data]
 
 
 def train(model, opt, data, scheduler=None):
@@ -130,49 +140,59 @@ def optimizer_job(rank, world_size):
     out = {}
     steps = 6
     data = batches(rank, steps)
-    for comp, mem, comm, params in [("none", "none", "allreduce", {}),
-                                    ("topk", "residual", "allgather", {"compress_ratio": 0.2}),
-                                    ("randomk", "residual", "allreduce", {"compress_ratio": 0.3}),
-                                    ("threshold", "residual", "broadcast", {"threshold": 0.01})]:
+    for comp, mem, comm, params in [
+        ("none", "none", "allreduce", {}),
+        ("topk", "residual", "allgather", {"compress_ratio": 0.2}),
+        ("randomk", "residual", "allreduce", {"compress_ratio": 0.3}),
+        ("threshold", "residual", "broadcast", {"threshold": 0.01}),
+    ]:
         model = make_model()
         sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        opt = grace_dgc.DistributedOptimizer(sgd, grace_dgc.build(comp, mem, comm, **params),
-                                             model.named_parameters())
+        opt = grace_dgc.DistributedOptimizer(sgd, grace_dgc.build(comp, mem, comm, **params), model.named_parameters())
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         uninterrupted = train(model, opt, data, scheduler)
-        assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+        assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
 
         # checkpoint after 3 steps, rebuild everything, load, continue
         model_a = make_model()
         opt_a = grace_dgc.DistributedOptimizer(
             torch.optim.SGD(model_a.parameters(), lr=0.1, momentum=0.9),
-            grace_dgc.build(comp, mem, comm, **params), model_a.named_parameters())
+            grace_dgc.build(comp, mem, comm, **params),
+            model_a.named_parameters(),
+        )
         sched_a = torch.optim.lr_scheduler.StepLR(opt_a, step_size=2, gamma=0.5)
         first = train(model_a, opt_a, data[:3], sched_a)
-        checkpoint = copy.deepcopy({"model": model_a.state_dict(), "opt": opt_a.state_dict(),
-                                    "sched": sched_a.state_dict()})
-        model_b = make_model(seed=99)       # a different init, overwritten by the checkpoint
+        checkpoint = copy.deepcopy(
+            {"model": model_a.state_dict(), "opt": opt_a.state_dict(), "sched": sched_a.state_dict()}
+        )
+        model_b = make_model(seed=99)  # a different init, overwritten by the checkpoint
         opt_b = grace_dgc.DistributedOptimizer(
             torch.optim.SGD(model_b.parameters(), lr=0.1, momentum=0.9),
-            grace_dgc.build(comp, mem, comm, **params), model_b.named_parameters())
+            grace_dgc.build(comp, mem, comm, **params),
+            model_b.named_parameters(),
+        )
         sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=2, gamma=0.5)
         model_b.load_state_dict(checkpoint["model"])
         opt_b.load_state_dict(checkpoint["opt"])
         sched_b.load_state_dict(checkpoint["sched"])
         resumed = first + train(model_b, opt_b, data[3:], sched_b)
-        out[comp] = {"uninterrupted": uninterrupted, "resumed": resumed,
-                     "stats": opt.grace.stats()}
+        out[comp] = {"uninterrupted": uninterrupted, "resumed": resumed, "stats": opt.grace.stats()}
 
     # dense + allreduce equals one process doing SGD on the whole batch's mean gradient
     model = make_model()
-    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         grace_dgc.build(), model.named_parameters())
+    opt = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), grace_dgc.build(), model.named_parameters()
+    )
     out["dense_plain"] = train(model, opt, data)
 
     # gradient accumulation over 2 backward passes
     model = make_model()
-    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace_dgc.build(),
-                                         model.named_parameters(), backward_passes_per_step=2)
+    opt = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        grace_dgc.build(),
+        model.named_parameters(),
+        backward_passes_per_step=2,
+    )
     for x, y in data[:2]:
         torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
@@ -185,8 +205,10 @@ def optimizer_job(rank, world_size):
     opt.step()
     grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0)
     grace_dgc.broadcast_optimizer_state(opt, root_rank=0)
-    out["broadcast"] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-                        opt.state_dict()["state"][0]["momentum_buffer"])
+    out["broadcast"] = (
+        torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        opt.state_dict()["state"][0]["momentum_buffer"],
+    )
     return out
 
 
@@ -195,10 +217,10 @@ def test_distributed_optimizer_sync_resume_and_reference():
     results = run_local(optimizer_job, world_size)
     for comp in ("none", "topk", "randomk", "threshold"):
         runs = [r[comp] for r in results]
-        for step in range(6):        # bitwise-identical parameters on all ranks after every step
+        for step in range(6):  # bitwise-identical parameters on all ranks after every step
             for r in runs[1:]:
                 assert torch.equal(r["uninterrupted"][step], runs[0]["uninterrupted"][step]), (comp, step)
-        for r in runs:               # checkpoint → reload → continue equals an uninterrupted run
+        for r in runs:  # checkpoint → reload → continue equals an uninterrupted run
             assert all(torch.equal(a, b) for a, b in zip(r["uninterrupted"], r["resumed"])), comp
         assert runs[0]["stats"]["steps"] == 6
     assert results[0]["topk"]["stats"]["compression_ratio"] < 0.6
@@ -235,15 +257,14 @@ def test_optimizer_bad_input_and_misuse():
     model = make_model()
     grace = grace_dgc.build(engine="local")
     with pytest.raises(grace_dgc.GraceConfigError, match="backward_passes_per_step=0; accepted"):
-        grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace,
-                                       backward_passes_per_step=0)
+        grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace, backward_passes_per_step=0)
     with pytest.raises(grace_dgc.GraceConfigError, match="duplicate names"):
-        grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace,
-                                       [("w", p) for p in model.parameters()])
+        grace_dgc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), grace, [("w", p) for p in model.parameters()]
+        )
     with pytest.raises(grace_dgc.GraceConfigError, match="must be a torch.optim.Optimizer"):
         grace_dgc.DistributedOptimizer(object(), grace)
-    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace,
-                                         model.named_parameters())
+    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace, model.named_parameters())
     x = torch.randn(4, 8)
     model(x).sum().backward()
     with pytest.raises(RuntimeError, match="computed again before step"):
@@ -252,13 +273,14 @@ def test_optimizer_bad_input_and_misuse():
     opt.step()
     assert set(opt.state_dict()) == {"optimizer", "grace"}
     plain = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
-    opt.load_state_dict(plain)          # a plain optimizer checkpoint also loads
+    opt.load_state_dict(plain)  # a plain optimizer checkpoint also loads
 
 
 def test_unused_parameter_gets_a_zero_gradient_exchange():
     model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 1), "unused": torch.nn.Linear(3, 1)})
-    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                         grace_dgc.build(engine="local"), model.named_parameters())
+    opt = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), grace_dgc.build(engine="local"), model.named_parameters()
+    )
     before = model["unused"].weight.detach().clone()
     model["used"](torch.ones(2, 3)).sum().backward()
     opt.step()
@@ -268,15 +290,16 @@ def test_unused_parameter_gets_a_zero_gradient_exchange():
 
 def test_synchronize_then_step_exchanges_once_and_allows_clipping():
     model = make_model()
-    opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                         grace_dgc.build(engine="local"), model.named_parameters())
+    opt = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), grace_dgc.build(engine="local"), model.named_parameters()
+    )
     x, y = batches(0, 1)[0]
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.synchronize()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)     # acts on the averaged gradients
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # acts on the averaged gradients
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
-    assert opt.grace.stats()["tensors"] == 4                      # one exchange per parameter
+    assert opt.grace.stats()["tensors"] == 4  # one exchange per parameter
     moved = torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
     assert float(moved) == pytest.approx(1e-3, rel=1e-4)
     opt.zero_grad()
@@ -291,21 +314,28 @@ def test_synchronize_then_step_exchanges_once_and_allows_clipping():
 
 # -- fusion groups --------------------------------------------------------------------
 
-FUSION_CASES = [("none", "none", "allreduce", {}), ("fp16", "none", "allreduce", {}),
-                ("randomk", "residual", "allreduce", {"compress_ratio": 0.3}),
-                ("topk", "residual", "allgather", {"compress_ratio": 0.3}),
-                ("threshold", "residual", "broadcast", {"threshold": 0.8}),
-                ("qsgd", "none", "allgather", {}),
-                ("powersgd", "powersgd", "allreduce", {}),
-                ("powersgd", "powersgd", "allgather", {})]
+FUSION_CASES = [
+    ("none", "none", "allreduce", {}),
+    ("fp16", "none", "allreduce", {}),
+    ("randomk", "residual", "allreduce", {"compress_ratio": 0.3}),
+    ("topk", "residual", "allgather", {"compress_ratio": 0.3}),
+    ("threshold", "residual", "broadcast", {"threshold": 0.8}),
+    ("qsgd", "none", "allgather", {}),
+    ("powersgd", "powersgd", "allreduce", {}),
+    ("powersgd", "powersgd", "allgather", {}),
+]
 
 
 def group_inputs(rank, step):
     gen = torch.Generator().manual_seed(100 * rank + step)
-    tensors = [torch.randn(12, 10, generator=gen), torch.randn(7, generator=gen),
-               torch.randn(3, 4, 5, generator=gen), torch.randn(9, generator=gen)]
+    tensors = [
+        torch.randn(12, 10, generator=gen),
+        torch.randn(7, generator=gen),
+        torch.randn(3, 4, 5, generator=gen),
+        torch.randn(9, generator=gen),
+    ]
     if rank == 0:
-        tensors[1] = torch.zeros(7)          # threshold: an empty payload inside the group
+        tensors[1] = torch.zeros(7)  # threshold: an empty payload inside the group
     return tensors
 
 
@@ -315,13 +345,17 @@ def fusion_job(rank, world_size):
     for comp, mem, comm, params in FUSION_CASES:
         fused, alone = (grace_dgc.build(comp, mem, comm, **params) for _ in range(2))
         fused_results, alone_results = [], []
-        for step in range(3):               # several steps: memories and warm starts carry over
+        for step in range(3):  # several steps: memories and warm starts carry over
             tensors = group_inputs(rank, step)
             fused_results.append(fused.step_group_async([t.clone() for t in tensors], names).result())
             alone_results.append([alone.step(t.clone(), n) for t, n in zip(tensors, names)])
-        out[comp, comm] = {"fused": fused_results, "alone": alone_results,
-                           "fused_bytes": fused.stats()["bytes_sent"], "alone_bytes": alone.stats()["bytes_sent"],
-                           "fused_steps": fused.stats()["steps"]}
+        out[comp, comm] = {
+            "fused": fused_results,
+            "alone": alone_results,
+            "fused_bytes": fused.stats()["bytes_sent"],
+            "alone_bytes": alone.stats()["bytes_sent"],
+            "fused_steps": fused.stats()["steps"],
+        }
 
     # DistributedOptimizer with fusion buckets equals one exchange per parameter
     params = {}
@@ -330,7 +364,9 @@ def fusion_job(rank, world_size):
         opt = grace_dgc.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
             grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.3),
-            model.named_parameters(), fusion_bytes=fusion_bytes)
+            model.named_parameters(),
+            fusion_bytes=fusion_bytes,
+        )
         params[fusion_bytes] = (train(model, opt, batches(rank, 4)), len(opt._buckets))
     out["optimizer"] = params
     return out
@@ -368,5 +404,6 @@ def test_a_fused_group_equals_one_exchange_per_tensor(world_size):
 def test_fusion_bytes_is_validated():
     model = make_model()
     with pytest.raises(grace_dgc.GraceConfigError, match="fusion_bytes=-1; accepted: an int >= 0"):
-        grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       grace_dgc.build(engine="local"), fusion_bytes=-1)
+        grace_dgc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), grace_dgc.build(engine="local"), fusion_bytes=-1
+        )

@@ -4,6 +4,7 @@ Same method, seed and data: DistributedOptimizer under torchrun, the same under
 horovodrun and the DDP hook under torchrun print the same losses; the DDP example
 resumes from its checkpoint exactly.
 """
+
 import os
 import re
 import subprocess
@@ -15,8 +16,18 @@ from grace_dgc.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
-METHOD = ["--compressor", "topk", "--memory", "residual", "--communicator", "allgather",
-          "--param", "compress_ratio=0.1", "--log-every", "1"]
+METHOD = [
+    "--compressor",
+    "topk",
+    "--memory",
+    "residual",
+    "--communicator",
+    "allgather",
+    "--param",
+    "compress_ratio=0.1",
+    "--log-every",
+    "1",
+]
 
 
 def launch(cmd, timeout=180):
@@ -30,19 +41,44 @@ def launch(cmd, timeout=180):
 
 
 def torchrun(script, *args):
-    return launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(free_port()), f"examples/{script}", *args])
+    return launch(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            f"examples/{script}",
+            *args,
+        ]
+    )
 
 
 def horovodrun(script, *args):
     try:
         import horovod.torch  # noqa: F401
     except ImportError as error:
-        raise AssertionError(f"horovod.torch cannot be imported ({error}): run scripts/install-horovod.sh "
-                             f"{sys.executable}") from None
-    out = launch([os.path.join(BIN, "horovodrun"), "-np", "2", "--gloo", "-H", "localhost:2",
-                  "--gloo-timeout-seconds", "60", sys.executable, f"examples/{script}", *args])
-    return re.sub(r"^\[\d+\]<stdout>:", "", out, flags=re.M)      # horovodrun's rank prefix
+        raise AssertionError(
+            f"horovod.torch cannot be imported ({error}): run scripts/install-horovod.sh {sys.executable}"
+        ) from None
+    out = launch(
+        [
+            os.path.join(BIN, "horovodrun"),
+            "-np",
+            "2",
+            "--gloo",
+            "-H",
+            "localhost:2",
+            "--gloo-timeout-seconds",
+            "60",
+            sys.executable,
+            f"examples/{script}",
+            *args,
+        ]
+    )
+    return re.sub(r"^\[\d+\]<stdout>:", "", out, flags=re.M)  # horovodrun's rank prefix
 
 
 def losses(out):
@@ -55,7 +91,7 @@ def check_run(out, engine, steps):
     assert sorted(got) == list(range(steps)), out
     assert got[steps - 1] < got[0], "training did not reduce the loss"
     ratio = float(re.search(r"ratio: (\d+\.\d+)", out).group(1))
-    assert 0 < ratio < 0.5, out     # top-10% values + indices, + headers
+    assert 0 < ratio < 0.5, out  # top-10% values + indices, + headers
     return got
 
 
@@ -80,13 +116,18 @@ def test_train_ddp_matches_and_resumes(torchrun_losses, tmp_path):
     first = torchrun("train_ddp.py", *METHOD, "--steps", "10", "--checkpoint", checkpoint)
     assert "in a DDP hook" in first and "resumed" not in first
     assert check_run(first, "torch", 10) == {s: torchrun_losses[s] for s in range(10)}
-    assert sorted(os.listdir(checkpoint)) == ["rank0.pt", "rank1.pt"]     # residuals are per rank
+    assert sorted(os.listdir(checkpoint)) == ["rank0.pt", "rank1.pt"]  # residuals are per rank
     resumed = torchrun("train_ddp.py", *METHOD, "--steps", "10", "--checkpoint", checkpoint)
     assert "resumed at step 10" in resumed
     assert losses(resumed) == {s: torchrun_losses[s] for s in range(10, 20)}
 
 
 def test_examples_reject_bad_input():
-    proc = subprocess.run([sys.executable, "examples/train_torchrun.py", "--param", "compress_ratio"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "examples/train_torchrun.py", "--param", "compress_ratio"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "expected NAME=VALUE" in proc.stderr

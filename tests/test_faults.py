@@ -1,5 +1,6 @@
 """Bad input and misuse end in clear errors (issue 10, first part): parameter validation,
 ``engine="auto"`` that cannot silently train alone, checkpoints that say what they are."""
+
 import inspect
 import io
 import math
@@ -78,9 +79,10 @@ def test_command_line_values_parse_booleans():
 
 # -- engine="auto" ------------------------------------------------------------------------
 
+
 def test_auto_engine_refuses_to_train_alone_when_launched_as_one_of_several(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.5)    # building is fine
+    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.5)  # building is fine
     with pytest.raises(GraceConfigError, match=r"WORLD_SIZE=2.*init_process_group"):
         grace.step(torch.ones(4), "w")
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -127,11 +129,15 @@ def test_parts_built_before_init_process_group_exchange_through_it():
 
 # -- checkpoints -----------------------------------------------------------------------------
 
-METHODS = [("topk", "residual", "allgather", {"compress_ratio": 0.3}),
-           ("dgc", "momentum", "allgather", {"compress_ratio": 0.3, "min_compress_size": 1}),
-           ("randomk", "residual", "allreduce", {"compress_ratio": 0.3}),
-           ("qsgd", "residual", "allgather", {}), ("signum", "none", "allgather", {}),
-           ("powersgd", "powersgd", "allreduce", {}), ("efsignsgd", "efsignsgd", "allgather", {"lr": 0.1})]
+METHODS = [
+    ("topk", "residual", "allgather", {"compress_ratio": 0.3}),
+    ("dgc", "momentum", "allgather", {"compress_ratio": 0.3, "min_compress_size": 1}),
+    ("randomk", "residual", "allreduce", {"compress_ratio": 0.3}),
+    ("qsgd", "residual", "allgather", {}),
+    ("signum", "none", "allgather", {}),
+    ("powersgd", "powersgd", "allreduce", {}),
+    ("efsignsgd", "efsignsgd", "allgather", {"lr": 0.1}),
+]
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m[0]}+{m[1]}")
@@ -156,8 +162,11 @@ def test_a_state_of_other_methods_or_another_world_size_is_refused_naming_both()
     topk = grace_dgc.build("topk", "residual", "allgather", engine="local")
     topk.step(torch.randn(10), "w")
     dgc = grace_dgc.build("dgc", "momentum", "allgather", engine="local")
-    with pytest.raises(GraceConfigError, match=r"saved by compressor 'topk', memory 'residual'.*this Grace is "
-                                               r"compressor 'dgc', memory 'momentum'"):
+    with pytest.raises(
+        GraceConfigError,
+        match=r"saved by compressor 'topk', memory 'residual'.*this Grace is "
+        r"compressor 'dgc', memory 'momentum'",
+    ):
         dgc.load_state_dict(topk.state_dict())
     state = topk.state_dict()
     state["world_size"] = 2
@@ -181,11 +190,16 @@ def test_a_state_without_the_header_still_loads_and_a_foreign_one_is_named():
 
 # -- untrusted files and plugins ---------------------------------------------------------------
 
+
 def test_a_broken_plugin_is_a_warning_naming_it_and_the_rest_works(tmp_path, monkeypatch):
-    install_dummy_distribution(tmp_path, monkeypatch, "broken-plugin",
-                               "[grace_dgc.compressors]\nbroken = no_such_module_here:Thing\n")
-    with pytest.warns(UserWarning, match=r"plugin 'broken' \(no_such_module_here:Thing, from broken-plugin\) "
-                                         r"failed to import"):
+    install_dummy_distribution(
+        tmp_path, monkeypatch, "broken-plugin", "[grace_dgc.compressors]\nbroken = no_such_module_here:Thing\n"
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"plugin 'broken' \(no_such_module_here:Thing, from broken-plugin\) "
+        r"failed to import",
+    ):
         names = grace_dgc.list_compressors()
     assert "topk" in names and "broken" not in names
     with pytest.raises(GraceConfigError, match="did you mean|Did you mean"):
@@ -203,6 +217,7 @@ def test_a_crafted_cifar_batch_is_refused_not_run(tmp_path, monkeypatch):
     import pickle
 
     from grace_dgc.survey import datasets
+
     path = tmp_path / "data_batch_1"
     path.write_bytes(pickle.dumps({b"data": _Exploit(), b"labels": [0]}, protocol=2))
     called = []
@@ -213,6 +228,7 @@ def test_a_crafted_cifar_batch_is_refused_not_run(tmp_path, monkeypatch):
 
 
 # -- the configuration handshake ---------------------------------------------------------
+
 
 def differing_job(rank, world_size, case):
     """Each rank builds what ``case`` gives it and takes two steps; returns the error text."""
@@ -232,8 +248,9 @@ def differing_job(rank, world_size, case):
     if case == "extra" and rank == 1:
         params.append(("extra", torch.nn.Parameter(torch.zeros(5))))
     fusion = 0 if case == "fusion" and rank == 1 else 4 * 2**20
-    optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), grace, params,
-                                               fusion_bytes=fusion)
+    optimizer = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD([p for _, p in params], lr=0.1), grace, params, fusion_bytes=fusion
+    )
     try:
         for _ in range(2):
             optimizer.zero_grad()
@@ -244,15 +261,20 @@ def differing_job(rank, world_size, case):
     return None
 
 
-@pytest.mark.parametrize("case, field", [
-    ("communicator", "communicator — rank 0: allgather; rank 1: broadcast"),
-    ("seed", "compressor parameters — rank 0: .*'seed', 0.*; rank 1: .*'seed', 1"),
-    ("ratio", "compressor parameters — rank 0: .*0.01.*; rank 1: .*0.1"),
-    ("order", "tensors \\(name, shape, dtype\\)"),
-    ("extra", "tensors \\(name, shape, dtype\\)"),
-    ("fusion", "tensors \\(name, shape, dtype\\)")])
+@pytest.mark.parametrize(
+    "case, field",
+    [
+        ("communicator", "communicator — rank 0: allgather; rank 1: broadcast"),
+        ("seed", "compressor parameters — rank 0: .*'seed', 0.*; rank 1: .*'seed', 1"),
+        ("ratio", "compressor parameters — rank 0: .*0.01.*; rank 1: .*0.1"),
+        ("order", "tensors \\(name, shape, dtype\\)"),
+        ("extra", "tensors \\(name, shape, dtype\\)"),
+        ("fusion", "tensors \\(name, shape, dtype\\)"),
+    ],
+)
 def test_ranks_that_differ_get_an_error_naming_the_difference_on_every_rank(case, field):
     from grace_dgc.launch import run_local
+
     errors = run_local(differing_job, 2, (case,), timeout=120)
     for error in errors:
         assert error is not None and "the ranks run different configurations" in error
@@ -261,14 +283,16 @@ def test_ranks_that_differ_get_an_error_naming_the_difference_on_every_rank(case
 
 # -- uneven participation ------------------------------------------------------------------
 
+
 def unused_branch_job(rank, world_size, fusion):
     """Rank 1 never uses the second branch: its parameters are exchanged as zeros there."""
     torch.manual_seed(0)
     trunk, branch, head = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
     modules = torch.nn.ModuleDict({"trunk": trunk, "branch": branch, "head": head})
     grace = grace_dgc.build("none", "none", "allreduce")
-    optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD(modules.parameters(), lr=0.1), grace,
-                                               modules.named_parameters(), fusion_bytes=fusion)
+    optimizer = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(modules.parameters(), lr=0.1), grace, modules.named_parameters(), fusion_bytes=fusion
+    )
     out = []
     for step in range(3):
         x = torch.full((2, 4), float(rank + step + 1))
@@ -285,19 +309,22 @@ def unused_branch_job(rank, world_size, fusion):
 @pytest.mark.parametrize("fusion", [0, 4 * 2**20])
 def test_a_parameter_unused_on_one_rank_only_is_exchanged_as_zeros(fusion):
     from grace_dgc.launch import run_local
+
     first, second = run_local(unused_branch_job, 2, (fusion,), timeout=120)
     for a, b in zip(first, second):
         for name in a:
-            assert torch.equal(a[name], b[name]), name         # ranks agree
-        assert bool(a["branch.weight"].abs().sum() > 0)        # rank 0's branch gradient, halved
+            assert torch.equal(a[name], b[name]), name  # ranks agree
+        assert bool(a["branch.weight"].abs().sum() > 0)  # rank 0's branch gradient, halved
 
 
 # -- timeouts and dead ranks ---------------------------------------------------------------
+
 
 def failing_rank_job(rank, world_size, port, how, results):
     """Rank ``world_size - 1`` stops (SIGSTOP) or dies before the second step; the others
     must end in an error naming it within the timeout."""
     import signal
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -317,10 +344,12 @@ def failing_rank_job(rank, world_size, port, how, results):
 @pytest.mark.parametrize("how", ["stop", "die"])
 def test_a_rank_that_stops_or_dies_is_named_within_the_timeout(how):
     import time
+
     ctx = mp.get_context("spawn")
     results, port, world = ctx.SimpleQueue(), free_port(), 3
-    procs = [ctx.Process(target=failing_rank_job, args=(r, world, port, how, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=failing_rank_job, args=(r, world, port, how, results), daemon=True) for r in range(world)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -343,25 +372,32 @@ def test_a_rank_that_stops_or_dies_is_named_within_the_timeout(how):
 
 # -- non-finite gradients ------------------------------------------------------------------
 
-NONFINITE_METHODS = [("topk", "residual", "allgather", {"compress_ratio": 0.3}),
-                     ("dgc", "momentum", "allgather", {"compress_ratio": 0.3, "min_compress_size": 1}),
-                     ("signsgd", "residual", "allgather", {}), ("qsgd", "residual", "allgather", {}),
-                     ("powersgd", "powersgd", "allreduce", {}), ("none", "none", "allreduce", {}),
-                     ("fp16", "none", "allreduce", {}), ("signum", "none", "allgather", {})]
+NONFINITE_METHODS = [
+    ("topk", "residual", "allgather", {"compress_ratio": 0.3}),
+    ("dgc", "momentum", "allgather", {"compress_ratio": 0.3, "min_compress_size": 1}),
+    ("signsgd", "residual", "allgather", {}),
+    ("qsgd", "residual", "allgather", {}),
+    ("powersgd", "powersgd", "allreduce", {}),
+    ("none", "none", "allreduce", {}),
+    ("fp16", "none", "allreduce", {}),
+    ("signum", "none", "allgather", {}),
+]
 
 
 def nonfinite_job(rank, world_size, methods, bad_step, value, use_scaler):
     """Per method: 5 steps of a small model; at ``bad_step`` rank 1's loss is multiplied by
     ``value`` (NaN or Inf). Returns per step: found_inf, parameters, state, scale."""
     import copy as copy_module
+
     results = {}
     for comp, mem, comm, params in methods:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 4))
         grace = grace_dgc.build(comp, mem, comm, **params)
-        optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), grace,
-                                                   model.named_parameters())
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if use_scaler else None
+        optimizer = grace_dgc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), grace, model.named_parameters()
+        )
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if use_scaler else None
         steps = []
         for step in range(5):
             x = torch.randn(3, 6, generator=torch.Generator().manual_seed(step * 10 + rank))
@@ -380,10 +416,14 @@ def nonfinite_job(rank, world_size, methods, bad_step, value, use_scaler):
                 with optimizer.skip_synchronize():
                     scaler.step(optimizer)
                 scaler.update()
-            steps.append({"found_inf": optimizer.found_inf,
-                          "params": [p.detach().clone() for p in model.parameters()],
-                          "state_kept": _same_state(state_before, grace.state_dict()),
-                          "scale": scaler.get_scale() if scaler else None})
+            steps.append(
+                {
+                    "found_inf": optimizer.found_inf,
+                    "params": [p.detach().clone() for p in model.parameters()],
+                    "state_kept": _same_state(state_before, grace.state_dict()),
+                    "scale": scaler.get_scale() if scaler else None,
+                }
+            )
         results[comp] = steps
     return results
 
@@ -401,6 +441,7 @@ def _same_state(a, b):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank_and_poisons_nothing(value):
     from grace_dgc.launch import run_local
+
     first, second = run_local(nonfinite_job, 2, (NONFINITE_METHODS, 2, value, False), timeout=240)
     for comp, *_ in NONFINITE_METHODS:
         for step in range(5):
@@ -409,20 +450,21 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank_and_pois
             assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])), (comp, step)
             assert all(bool(torch.isfinite(p).all()) for p in a["params"]), (comp, step)
         bad, before = first[comp][2], first[comp][1]
-        assert all(torch.equal(p, q) for p, q in zip(bad["params"], before["params"])), comp   # not stepped
-        assert bad["state_kept"] and second[comp][2]["state_kept"], comp     # memories as before
+        assert all(torch.equal(p, q) for p, q in zip(bad["params"], before["params"])), comp  # not stepped
+        assert bad["state_kept"] and second[comp][2]["state_kept"], comp  # memories as before
         after = first[comp][3]
         assert not all(torch.equal(p, q) for p, q in zip(after["params"], bad["params"])), comp  # no stall
 
 
 def test_the_skip_works_with_a_grad_scaler():
     from grace_dgc.launch import run_local
+
     methods = [NONFINITE_METHODS[0], NONFINITE_METHODS[5]]
     first, second = run_local(nonfinite_job, 2, (methods, 2, float("inf"), True), timeout=180)
     for comp, *_ in methods:
         for rank_steps in (first[comp], second[comp]):
             scales = [s["scale"] for s in rank_steps]
-            assert scales[2] < scales[1], (comp, scales)        # the scaler found it on every rank
+            assert scales[2] < scales[1], (comp, scales)  # the scaler found it on every rank
             assert all(torch.equal(p, q) for p, q in zip(rank_steps[2]["params"], rank_steps[1]["params"]))
             assert not rank_steps[3]["found_inf"]
         assert all(torch.equal(p, q) for p, q in zip(first[comp][4]["params"], second[comp][4]["params"]))
@@ -439,6 +481,7 @@ def raising_job(rank, world_size):
 
 def test_the_raise_policy_names_the_rank_on_every_rank():
     from grace_dgc.launch import run_local
+
     for message in run_local(raising_job, 2, timeout=120):
         assert message == "a gradient of w is not finite (NaN or Inf) on rank 1"
     with pytest.raises(GraceConfigError, match="nonfinite='ignore'; accepted: skip, raise"):
@@ -470,15 +513,18 @@ def test_memories_reset_forgets_state():
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.sampled_from([n for n in grace_dgc.list_compressors()]),
-       st.lists(st.lists(st.floats(-100, 100, width=32), min_size=24, max_size=24), min_size=1, max_size=6))
+@given(
+    st.sampled_from([n for n in grace_dgc.list_compressors()]),
+    st.lists(st.lists(st.floats(-100, 100, width=32), min_size=24, max_size=24), min_size=1, max_size=6),
+)
 def test_error_feedback_conserves_gradient_mass_for_every_compressor(name, grads):
     """Σ what the exchange returned + the final residual = Σ gradients, for every
     sparsifier and quantizer with the residual memory (one rank: the average is this
     rank's decompressed payload)."""
     params = {"threshold": {"threshold": 50.0}, "twobit": {"threshold": 10.0}}.get(name, {})
-    grace = grace_dgc.build(name, "residual", "allreduce" if COMPRESSORS.get(name).summable else "allgather",
-                            engine="local", **params)
+    grace = grace_dgc.build(
+        name, "residual", "allreduce" if COMPRESSORS.get(name).summable else "allgather", engine="local", **params
+    )
     sent = torch.zeros(4, 6, dtype=torch.float64)
     for g in grads:
         sent += grace.step(torch.tensor(g).view(4, 6), "w").double()
@@ -491,9 +537,9 @@ def test_error_feedback_conserves_gradient_mass_for_every_compressor(name, grads
 def test_an_fp16_overflow_is_skipped_not_silent_and_leaves_no_inf_in_the_memory():
     grace = grace_dgc.build("fp16", "residual", "allreduce", engine="local")
     grace.step(torch.ones(4), "w")
-    out = grace.step(torch.tensor([1e5, 1.0, 2.0, 3.0]), "w")        # 1e5 > fp16's 65504
+    out = grace.step(torch.tensor([1e5, 1.0, 2.0, 3.0]), "w")  # 1e5 > fp16's 65504
     assert bool(torch.isnan(out).all()) and grace.skipped == 1 and grace.stats()["skipped"] == 1
-    assert "w" not in grace.memory.residuals                          # reset, not inf
+    assert "w" not in grace.memory.residuals  # reset, not inf
     assert torch.equal(grace.step(torch.ones(4), "w"), torch.ones(4))
 
 
@@ -504,7 +550,8 @@ def extra_step_job(rank, world_size):
     if rank == 0:
         return None
     import time
-    time.sleep(1.0)                 # rank 0 is gone by now
+
+    time.sleep(1.0)  # rank 0 is gone by now
     try:
         grace.step(torch.ones(4), "w")
     except grace_dgc.GraceCommError as error:
@@ -514,6 +561,7 @@ def extra_step_job(rank, world_size):
 
 def test_a_rank_stepping_more_than_the_others_gets_an_error_naming_who_is_gone():
     from grace_dgc.launch import run_local
+
     _, message = run_local(extra_step_job, 2, timeout=120)
     assert "allreduce" in message and "failed on rank 1 of 2" in message, message
     assert "rank 0" in message, message

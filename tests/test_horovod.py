@@ -5,6 +5,7 @@ the engine's primitives, DistributedOptimizer); the same job runs on gloo throug
 run_local on the torch engine; the tests compare the two. Horovod is part of the test
 install (scripts/install-horovod.sh): if it is missing these tests fail, never skip.
 """
+
 import os
 import pickle
 import subprocess
@@ -22,10 +23,13 @@ from grace_dgc.launch import run_local
 
 try:
     import horovod.torch  # noqa: F401
+
     HOROVOD_MISSING = None
 except ImportError as error:
-    HOROVOD_MISSING = (f"horovod.torch cannot be imported ({error}); the test install builds it: "
-                       f"run scripts/install-horovod.sh {sys.executable} (or `make horovod`)")
+    HOROVOD_MISSING = (
+        f"horovod.torch cannot be imported ({error}); the test install builds it: "
+        f"run scripts/install-horovod.sh {sys.executable} (or `make horovod`)"
+    )
 
 WORLD = 2
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -35,8 +39,19 @@ def start_horovodrun(script, *args, np=WORLD):
     """Start ``script`` under ``horovodrun -np N --gloo`` (stdout/stderr captured)."""
     assert HOROVOD_MISSING is None, HOROVOD_MISSING
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    cmd = [HOROVODRUN, "-np", str(np), "--gloo", "-H", f"localhost:{np}", "--gloo-timeout-seconds", "60",
-           sys.executable, script, *map(str, args)]
+    cmd = [
+        HOROVODRUN,
+        "-np",
+        str(np),
+        "--gloo",
+        "-H",
+        f"localhost:{np}",
+        "--gloo-timeout-seconds",
+        "60",
+        sys.executable,
+        script,
+        *map(str, args),
+    ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -66,19 +81,19 @@ def test_horovod_is_installed():
     assert HOROVOD_MISSING is None, HOROVOD_MISSING
     import horovod
     import horovod.torch as hvd
+
     assert horovod.__version__ == "0.28.1" and hvd.gloo_built()
 
 
 def test_every_case_runs_on_both_engines_auto_picking_each(runs):
     listed = {f"{c}+{m}+{k}" for c, m, k, _ in hvd_worker.cases()}
-    assert ("topk+none+allgather" in listed and "none+none+allreduce" in listed
-            and "topk+none+allreduce" not in listed)
+    assert "topk+none+allgather" in listed and "none+none+allreduce" in listed and "topk+none+allreduce" not in listed
     for engine, results in runs.items():
         for rank, result in enumerate(results):
             errors = "\n".join(f"--- {key} ---\n{tb}" for key, tb in result["errors"].items())
             assert not result["errors"], f"{engine} rank {rank}: failing cases:\n{errors}"
             assert set(result["cases"]) == listed, (engine, rank)
-            assert result["engine"] == engine       # hvd.init() was called: auto → horovod
+            assert result["engine"] == engine  # hvd.init() was called: auto → horovod
             assert {c["engine"] for c in result["cases"].values()} == {engine}
 
 
@@ -124,14 +139,18 @@ def test_bytes_sent_follow_each_engines_definition(runs):
                 measured = result["cases"][key]["bytes"]
                 if engine == "horovod" or comm != "allgather":
                     expected = hvd_worker.expected_bytes(logs[rank], comm, engine)
-                else:       # each exchange: header + the largest rank's payload bytes
-                    expected = sum(8 * len(mine) + max(sum(n * d.itemsize for d, n in p) for p in same)
-                                   for mine, *same in zip(logs[rank], *logs))
+                else:  # each exchange: header + the largest rank's payload bytes
+                    expected = sum(
+                        8 * len(mine) + max(sum(n * d.itemsize for d, n in p) for p in same)
+                        for mine, *same in zip(logs[rank], *logs)
+                    )
                 if expected is not None:
                     assert measured == expected, (engine, key, rank, measured, expected)
         for rank in range(WORLD):
-            assert runs["horovod"][rank]["cases"][key]["bytes"] <= runs["torch"][rank]["cases"][key]["bytes"] \
-                or comm == "allreduce"   # allreduce: only Horovod's widened bf16 sends more
+            assert (
+                runs["horovod"][rank]["cases"][key]["bytes"] <= runs["torch"][rank]["cases"][key]["bytes"]
+                or comm == "allreduce"
+            )  # allreduce: only Horovod's widened bf16 sends more
 
 
 def test_engine_primitives_match_torch(runs):
@@ -162,13 +181,15 @@ def test_distributed_optimizer_works_unchanged_under_horovodrun(runs):
 def test_engine_errors_name_the_fix(monkeypatch):
     assert HOROVOD_MISSING is None, HOROVOD_MISSING
     from grace_dgc.engines.horovod_engine import HorovodEngine
-    assert grace_dgc.create_engine("auto").name != "horovod"     # not initialized here
+
+    assert grace_dgc.create_engine("auto").name != "horovod"  # not initialized here
     with pytest.raises(grace_dgc.GraceConfigError, match=r"call horovod.torch.init\(\) first"):
         HorovodEngine()
     with pytest.raises(grace_dgc.GraceConfigError, match="process_group is accepted only by engine='torch'"):
         HorovodEngine(process_group=object())
     # without Horovod, asking for it says how to install it
     import grace_dgc.engines as engines
+
     monkeypatch.setitem(sys.modules, "horovod.torch", None)
     monkeypatch.delitem(sys.modules, "grace_dgc.engines.horovod_engine")
     monkeypatch.delattr(engines, "horovod_engine")

@@ -17,6 +17,7 @@ How the comparison with the hook is made honest:
     M − mean(M) for its uncompressed tensors); the test checks that their sums over ranks agree,
     which is why the averaged gradients agree over several steps.
 """
+
 import io
 import zlib
 
@@ -30,9 +31,8 @@ from hypothesis import strategies as st
 import grace_dgc
 from grace_dgc.launch import run_local
 
-SHAPES = {"a": (16, 8), "bias": (16,), "conv": (4, 3, 3, 3), "a2": (16, 8), "tiny": (2, 3),
-          "wide": (32, 24)}
-CASES = [(1, 3), (2, 3), (4, 2)]        # (matrix_approximation_rank, PowerSGD steps)
+SHAPES = {"a": (16, 8), "bias": (16,), "conv": (4, 3, 3, 3), "a2": (16, 8), "tiny": (2, 3), "wide": (32, 24)}
+CASES = [(1, 3), (2, 3), (4, 2)]  # (matrix_approximation_rank, PowerSGD steps)
 
 
 def low_rank(shape, rank, rate=2.0):
@@ -58,8 +58,9 @@ def hook_initial_q(seed, rank):
         if r:
             groups.setdefault((shape[0], int(np.prod(shape[1:]))), []).append((name, r))
     generator = torch.Generator().manual_seed(int(np.random.RandomState(seed).randint(1_000_000_000)))
-    return {name: torch.randn(1, m, r, generator=generator)[0]
-            for (_, m), members in groups.items() for name, r in members}
+    return {
+        name: torch.randn(1, m, r, generator=generator)[0] for (_, m), members in groups.items() for name, r in members
+    }
 
 
 class Bucket:
@@ -87,24 +88,34 @@ def hook_vs_grace(rank, world_size):
     """Per case and PowerSGD step: the hook's and grace's averaged gradients, the two error
     sums over ranks, grace's bytes, and the other communicators' results."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
     names = list(SHAPES)
     out = []
     for case, (r, steps) in enumerate(CASES):
         seed = 100 + case
-        state = PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2,
-                              min_compression_rate=2, use_error_feedback=True, warm_start=True,
-                              orthogonalization_epsilon=0, random_seed=seed)
-        for _ in range(2):                                  # the hook's vanilla-allreduce iterations
+        state = PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=r,
+            start_powerSGD_iter=2,
+            min_compression_rate=2,
+            use_error_feedback=True,
+            warm_start=True,
+            orthogonalization_epsilon=0,
+            random_seed=seed,
+        )
+        for _ in range(2):  # the hook's vanilla-allreduce iterations
             powerSGD_hook(state, Bucket([torch.zeros(SHAPES[n]) for n in names])).wait()
-        graces = {c: grace_dgc.build("powersgd", "powersgd", c, engine="torch", compress_rank=r)
-                  for c in ("allreduce", "allgather", "broadcast")}
+        graces = {
+            c: grace_dgc.build("powersgd", "powersgd", c, engine="torch", compress_rank=r)
+            for c in ("allreduce", "allgather", "broadcast")
+        }
         q0 = hook_initial_q(seed, r)
         for g in graces.values():
             g.compressor.load_state_dict({"q": q0, "draws": {}})
         record = {"steps": []}
         for step in range(steps):
             grads = [gradient(case, rank, step, n) for n in names]
-            bucket = Bucket(grads)      # a copy: the hook works in place
+            bucket = Bucket(grads)  # a copy: the hook works in place
             powerSGD_hook(state, bucket).wait()
             results = {c: [g.step(x, n) for x, n in zip(grads, names)] for c, g in graces.items()}
             record["steps"].append({"hook": [v.clone() for v in bucket.gradients()], **results})
@@ -112,8 +123,11 @@ def hook_vs_grace(rank, world_size):
         ours_error = torch.cat([graces["allreduce"].memory.residuals[n].reshape(-1) for n in names])
         dist.all_reduce(hook_error)
         dist.all_reduce(ours_error)
-        record.update(hook_error_sum=hook_error, ours_error_sum=ours_error,
-                      bytes={c: g.stats()["bytes_sent"] for c, g in graces.items()})
+        record.update(
+            hook_error_sum=hook_error,
+            ours_error_sum=ours_error,
+            bytes={c: g.stats()["bytes_sent"] for c, g in graces.items()},
+        )
         out.append(record)
     return out
 
@@ -137,17 +151,17 @@ def test_matches_pytorch_powersgd_hook(world_size):
         records = [ranks[case] for ranks in per_rank]
         for step in range(steps):
             hook = records[0]["steps"][step]["hook"]
-            for rec in records:                              # every rank holds the same average
+            for rec in records:  # every rank holds the same average
                 for comm in ("hook", "allreduce", "allgather", "broadcast"):
                     for mine, first in zip(rec["steps"][step][comm], records[0]["steps"][step][comm]):
                         torch.testing.assert_close(mine, first, rtol=1e-5, atol=1e-6)
             for comm in ("allreduce", "allgather", "broadcast"):
                 for name, ours, theirs in zip(SHAPES, records[0]["steps"][step][comm], hook):
-                    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5,
-                                               msg=lambda m: f"rank {r}, step {step}, {comm}, {name}: {m}")
+                    torch.testing.assert_close(
+                        ours, theirs, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r}, step {step}, {comm}, {name}: {m}"
+                    )
         # what the errors sum to over ranks is the same: the only part that reaches the aggregate
-        torch.testing.assert_close(records[0]["ours_error_sum"], records[0]["hook_error_sum"],
-                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(records[0]["ours_error_sum"], records[0]["hook_error_sum"], rtol=1e-4, atol=1e-5)
         assert records[0]["bytes"]["allreduce"] == expected_bytes(r, steps, header=0)
         assert records[0]["bytes"]["allgather"] == expected_bytes(r, steps, header=8)
         # broadcast: a rank sends the size header and, as root, its own buffer
@@ -155,6 +169,7 @@ def test_matches_pytorch_powersgd_hook(world_size):
 
 
 # -- an independent float64 reference of the algorithm ---------------------------------------
+
 
 def gram_schmidt(a):
     a = a.copy()
@@ -179,18 +194,19 @@ def reference_powersgd(grads, q0):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.sampled_from([(12, 7), (5, 2, 3), (9, 9), (30, 4)]), st.integers(1, 2), st.integers(1, 5),
-       st.integers(0, 2**31))
+@given(
+    st.sampled_from([(12, 7), (5, 2, 3), (9, 9), (30, 4)]), st.integers(1, 2), st.integers(1, 5), st.integers(0, 2**31)
+)
 def test_single_rank_matches_numpy_reference(shape, rank, steps, seed):
     rng = np.random.default_rng(seed)
     grads = [rng.standard_normal(shape) for _ in range(steps)]
     r = min(shape[0], int(np.prod(shape[1:])), rank)
     q0 = rng.standard_normal((int(np.prod(shape[1:])), r))
-    grace = grace_dgc.build("powersgd", "powersgd", "allreduce", engine="local", compress_rank=rank,
-                            min_compression_rate=0)
+    grace = grace_dgc.build(
+        "powersgd", "powersgd", "allreduce", engine="local", compress_rank=rank, min_compression_rate=0
+    )
     grace.compressor.load_state_dict({"q": {"w": torch.from_numpy(q0)}, "draws": {}})
-    for ours, expected in zip((grace.step(torch.from_numpy(g), "w") for g in grads),
-                              reference_powersgd(grads, q0)):
+    for ours, expected in zip((grace.step(torch.from_numpy(g), "w") for g in grads), reference_powersgd(grads, q0)):
         np.testing.assert_allclose(ours.numpy(), expected, rtol=1e-9, atol=1e-10)
 
 
@@ -201,9 +217,11 @@ def test_matrix_of_rank_r_is_sent_exactly(n, m, rank, seed):
     gen = torch.Generator().manual_seed(seed)
     r = min(n, m, rank)
     matrix = torch.randn(n, r, generator=gen, dtype=torch.float64) @ torch.randn(
-        r, m, generator=gen, dtype=torch.float64)
-    grace = grace_dgc.build("powersgd", "powersgd", engine="local", compress_rank=rank,
-                            min_compression_rate=0, seed=seed % 1000)
+        r, m, generator=gen, dtype=torch.float64
+    )
+    grace = grace_dgc.build(
+        "powersgd", "powersgd", engine="local", compress_rank=rank, min_compression_rate=0, seed=seed % 1000
+    )
     torch.testing.assert_close(grace.step(matrix, "w"), matrix, rtol=1e-7, atol=1e-7)
     assert grace.memory.residuals["w"].abs().max() < 1e-7
 
@@ -217,12 +235,13 @@ def test_error_feedback_conserves_gradient_mass():
 
 # -- dense tensors, wire size, state --------------------------------------------------------
 
+
 def test_which_tensors_go_dense():
     comp = grace_dgc.build("powersgd", engine="local", compress_rank=2).compressor
-    assert comp.low_rank(()) == 0 and comp.low_rank((1000,)) == 0          # 0-d and 1-D
-    assert comp.low_rank((3, 4)) == 0              # (3+4)·2·2 = 28 ≥ 12: factors too big
-    assert comp.low_rank((10, 10)) == 2            # 80 < 100
-    assert comp.low_rank((8, 1, 1)) == 0 and comp.low_rank((64, 3, 1, 1)) == 0   # m = 1, 3
+    assert comp.low_rank(()) == 0 and comp.low_rank((1000,)) == 0  # 0-d and 1-D
+    assert comp.low_rank((3, 4)) == 0  # (3+4)·2·2 = 28 ≥ 12: factors too big
+    assert comp.low_rank((10, 10)) == 2  # 80 < 100
+    assert comp.low_rank((8, 1, 1)) == 0 and comp.low_rank((64, 3, 1, 1)) == 0  # m = 1, 3
     bias = torch.randn(7)
     grace = grace_dgc.build("powersgd", "powersgd", engine="local")
     assert torch.equal(grace.step(bias, "b"), bias)
@@ -247,7 +266,7 @@ def test_zero_gradient_gives_zeros_not_nan():
 def test_seeded_initial_q_leaves_global_rng_alone():
     state = torch.get_rng_state()
     outs = []
-    for _ in range(2):      # two "ranks" with the same seed draw the same Q: same result
+    for _ in range(2):  # two "ranks" with the same seed draw the same Q: same result
         grace = grace_dgc.build("powersgd", engine="local", seed=7, min_compression_rate=0)
         outs.append(grace.step(torch.arange(30.0).reshape(5, 6).sin(), "w"))
     assert torch.equal(outs[0], outs[1]) and torch.equal(torch.get_rng_state(), state)
@@ -256,8 +275,10 @@ def test_seeded_initial_q_leaves_global_rng_alone():
 @pytest.mark.parametrize("warm_start", [True, False])
 def test_state_dict_round_trip_resumes_exactly(warm_start):
     def make(seed):
-        return grace_dgc.build("powersgd", "powersgd", engine="local", compress_rank=2,
-                               warm_start=warm_start, seed=seed)
+        return grace_dgc.build(
+            "powersgd", "powersgd", engine="local", compress_rank=2, warm_start=warm_start, seed=seed
+        )
+
     grads = [(torch.randn(12, 9), torch.randn(9)) for _ in range(5)]
     a = make(1)
     for w, b in grads[:2]:
@@ -265,16 +286,24 @@ def test_state_dict_round_trip_resumes_exactly(warm_start):
     buffer = io.BytesIO()
     torch.save(a.state_dict(), buffer)
     buffer.seek(0)
-    b_ = make(2 if warm_start else 1)   # warm start: another seed, so Q must come from the checkpoint
+    b_ = make(2 if warm_start else 1)  # warm start: another seed, so Q must come from the checkpoint
     b_.load_state_dict(torch.load(buffer, weights_only=False))
     for w, b in grads[2:]:
         assert torch.equal(a.step(w, "w"), b_.step(w, "w")) and torch.equal(a.step(b, "b"), b_.step(b, "b"))
     assert (a.compressor.draws["w"] == 1) == warm_start and ("w" in a.compressor.q) == warm_start
 
 
-@pytest.mark.parametrize("params", [{"compress_rank": 0}, {"compress_rank": 1.5},
-                                    {"min_compression_rate": -1}, {"warm_start": "yes"},
-                                    {"orthogonalization_epsilon": -1e-8}, {"seed": -1}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"compress_rank": 0},
+        {"compress_rank": 1.5},
+        {"min_compression_rate": -1},
+        {"warm_start": "yes"},
+        {"orthogonalization_epsilon": -1e-8},
+        {"seed": -1},
+    ],
+)
 def test_bad_parameters_are_refused(params):
     with pytest.raises(grace_dgc.GraceConfigError, match=next(iter(params))):
         grace_dgc.build("powersgd", engine="local", **params)

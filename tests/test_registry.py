@@ -1,4 +1,5 @@
 """Registry, build/from_params and bad-input errors."""
+
 import sys
 import textwrap
 
@@ -15,7 +16,7 @@ def test_lists_are_sorted_canonical_and_filtered():
     names = grace_dgc.list_compressors()
     assert names == sorted(names)
     assert {"none", "fp16", "bf16", "topk", "randomk", "threshold"} <= set(names)
-    assert "half" not in names                       # aliases are not listed
+    assert "half" not in names  # aliases are not listed
     assert grace_dgc.list_compressors("*k") == [n for n in names if n.endswith("k")]
     assert grace_dgc.list_compressors("fp1?") == ["fp16"]
     assert grace_dgc.list_memories("res*") == ["residual"]
@@ -43,14 +44,17 @@ def test_unknown_name_lists_valid_names_and_closest_match():
         grace_dgc.build(communicator="alltoall")
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"compressor": "topk", "compress_ratio": 0}, r"compress_ratio=0 is out of range; accepted: \(0, 1\]"),
-    ({"compressor": "topk", "compress_ratio": 1.5}, r"compress_ratio=1.5 is out of range"),
-    ({"compressor": "randomk", "compress_ratio": "a lot"}, r"compress_ratio='a lot' must be a number"),
-    ({"compressor": "threshold", "threshold": -1}, r"threshold=-1 is out of range; accepted: \[0, inf\]"),
-    ({"compressor": "randomk", "seed": 1.5}, r"seed=1.5 must be a number of type int"),
-    ({"memory": "residual", "beta": -0.1}, r"beta=-0.1 is out of range"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"compressor": "topk", "compress_ratio": 0}, r"compress_ratio=0 is out of range; accepted: \(0, 1\]"),
+        ({"compressor": "topk", "compress_ratio": 1.5}, r"compress_ratio=1.5 is out of range"),
+        ({"compressor": "randomk", "compress_ratio": "a lot"}, r"compress_ratio='a lot' must be a number"),
+        ({"compressor": "threshold", "threshold": -1}, r"threshold=-1 is out of range; accepted: \[0, inf\]"),
+        ({"compressor": "randomk", "seed": 1.5}, r"seed=1.5 must be a number of type int"),
+        ({"memory": "residual", "beta": -0.1}, r"beta=-0.1 is out of range"),
+    ],
+)
 def test_out_of_range_parameters_are_named(params, message):
     params = {"communicator": "allgather", **params}
     with pytest.raises(GraceConfigError, match=message):
@@ -78,11 +82,20 @@ def test_parameters_are_routed_to_the_parts_that_accept_them():
 
 
 def test_from_params_accepts_grace_dicts():
-    params = {"compressor": "topk", "memory": "residual", "communicator": "allgather",
-              "compress_ratio": 0.3, "world_size": 4, "threshold": None}
+    params = {
+        "compressor": "topk",
+        "memory": "residual",
+        "communicator": "allgather",
+        "compress_ratio": 0.3,
+        "world_size": 4,
+        "threshold": None,
+    }
     grace = grace_dgc.from_params(params)
-    assert (grace.compressor.registered_name, grace.memory.registered_name,
-            grace.communicator.registered_name) == ("topk", "residual", "allgather")
+    assert (grace.compressor.registered_name, grace.memory.registered_name, grace.communicator.registered_name) == (
+        "topk",
+        "residual",
+        "allgather",
+    )
     assert grace.compressor.compress_ratio == 0.3
     assert repr(grace).startswith("Grace(compressor='topk'")
     assert grace_dgc.from_params({}).compressor.registered_name == "none"
@@ -104,6 +117,7 @@ def test_decorator_registration_and_name_clash():
 
     assert reg.names() == ["mine"] and reg.get("my") is Mine
     with pytest.raises(GraceConfigError, match="already taken"):
+
         @reg.register("other", aliases=("mine",))
         class Other(grace_dgc.Compressor):
             pass
@@ -111,7 +125,8 @@ def test_decorator_registration_and_name_clash():
 
 def test_plugin_from_an_installed_distribution(tmp_path, monkeypatch):
     """A real (dummy) distribution on sys.path whose entry point names a compressor."""
-    (tmp_path / "negate_plugin.py").write_text(textwrap.dedent("""
+    (tmp_path / "negate_plugin.py").write_text(
+        textwrap.dedent("""
         import grace_dgc
 
         class Negate(grace_dgc.Compressor):
@@ -126,9 +141,11 @@ def test_plugin_from_an_installed_distribution(tmp_path, monkeypatch):
 
             def decompress(self, payload, ctx):
                 return -payload[0] / self.scale
-    """))
-    install_dummy_distribution(tmp_path, monkeypatch, "negate-plugin",
-                               "[grace_dgc.compressors]\nnegate = negate_plugin:Negate\n")
+    """)
+    )
+    install_dummy_distribution(
+        tmp_path, monkeypatch, "negate-plugin", "[grace_dgc.compressors]\nnegate = negate_plugin:Negate\n"
+    )
     assert "negate" in grace_dgc.list_compressors()
     grace = grace_dgc.build("negate", scale=2.0, engine="local")
     out = grace.step(torch.tensor([1.0, -3.0]), "w")
@@ -138,6 +155,7 @@ def test_plugin_from_an_installed_distribution(tmp_path, monkeypatch):
 
 def test_cli_list_prints_the_registry(capsys):
     from grace_dgc.cli import main
+
     main(["list"])
     out = capsys.readouterr().out
     for name in grace_dgc.list_compressors() + grace_dgc.list_memories():
@@ -149,6 +167,8 @@ def test_readme_methods_table_matches_the_registry():
     from pathlib import Path
 
     from grace_dgc.cli import registry_table
+
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert registry_table(markdown=True) in readme, \
+    assert registry_table(markdown=True) in readme, (
         "README methods table is stale: regenerate it with `grace-dgc list --markdown`"
+    )

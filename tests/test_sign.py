@@ -3,6 +3,7 @@
 Every expected value is computed here with numpy (np.packbits for the wire bytes), never by
 calling the code under test.
 """
+
 import math
 import pickle
 
@@ -19,15 +20,16 @@ from grace_dgc.launch import run_local
 from grace_dgc.registry import COMPRESSORS
 
 METHODS = ("signsgd", "signum", "efsignsgd", "onebit")
-EXTRA_BYTES = {"signsgd": 0, "signum": 0, "efsignsgd": 4, "onebit": 8}   # fp32 scale / two means
+EXTRA_BYTES = {"signsgd": 0, "signum": 0, "efsignsgd": 4, "onebit": 8}  # fp32 scale / two means
 PAYLOAD_TENSORS = {"signsgd": 1, "signum": 1, "efsignsgd": 2, "onebit": 2}
-HEADER_BYTES = 8    # allgather/broadcast size header: one int64 per payload tensor
+HEADER_BYTES = 8  # allgather/broadcast size header: one int64 per payload tensor
 
 
 # -- independent numpy references -------------------------------------------------------
 
+
 def ref_signs(x):
-    return np.where(np.asarray(x) >= 0, 1.0, -1.0)      # zero (and -0.0) -> +1
+    return np.where(np.asarray(x) >= 0, 1.0, -1.0)  # zero (and -0.0) -> +1
 
 
 def ref_packed(x):
@@ -48,7 +50,7 @@ def ref_onebit(x):
 
 
 def ref_vote(per_rank_signs):
-    return np.sign(np.sum(per_rank_signs, axis=0))     # tie -> 0
+    return np.sign(np.sum(per_rank_signs, axis=0))  # tie -> 0
 
 
 def compressor(name, **params):
@@ -56,12 +58,15 @@ def compressor(name, **params):
 
 
 def floats(min_size=0):
-    return hnp.arrays(np.float32, st.integers(min_size, 70),
-                      elements=st.one_of(st.just(0.0), st.just(-0.0),
-                                         st.floats(-1e3, 1e3, width=32)))
+    return hnp.arrays(
+        np.float32,
+        st.integers(min_size, 70),
+        elements=st.one_of(st.just(0.0), st.just(-0.0), st.floats(-1e3, 1e3, width=32)),
+    )
 
 
 # -- compress -> decompress against the references --------------------------------------
+
 
 @settings(max_examples=60, deadline=None)
 @given(floats())
@@ -80,8 +85,7 @@ def test_efsignsgd_wire_and_values(x):
     payload, ctx = comp.compress(torch.from_numpy(x), "t")
     np.testing.assert_array_equal(payload[0].numpy(), ref_packed(x))
     assert payload[1].dtype == torch.float32 and payload[1].numel() == 1
-    np.testing.assert_allclose(comp.decompress(payload, ctx).numpy(), ref_scaled_sign(x),
-                               rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(comp.decompress(payload, ctx).numpy(), ref_scaled_sign(x), rtol=1e-5, atol=1e-30)
 
 
 @settings(max_examples=60, deadline=None)
@@ -95,24 +99,22 @@ def test_onebit_wire_and_means(x):
     out = comp.decompress(payload, ctx).numpy()
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-30)
     # each group's mean is its L2-optimal value, so the tensor's sum is kept
-    np.testing.assert_allclose(out.sum(dtype=np.float64), x.sum(dtype=np.float64),
-                               rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(out.sum(dtype=np.float64), x.sum(dtype=np.float64), rtol=1e-4, atol=1e-3)
 
 
 def test_exact_hand_values():
-    x = torch.tensor([[0.5, -1.5], [0.0, 2.0], [-1.0, 3.0]])     # 6 elements, one zero
+    x = torch.tensor([[0.5, -1.5], [0.0, 2.0], [-1.0, 3.0]])  # 6 elements, one zero
     # packed bits, little-endian: +,-,+,+,-,+  -> 0b101101 = 45
     for name in METHODS:
         payload, _ = compressor(name).compress(x, "x")
         assert payload[0].tolist() == [45]
     comp = compressor("efsignsgd")
-    out = comp.decompress(*comp.compress(x, "x"))       # ‖x‖₁/6 = 8/6
-    assert torch.equal(out, torch.tensor([[1., -1.], [1., 1.], [-1., 1.]]) * (8 / 6))
+    out = comp.decompress(*comp.compress(x, "x"))  # ‖x‖₁/6 = 8/6
+    assert torch.equal(out, torch.tensor([[1.0, -1.0], [1.0, 1.0], [-1.0, 1.0]]) * (8 / 6))
     comp = compressor("onebit")
     payload, ctx = comp.compress(x, "x")
-    assert payload[1].tolist() == [-1.25, 1.375]          # mean(-1.5,-1) ; mean(.5,0,2,3)
-    assert torch.equal(comp.decompress(payload, ctx),
-                       torch.tensor([[1.375, -1.25], [1.375, 1.375], [-1.25, 1.375]]))
+    assert payload[1].tolist() == [-1.25, 1.375]  # mean(-1.5,-1) ; mean(.5,0,2,3)
+    assert torch.equal(comp.decompress(payload, ctx), torch.tensor([[1.375, -1.25], [1.375, 1.375], [-1.25, 1.375]]))
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -139,15 +141,19 @@ def test_empty_and_all_zero(name):
 
 # -- aggregation -------------------------------------------------------------------------
 
+
 def test_majority_vote_by_hand():
     comp = compressor("signsgd")
-    ranks = [torch.tensor([1., -1., 0., -2.]), torch.tensor([-1., -1., 3., 5.]),
-             torch.tensor([2., 1., -1., -3.])]
+    ranks = [
+        torch.tensor([1.0, -1.0, 0.0, -2.0]),
+        torch.tensor([-1.0, -1.0, 3.0, 5.0]),
+        torch.tensor([2.0, 1.0, -1.0, -3.0]),
+    ]
     # signs: [+,-,+,-], [-,-,+,+], [+,+,-,-]; sums [1,-1,1,-1]
     signs = [comp.decompress(*comp.compress(r, "v")) for r in ranks]
-    assert torch.equal(comp.aggregate(signs), torch.tensor([1., -1., 1., -1.]))
+    assert torch.equal(comp.aggregate(signs), torch.tensor([1.0, -1.0, 1.0, -1.0]))
     # two ranks: disagreement is a tie -> 0, agreement -> the common sign
-    assert torch.equal(comp.aggregate(signs[:2]), torch.tensor([0., -1., 1., 0.]))
+    assert torch.equal(comp.aggregate(signs[:2]), torch.tensor([0.0, -1.0, 1.0, 0.0]))
     assert comp.average is False
     assert compressor("signum").average is False
     assert compressor("efsignsgd").average is True and compressor("onebit").average is True
@@ -162,27 +168,37 @@ def test_signum_momentum_against_a_loop():
     for g in grads:
         m = beta * m + (1 - beta) * g.astype(np.float64)
         out = grace.step(torch.from_numpy(g), "w").numpy()
-        np.testing.assert_array_equal(out, ref_signs(m))        # one rank: the vote is its sign
+        np.testing.assert_array_equal(out, ref_signs(m))  # one rank: the vote is its sign
         np.testing.assert_allclose(grace.compressor.momentums["w"].numpy(), m, rtol=1e-5, atol=1e-7)
 
 
 # -- efsignsgd memory --------------------------------------------------------------------
 
+
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 40).flatmap(lambda n: st.lists(
-    st.tuples(hnp.arrays(np.float32, n, elements=st.floats(-10, 10, width=32)),
-              st.sampled_from([0.01, 0.1, 0.5, 1.0, 3.0])), min_size=1, max_size=6)))
+@given(
+    st.integers(1, 40).flatmap(
+        lambda n: st.lists(
+            st.tuples(
+                hnp.arrays(np.float32, n, elements=st.floats(-10, 10, width=32)),
+                st.sampled_from([0.01, 0.1, 0.5, 1.0, 3.0]),
+            ),
+            min_size=1,
+            max_size=6,
+        )
+    )
+)
 def test_efsignsgd_memory_error_feedback(steps):
     grace = grace_dgc.build("efsignsgd", "efsignsgd", "allgather", engine="local", lr=steps[0][1])
     sent_sum, grad_sum = 0.0, 0.0
     for g, lr in steps:
-        grace.memory.lr = lr                        # as an LR scheduler hook would
+        grace.memory.lr = lr  # as an LR scheduler hook would
         e = grace.memory.residuals.get("w", torch.zeros(g.size)).numpy().astype(np.float64)
         out = grace.step(torch.from_numpy(g), "w").numpy().astype(np.float64)
         # one step of the paper's loop from the same e: the optimizer's step lr·out is Δ_t
         p = lr * g.astype(np.float64) + e
         delta = ref_scaled_sign(p)
-        clear = np.abs(p) > 1e-6 * np.abs(p).max(initial=0)   # a sign at ~0 is rounding's call
+        clear = np.abs(p) > 1e-6 * np.abs(p).max(initial=0)  # a sign at ~0 is rounding's call
         np.testing.assert_allclose((lr * out)[clear], delta[clear], rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(np.abs(lr * out), np.abs(delta), rtol=1e-4, atol=1e-6)
         sent_sum = sent_sum + lr * out
@@ -192,8 +208,9 @@ def test_efsignsgd_memory_error_feedback(steps):
 
 
 def test_efsignsgd_lr_routing_and_validation():
-    grace = grace_dgc.from_params({"compressor": "efsignsgd", "memory": "efsignsgd",
-                                   "communicator": "allgather", "lr": 0.1, "engine": "local"})
+    grace = grace_dgc.from_params(
+        {"compressor": "efsignsgd", "memory": "efsignsgd", "communicator": "allgather", "lr": 0.1, "engine": "local"}
+    )
     assert grace.memory.lr == 0.1
     with pytest.raises(GraceConfigError, match="lr"):
         grace_dgc.build("efsignsgd", "efsignsgd", "allgather", engine="local", lr=0)
@@ -206,11 +223,11 @@ def test_onebit_with_residual_keeps_all_mass():
     grace = grace_dgc.build("onebit", "residual", "broadcast", engine="local")
     grads = rng.standard_normal((5, 33)).astype(np.float32)
     sent = sum(grace.step(torch.from_numpy(g), "w").numpy().astype(np.float64) for g in grads)
-    np.testing.assert_allclose(sent + grace.memory.residuals["w"].numpy(), grads.sum(0),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sent + grace.memory.residuals["w"].numpy(), grads.sum(0), rtol=1e-5, atol=1e-5)
 
 
 # -- state ---------------------------------------------------------------------------------
+
 
 def _continue(grace, grads):
     return [grace.step(g, "w") for g in grads]
@@ -223,9 +240,9 @@ def test_state_dict_round_trip(name, memory):
     first = grace_dgc.build(name, memory, "allgather", engine="local", **params)
     _continue(first, grads[:3])
     state = pickle.loads(pickle.dumps(first.state_dict()))
-    resumed = grace_dgc.build(name, memory, "allgather", engine="local")   # default params
+    resumed = grace_dgc.build(name, memory, "allgather", engine="local")  # default params
     if memory == "efsignsgd":
-        resumed.load_state_dict(state)              # lr is part of the memory's state
+        resumed.load_state_dict(state)  # lr is part of the memory's state
         assert resumed.memory.lr == 0.3
     else:
         resumed = grace_dgc.build(name, memory, "allgather", engine="local", momentum=0.7)
@@ -236,6 +253,7 @@ def test_state_dict_round_trip(name, memory):
 
 
 # -- bytes on the wire --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("communicator", ["allgather", "broadcast"])
 def test_bytes_sent(communicator):
@@ -255,18 +273,23 @@ def test_allreduce_refused_at_build(name):
 
 # -- 2 and 3 real ranks -------------------------------------------------------------------
 
-CASES = [(name, memory, comm, params)
-         for name, memory, params in [("signsgd", "none", {}), ("signum", "none", {"momentum": 0.6}),
-                                      ("efsignsgd", "efsignsgd", {"lr": 0.2}),
-                                      ("onebit", "residual", {})]
-         for comm in ("allgather", "broadcast")]
-SHAPE, STEPS = (5, 7), 3    # 35 elements: an odd number of bits
+CASES = [
+    (name, memory, comm, params)
+    for name, memory, params in [
+        ("signsgd", "none", {}),
+        ("signum", "none", {"momentum": 0.6}),
+        ("efsignsgd", "efsignsgd", {"lr": 0.2}),
+        ("onebit", "residual", {}),
+    ]
+    for comm in ("allgather", "broadcast")
+]
+SHAPE, STEPS = (5, 7), 3  # 35 elements: an odd number of bits
 
 
 def rank_grad(case, rank, step):
     gen = torch.Generator().manual_seed(1000 * case + 10 * rank + step)
     g = torch.randn(SHAPE, generator=gen)
-    g.view(-1)[::6] = 0.0                          # exact zeros: the zero rule is exercised
+    g.view(-1)[::6] = 0.0  # exact zeros: the zero rule is exercised
     return g
 
 
@@ -293,12 +316,12 @@ def expected_outputs(case, name, params, world):
             elif name == "signum":
                 state[rank] = beta * state[rank] + (1 - beta) * g
                 sent.append(ref_signs(state[rank]))
-            elif name == "efsignsgd":                   # paper units; optimizer units = Δ/lr
+            elif name == "efsignsgd":  # paper units; optimizer units = Δ/lr
                 p = lr * g + state[rank]
                 delta = ref_scaled_sign(p.reshape(-1)).reshape(SHAPE)
                 state[rank] = p - delta
                 sent.append(delta / lr)
-            else:                                       # onebit with residual
+            else:  # onebit with residual
                 p = g + state[rank]
                 q = ref_onebit(p.reshape(-1))[0].reshape(SHAPE)
                 state[rank] = p - q
@@ -321,9 +344,8 @@ def test_ranks_agree_and_match_reference(world):
                 if name in ("signsgd", "signum"):
                     np.testing.assert_array_equal(out.numpy(), exp, err_msg=f"{name} {comm}")
                 else:
-                    np.testing.assert_allclose(out.numpy(), exp, rtol=1e-4, atol=1e-5,
-                                               err_msg=f"{name} {comm}")
+                    np.testing.assert_allclose(out.numpy(), exp, rtol=1e-4, atol=1e-5, err_msg=f"{name} {comm}")
             per_step = math.ceil(n / 8) + EXTRA_BYTES[name] + HEADER_BYTES * PAYLOAD_TENSORS[name]
             assert sent_bytes == STEPS * per_step, (name, comm, rank)
-        if name == "signsgd" and world == 2:    # the tie rule was exercised
+        if name == "signsgd" and world == 2:  # the tie rule was exercised
             assert any((out == 0).any() for out in results[0][i][0])

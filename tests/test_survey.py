@@ -1,6 +1,7 @@
 """The survey: config validation, a tiny end-to-end grid on 2 gloo ranks (every output file
 and field, resumability), determinism of a run, the report on a fixture directory, the
 projection model against hand-computed numbers, and the CLI wiring."""
+
 import argparse
 import csv
 import json
@@ -15,12 +16,22 @@ from grace_dgc.survey import config as cfg
 from grace_dgc.survey.units import human_bytes, parse_latency, parse_rate
 
 TINY = {
-    "name": "tiny", "workload": "digits-mlp", "workers": 2, "epochs": 1,
+    "name": "tiny",
+    "workload": "digits-mlp",
+    "workers": 2,
+    "epochs": 1,
     "workload_options": {"train_samples": 512, "test_samples": 200},
     "methods": [
         {"label": "dense", "compressor": "none"},
-        {"label": "topk 1%", "compressor": "topk", "memory": "residual", "communicator": "allgather",
-         "params": {"compress_ratio": 0.01}, "tune_lr": [0.05, 0.1], "tags": {"kpercent": 1}},
+        {
+            "label": "topk 1%",
+            "compressor": "topk",
+            "memory": "residual",
+            "communicator": "allgather",
+            "params": {"compress_ratio": 0.01},
+            "tune_lr": [0.05, 0.1],
+            "tags": {"kpercent": 1},
+        },
     ],
 }
 # digits-mlp is 64-128-10: tensors of 8192, 128, 1280 and 10 elements
@@ -34,28 +45,31 @@ def topk_bytes(ratio):
 
 
 # -- config ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("change, message", [
-    ({"wrokers": 2}, "unknown key(s) 'wrokers'"),
-    ({"workers": 0}, "workers = 0 must be an int >= 1"),
-    ({"workers": "2"}, "workers = '2' must be a int or list"),
-    ({"workload": "mnist1d-mpl"}, "Did you mean 'mnist1d-mlp'"),
-    ({"epochs": 0}, "epochs=0 is out of range"),
-    ({"seeds": [0, 0]}, "distinct"),
-    ({"seeds": [0, 1], "repeats": 3}, "give one"),
-    ({"device": "tpu"}, "accepted: auto, cpu, cuda"),
-    ({"tune_holdout": 1.5}, "tune_holdout"),
-    ({"networks": [{"bandwidth": "1gbps"}]}, "bytes per second"),
-    ({"networks": [{"bandwith": "1gbit"}]}, "unknown key(s) 'bandwith' in networks[0]"),
-    ({"methods": []}, "no methods"),
-    ({"methods": [{"compressor": "topkk"}]}, "unknown compressor 'topkk'. Did you mean 'topk'"),
-    ({"methods": [{"compressor": "topk", "params": {"ratio": 0.1}}]}, "unknown parameter 'ratio'"),
-    ({"methods": [{"compressor": "topk", "params": {"compress_ratio": 2}}]}, "compress_ratio=2 is out of range"),
-    ({"methods": [{"compressor": "qsgd", "communicator": "allreduce"}]}, "cannot be summed"),
-    ({"methods": [{"compressor": "none"}, {"compressor": "none"}]}, "used twice"),
-    ({"methods": [{"compressor": "none", "lr": 0.1, "tune_lr": [0.1]}]}, "not both"),
-    ({"methods": [{"compressor": "none", "tune_lr": []}]}, "tune_lr"),
-    ({"methods": [{"compressor": "none", "colour": 1}]}, "unknown key(s) 'colour' in methods[0]"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"wrokers": 2}, "unknown key(s) 'wrokers'"),
+        ({"workers": 0}, "workers = 0 must be an int >= 1"),
+        ({"workers": "2"}, "workers = '2' must be a int or list"),
+        ({"workload": "mnist1d-mpl"}, "Did you mean 'mnist1d-mlp'"),
+        ({"epochs": 0}, "epochs=0 is out of range"),
+        ({"seeds": [0, 0]}, "distinct"),
+        ({"seeds": [0, 1], "repeats": 3}, "give one"),
+        ({"device": "tpu"}, "accepted: auto, cpu, cuda"),
+        ({"tune_holdout": 1.5}, "tune_holdout"),
+        ({"networks": [{"bandwidth": "1gbps"}]}, "bytes per second"),
+        ({"networks": [{"bandwith": "1gbit"}]}, "unknown key(s) 'bandwith' in networks[0]"),
+        ({"methods": []}, "no methods"),
+        ({"methods": [{"compressor": "topkk"}]}, "unknown compressor 'topkk'. Did you mean 'topk'"),
+        ({"methods": [{"compressor": "topk", "params": {"ratio": 0.1}}]}, "unknown parameter 'ratio'"),
+        ({"methods": [{"compressor": "topk", "params": {"compress_ratio": 2}}]}, "compress_ratio=2 is out of range"),
+        ({"methods": [{"compressor": "qsgd", "communicator": "allreduce"}]}, "cannot be summed"),
+        ({"methods": [{"compressor": "none"}, {"compressor": "none"}]}, "used twice"),
+        ({"methods": [{"compressor": "none", "lr": 0.1, "tune_lr": [0.1]}]}, "not both"),
+        ({"methods": [{"compressor": "none", "tune_lr": []}]}, "tune_lr"),
+        ({"methods": [{"compressor": "none", "colour": 1}]}, "unknown key(s) 'colour' in methods[0]"),
+    ],
+)
 def test_config_errors_name_the_problem(change, message):
     raw = dict(TINY, **change)
     with pytest.raises(GraceConfigError) as err:
@@ -77,8 +91,13 @@ def test_config_grid_defaults_presets_and_toml(tmp_path):
     other = cfg.SurveyConfig(dict(TINY, epochs=2)).cells()[0]
     assert other["cell_hash"] != cfg.SurveyConfig(TINY).cells()[0]["cell_hash"]
     # presets and the shipped TOML files load and validate
-    assert [m["label"] for m in cfg.load_preset("quick").methods] == \
-        ["dense", "topk 1%", "dgc 0.1%", "qsgd 64", "twobit 0.005"]
+    assert [m["label"] for m in cfg.load_preset("quick").methods] == [
+        "dense",
+        "topk 1%",
+        "dgc 0.1%",
+        "qsgd 64",
+        "twobit 0.005",
+    ]
     kp = cfg.load_preset("seed000-kpercent")
     assert [m["tags"]["kpercent"] for m in kp.methods] == list(cfg.KPERCENTS) and kp.workers == [1, 2]
     assert cfg.load_preset("seed000-kpercent", "/data").workload == "mnist-mlp"
@@ -108,11 +127,39 @@ def test_units():
 
 
 # -- end to end ------------------------------------------------------------------------------
-EPOCH_FIELDS = {"run_id", "attempt", "label", "workers", "seed", "network", "type", "epoch", "lr", "steps",
-                "train_loss", "train_accuracy", "test_loss", "test_accuracy", "epoch_time_s", "elapsed_s",
-                "samples_per_s", "bytes_per_step", "dense_bytes_per_step", "compression_ratio",
-                "exchanges_per_step", "timed_steps", "peak_rss_mb", "peak_gpu_mb", "method_stats",
-                "compute_s", "compress_s", "communicate_s", "decompress_s", "wait_s", "step_s"}
+EPOCH_FIELDS = {
+    "run_id",
+    "attempt",
+    "label",
+    "workers",
+    "seed",
+    "network",
+    "type",
+    "epoch",
+    "lr",
+    "steps",
+    "train_loss",
+    "train_accuracy",
+    "test_loss",
+    "test_accuracy",
+    "epoch_time_s",
+    "elapsed_s",
+    "samples_per_s",
+    "bytes_per_step",
+    "dense_bytes_per_step",
+    "compression_ratio",
+    "exchanges_per_step",
+    "timed_steps",
+    "peak_rss_mb",
+    "peak_gpu_mb",
+    "method_stats",
+    "compute_s",
+    "compress_s",
+    "communicate_s",
+    "decompress_s",
+    "wait_s",
+    "step_s",
+}
 
 
 def test_tiny_survey_end_to_end_and_resume(tmp_path):
@@ -177,6 +224,7 @@ def test_a_run_is_deterministic(tmp_path):
     """One process (local engine): the same cell twice gives the same numbers (seeded init,
     seeded data order); the seeded init is what every method starts from."""
     import torch
+
     conf = cfg.SurveyConfig(dict(TINY, workers=1, workload_options={"train_samples": 256, "test_samples": 100}))
     ctx = runner.Context.detect("cpu")
     assert ctx.engine_kind == "local" and ctx.size == 1
@@ -201,31 +249,78 @@ def assert_png(path):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
     import matplotlib.image
+
     image = matplotlib.image.imread(path)
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
-    assert image.std() > 0.01        # not a blank canvas
+    assert image.std() > 0.01  # not a blank canvas
 
 
 def _fixture_summary(label, seed, acc, loss, ratio, kpercent, workers=2, **extra):
     summary = {
-        "type": "summary", "run_id": f"{label} w{workers} s{seed}", "attempt": f"{label}{workers}{seed}",
-        "cell_hash": "x", "survey": "fixture", "label": label, "compressor": "topk" if ratio < 1 else "none",
-        "memory": "none", "communicator": "allgather" if ratio < 1 else "allreduce",
-        "params": {"compress_ratio": ratio} if ratio < 1 else {}, "tags": {"kpercent": kpercent},
-        "workers": workers, "seed": seed, "network": "local", "workload": "mnist1d-mlp",
-        "workload_description": "fixture", "parameters": 1000, "batch_size": 32, "global_batch": 64,
-        "lr": 0.05, "lr_tuning": None, "momentum": 0.9, "epochs": 3, "steps_per_epoch": 10, "steps": 30,
-        "final_test_accuracy": acc, "final_test_loss": loss, "final_train_accuracy": acc + 0.01,
-        "final_train_loss": loss - 0.01, "best_test_accuracy": acc, "target_accuracy": 0.8,
-        "epochs_to_target": 2 if acc >= 0.8 else None, "time_to_target_s": 4.0 if acc >= 0.8 else None,
-        "train_time_s": 6.0, "samples_per_s": 320.0, "bytes_per_step": 4000 * ratio,
-        "dense_bytes_per_step": 4000.0, "compression_ratio": ratio, "exchanges_per_step": 4,
-        "compute_s": 0.004, "compress_s": 0.001, "communicate_s": 0.002, "decompress_s": 0.0005,
-        "wait_s": 0.003, "step_s": 0.007, "peak_rss_mb": 300.0, "peak_gpu_mb": 0.0, "device": "cpu",
-        "backend": "gloo", "torch": "x", "host": "h"}
+        "type": "summary",
+        "run_id": f"{label} w{workers} s{seed}",
+        "attempt": f"{label}{workers}{seed}",
+        "cell_hash": "x",
+        "survey": "fixture",
+        "label": label,
+        "compressor": "topk" if ratio < 1 else "none",
+        "memory": "none",
+        "communicator": "allgather" if ratio < 1 else "allreduce",
+        "params": {"compress_ratio": ratio} if ratio < 1 else {},
+        "tags": {"kpercent": kpercent},
+        "workers": workers,
+        "seed": seed,
+        "network": "local",
+        "workload": "mnist1d-mlp",
+        "workload_description": "fixture",
+        "parameters": 1000,
+        "batch_size": 32,
+        "global_batch": 64,
+        "lr": 0.05,
+        "lr_tuning": None,
+        "momentum": 0.9,
+        "epochs": 3,
+        "steps_per_epoch": 10,
+        "steps": 30,
+        "final_test_accuracy": acc,
+        "final_test_loss": loss,
+        "final_train_accuracy": acc + 0.01,
+        "final_train_loss": loss - 0.01,
+        "best_test_accuracy": acc,
+        "target_accuracy": 0.8,
+        "epochs_to_target": 2 if acc >= 0.8 else None,
+        "time_to_target_s": 4.0 if acc >= 0.8 else None,
+        "train_time_s": 6.0,
+        "samples_per_s": 320.0,
+        "bytes_per_step": 4000 * ratio,
+        "dense_bytes_per_step": 4000.0,
+        "compression_ratio": ratio,
+        "exchanges_per_step": 4,
+        "compute_s": 0.004,
+        "compress_s": 0.001,
+        "communicate_s": 0.002,
+        "decompress_s": 0.0005,
+        "wait_s": 0.003,
+        "step_s": 0.007,
+        "peak_rss_mb": 300.0,
+        "peak_gpu_mb": 0.0,
+        "device": "cpu",
+        "backend": "gloo",
+        "torch": "x",
+        "host": "h",
+    }
     summary.update(extra)
-    epochs = [{"type": "epoch", "run_id": summary["run_id"], "attempt": summary["attempt"], "epoch": e,
-               "test_accuracy": acc * e / 3, "test_loss": loss * (4 - e)} for e in (1, 2, 3)]
+    epochs = [
+        {
+            "type": "epoch",
+            "run_id": summary["run_id"],
+            "attempt": summary["attempt"],
+            "epoch": e,
+            "test_accuracy": acc * e / 3,
+            "test_loss": loss * (4 - e),
+        }
+        for e in (1, 2, 3)
+    ]
     return epochs + [summary]
 
 
@@ -236,10 +331,20 @@ def write_fixture(directory):
     records += _fixture_summary("1", 0, 0.85, 0.40, 0.02, 1)
     records += _fixture_summary("1", 1, 0.87, 0.38, 0.02, 1)
     records += _fixture_summary("0 (send none)", 0, 0.10, 2.30, 0.004, 0)
-    records.append({"type": "tuning", "tuning_key": "k", "label": "1", "workers": 2, "network": "local",
-                    "candidates": [{"lr": 0.01, "heldout_accuracy": 0.5, "heldout_loss": 1.0},
-                                   {"lr": 0.1, "heldout_accuracy": None, "heldout_loss": None}],
-                    "chosen_lr": 0.01})
+    records.append(
+        {
+            "type": "tuning",
+            "tuning_key": "k",
+            "label": "1",
+            "workers": 2,
+            "network": "local",
+            "candidates": [
+                {"lr": 0.01, "heldout_accuracy": 0.5, "heldout_loss": 1.0},
+                {"lr": 0.1, "heldout_accuracy": None, "heldout_loss": None},
+            ],
+            "chosen_lr": 0.01,
+        }
+    )
     records.append({"type": "error", "run_id": "broken w2 s0", "message": "Traceback...\nValueError: boom"})
     with open(os.path.join(directory, "results.jsonl"), "w") as f:
         for r in records:
@@ -271,7 +376,7 @@ def test_report_on_fixture(tmp_path):
 
 # -- the projection model --------------------------------------------------------------------
 def test_cost_models_against_hand_computed_numbers():
-    alpha, beta = 1e-4, 8 / 1e9            # 0.1 ms, 1 Gbit/s
+    alpha, beta = 1e-4, 8 / 1e9  # 0.1 ms, 1 Gbit/s
     # ring allreduce, N=8, 100 MB: 2·7·α + 2·7/8·1e8·8e-9 = 0.0014 + 1.4
     assert project.ring_allreduce(8, 1e8, alpha, beta) == pytest.approx(1.4014)
     # allgather, N=8, 1 MB: 7·α + 7·1e6·8e-9 = 0.0007 + 0.056
@@ -279,13 +384,31 @@ def test_cost_models_against_hand_computed_numbers():
     # broadcast in turn, N=8, 1 MB: 8·(3·α + 1e6·8e-9) = 0.0024 + 0.064
     assert project.broadcast_each(8, 1e6, alpha, beta) == pytest.approx(0.0664)
     assert project.ring_allreduce(1, 1e8, alpha, beta) == 0.0
-    assert project.broadcast_each(5, 0, alpha, 0) == pytest.approx(5 * 3 * alpha)   # ⌈log2 5⌉ = 3
+    assert project.broadcast_each(5, 0, alpha, 0) == pytest.approx(5 * 3 * alpha)  # ⌈log2 5⌉ = 3
 
-    dense = {"label": "dense", "compressor": "none", "communicator": "allreduce", "workers": 2, "rounds": 1,
-             "compute_s": 0.1, "compress_s": 0.0, "decompress_s": 0.0, "bytes_per_step": 1e8,
-             "dense_bytes_per_step": 1e8, "exchanges_per_step": 1, "batch_size": 32}
-    sparse = dict(dense, label="dgc", compressor="dgc", communicator="allgather", compress_s=0.01,
-                  decompress_s=0.002, bytes_per_step=1e6)
+    dense = {
+        "label": "dense",
+        "compressor": "none",
+        "communicator": "allreduce",
+        "workers": 2,
+        "rounds": 1,
+        "compute_s": 0.1,
+        "compress_s": 0.0,
+        "decompress_s": 0.0,
+        "bytes_per_step": 1e8,
+        "dense_bytes_per_step": 1e8,
+        "exchanges_per_step": 1,
+        "batch_size": 32,
+    }
+    sparse = dict(
+        dense,
+        label="dgc",
+        compressor="dgc",
+        communicator="allgather",
+        compress_s=0.01,
+        decompress_s=0.002,
+        bytes_per_step=1e6,
+    )
     rows = project.project([dense, sparse], [8], [1e9], latency_ms=0.1)
     by = {r["label"]: r for r in rows}
     # dense: 0.1 + 1.4014
@@ -301,8 +424,7 @@ def test_cost_models_against_hand_computed_numbers():
 
 def test_project_command_on_fixture(tmp_path, capsys):
     write_fixture(tmp_path)
-    assert cli.project_main([str(tmp_path), "--nodes", "2,8", "--bandwidth", "1gbit,10gbit",
-                             "--latency", "0.05"]) == 0
+    assert cli.project_main([str(tmp_path), "--nodes", "2,8", "--bandwidth", "1gbit,10gbit", "--latency", "0.05"]) == 0
     printed = capsys.readouterr().out
     assert "| 100 (send all) | 8 | 1gbit | 0.05 ms |" in printed
     with open(tmp_path / "projection.csv") as f:
@@ -318,8 +440,7 @@ def test_project_command_on_fixture(tmp_path, capsys):
 def test_cli_wiring(tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="grace-dgc")
     cli.add_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["survey", "--preset", "quick", "--out", "x", "--workers", "1,2",
-                              "--bandwidth", "1gbit"])
+    args = parser.parse_args(["survey", "--preset", "quick", "--out", "x", "--workers", "1,2", "--bandwidth", "1gbit"])
     assert args.func is cli.run_survey and args.workers == "1,2" and args.bandwidth == "1gbit"
     assert parser.parse_args(["report", "d"]).dir == "d"
     assert parser.parse_args(["project", "d", "--nodes", "4"]).nodes == "4"

@@ -29,7 +29,7 @@ def test_decode_uses_the_template_trailing_shape_with_other_lengths():
 @given(st.integers(1, 8), st.integers(0, 100), st.integers(0, 2**32 - 1))
 def test_pack_bits_round_trip_and_size(bits, n, seed):
     rng = np.random.default_rng(seed)
-    codes = torch.from_numpy(rng.integers(0, 2 ** bits, n).astype(np.uint8))
+    codes = torch.from_numpy(rng.integers(0, 2**bits, n).astype(np.uint8))
     packed = wire.pack_bits(codes, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == wire.packed_nbytes(n, bits) == -(-n * bits // 8)
     assert torch.equal(wire.unpack_bits(packed, bits, n), codes)

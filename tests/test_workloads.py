@@ -1,5 +1,6 @@
 """Survey workloads: loaders on small files written in the real formats, model shapes and
 sizes, offline generators, determinism and configuration errors."""
+
 import gzip
 import pickle
 import random
@@ -14,14 +15,23 @@ from grace_dgc.errors import GraceConfigError
 from grace_dgc.survey import datasets, models
 from grace_dgc.survey.workloads import MissingDataError, get_workload, list_workloads, parameter_count
 
-ALL = {"mnist1d-mlp", "mnist1d-cnn", "digits-mlp", "mnist-mlp", "mnist-lenet5", "cifar10-resnet20",
-       "ptb-lstm", "fc-heavy"}
+ALL = {
+    "mnist1d-mlp",
+    "mnist1d-cnn",
+    "digits-mlp",
+    "mnist-mlp",
+    "mnist-lenet5",
+    "cifar10-resnet20",
+    "ptb-lstm",
+    "fc-heavy",
+}
 
 
 @pytest.fixture
 def no_network(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a workload tried to open a network connection")
+
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
 
@@ -40,10 +50,12 @@ def write_idx(path, array, type_code=0x08):
 def write_mnist(folder, gz=False, n_train=20, n_test=10, seed=0):
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
-    arrays = {"train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
-              "train-labels-idx1-ubyte": rng.integers(0, 10, n_train, dtype=np.uint8),
-              "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
-              "t10k-labels-idx1-ubyte": rng.integers(0, 10, n_test, dtype=np.uint8)}
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+        "train-labels-idx1-ubyte": rng.integers(0, 10, n_train, dtype=np.uint8),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+        "t10k-labels-idx1-ubyte": rng.integers(0, 10, n_test, dtype=np.uint8),
+    }
     for name, array in arrays.items():
         write_idx(folder / (name + (".gz" if gz else "")), array)
     return arrays
@@ -55,18 +67,23 @@ def write_cifar(folder, per_batch=4, n_test=3, seed=0):
     folder.mkdir(parents=True)
     batches = {}
     for name, n in [(f"data_batch_{i}", per_batch) for i in range(1, 6)] + [("test_batch", n_test)]:
-        batch = {b"batch_label": name.encode(), b"labels": rng.integers(0, 10, n).tolist(),
-                 b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                 b"filenames": [b"x.png"] * n}
+        batch = {
+            b"batch_label": name.encode(),
+            b"labels": rng.integers(0, 10, n).tolist(),
+            b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            b"filenames": [b"x.png"] * n,
+        }
         with open(folder / name, "wb") as handle:
             pickle.dump(batch, handle, protocol=2)
         batches[name] = batch
     return batches
 
 
-PTB_TEXT = {"ptb.train.txt": " the cat sat on the mat \n the dog sat \n a cat ran on the mat \n",
-            "ptb.valid.txt": " the dog ran \n the bird sat \n",
-            "ptb.test.txt": " a dog sat on the mat \n the emu ran \n"}
+PTB_TEXT = {
+    "ptb.train.txt": " the cat sat on the mat \n the dog sat \n a cat ran on the mat \n",
+    "ptb.valid.txt": " the dog ran \n the bird sat \n",
+    "ptb.test.txt": " a dog sat on the mat \n the emu ran \n",
+}
 
 
 def write_ptb(folder):
@@ -95,7 +112,7 @@ def test_mnist_idx_loader(tmp_path, gz):
 def test_mnist_torchvision_layout_and_idx_types(tmp_path):
     write_mnist(tmp_path / "MNIST" / "raw", n_train=5, n_test=5)
     assert get_workload("mnist-mlp", data_dir=str(tmp_path)).train[0].shape[0] == 5
-    values = np.arange(-12, 12, dtype=np.int32).reshape(2, 3, 4) * 70000   # needs 4 bytes, signed
+    values = np.arange(-12, 12, dtype=np.int32).reshape(2, 3, 4) * 70000  # needs 4 bytes, signed
     write_idx(tmp_path / "ints.idx", values, type_code=0x0C)
     np.testing.assert_array_equal(datasets.read_idx(str(tmp_path / "ints.idx")), values)
     floats = np.linspace(-1, 1, 6, dtype=np.float32)
@@ -149,13 +166,13 @@ def test_cifar_pickle_loader(tmp_path):
 def test_cifar_augment_matches_per_image_reference():
     images = torch.randn(16, 3, 32, 32)
     out = datasets.cifar_augment(images, torch.Generator().manual_seed(3))
-    gen = torch.Generator().manual_seed(3)       # same draws, same order: rows, cols, flips
+    gen = torch.Generator().manual_seed(3)  # same draws, same order: rows, cols, flips
     rows, cols = torch.randint(0, 9, (16,), generator=gen), torch.randint(0, 9, (16,), generator=gen)
     flips = torch.rand(16, generator=gen) < 0.5
     black = [-m / s for m, s in zip(datasets.CIFAR_MEAN, datasets.CIFAR_STD)]
     for b in range(16):
         padded = torch.stack([F.pad(images[b, c], (4, 4, 4, 4), value=black[c]) for c in range(3)])
-        crop = padded[:, rows[b]:rows[b] + 32, cols[b]:cols[b] + 32]
+        crop = padded[:, rows[b] : rows[b] + 32, cols[b] : cols[b] + 32]
         torch.testing.assert_close(out[b], crop.flip(-1) if flips[b] else crop, rtol=0, atol=1e-6)
     assert 0 < flips.sum() < 16
     again = datasets.cifar_augment(images, torch.Generator().manual_seed(3))
@@ -168,16 +185,16 @@ def test_ptb_text_loader_and_lstm(tmp_path):
     workload = get_workload("ptb-lstm", data_dir=str(tmp_path), bptt=4)
     vocab = workload.info["vocabulary"]
     train_words = PTB_TEXT["ptb.train.txt"].replace("\n", " <eos> ").split()
-    assert vocab[:len(dict.fromkeys(train_words))] == list(dict.fromkeys(train_words))
+    assert vocab[: len(dict.fromkeys(train_words))] == list(dict.fromkeys(train_words))
     assert "<unk>" in vocab and "emu" not in vocab and "bird" not in vocab
     ids = [vocab.index(w) for w in train_words]
     x, y = workload.train
     count = (len(ids) - 1) // 4
     assert x.shape == y.shape == (count, 4) and x.dtype == torch.int64
-    assert x.flatten().tolist() == ids[:count * 4] and y.flatten().tolist() == ids[1:count * 4 + 1]
+    assert x.flatten().tolist() == ids[: count * 4] and y.flatten().tolist() == ids[1 : count * 4 + 1]
     test_words = PTB_TEXT["ptb.test.txt"].replace("\n", " <eos> ").split()
     expected_test = [vocab.index(w) if w in vocab else vocab.index("<unk>") for w in test_words]
-    assert workload.test[0].flatten().tolist() == expected_test[:workload.test[0].numel()]
+    assert workload.test[0].flatten().tolist() == expected_test[: workload.test[0].numel()]
     assert workload.valid[0].shape[1] == 4
     assert workload.loss == "lm" and workload.grad_clip == 5.0
     torch.manual_seed(0)
@@ -203,15 +220,16 @@ def resnet_cifar_parameters(n, widths=(16, 32, 64), classes=10):
 def test_resnet20_is_the_paper_network():
     model = models.resnet20()
     assert parameter_count(model) == resnet_cifar_parameters(3) == 269_722
-    assert parameter_count(models.ResNetCifar(5)) == resnet_cifar_parameters(5)     # ResNet-32
-    assert sum(isinstance(m, torch.nn.Conv2d) for m in model.modules()) == 19        # + fc = 20 layers
+    assert parameter_count(models.ResNetCifar(5)) == resnet_cifar_parameters(5)  # ResNet-32
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in model.modules()) == 19  # + fc = 20 layers
     model.eval()
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
 def test_lenet5_and_mlp_sizes():
-    assert parameter_count(models.LeNet5()) == (6 * 25 + 6) + (16 * 6 * 25 + 16) + (400 * 120 + 120) \
-        + (120 * 84 + 84) + (84 * 10 + 10)
+    assert parameter_count(models.LeNet5()) == (6 * 25 + 6) + (16 * 6 * 25 + 16) + (400 * 120 + 120) + (
+        120 * 84 + 84
+    ) + (84 * 10 + 10)
     assert models.LeNet5()(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     sizes = [784, 256, 128, 10]
     assert parameter_count(models.mlp(sizes)) == models.mlp_parameter_count(sizes) == 235_146
@@ -226,7 +244,7 @@ def test_fc_heavy_has_25m_parameters_and_a_learnable_task():
     assert workload.train[0].shape == (512, 1024) and workload.test[0].shape == (128, 1024)
     assert set(workload.train[1].tolist()) == set(range(10))
     torch.manual_seed(0)
-    model = workload.make_model()                 # the one build of the 25M model in this file
+    model = workload.make_model()  # the one build of the 25M model in this file
     assert parameter_count(model) == expected
     assert model(workload.test[0][:2]).shape == (2, 10)
     same = get_workload("fc-heavy", train_samples=512, test_samples=128)
@@ -235,10 +253,10 @@ def test_fc_heavy_has_25m_parameters_and_a_learnable_task():
 
 def test_fc_heavy_task_is_learnable_by_a_linear_probe():
     x, y, x_test, y_test = datasets.teacher_task(2048, 512, seed=1)
-    one_hot = F.one_hot(y, 10).float()          # ridge regression onto the labels, closed form
+    one_hot = F.one_hot(y, 10).float()  # ridge regression onto the labels, closed form
     weight = torch.linalg.solve(x.T @ x + 3000 * torch.eye(1024), x.T @ one_hot)
     accuracy = ((x_test @ weight).argmax(1) == y_test).float().mean().item()
-    assert accuracy > 0.6          # chance is ~0.1; the labels are a function of the inputs
+    assert accuracy > 0.6  # chance is ~0.1; the labels are a function of the inputs
     shuffled = y[torch.randperm(len(y), generator=torch.Generator().manual_seed(0))]
     weight = torch.linalg.solve(x.T @ x + 3000 * torch.eye(1024), x.T @ F.one_hot(shuffled, 10).float())
     assert ((x_test @ weight).argmax(1) == y_test).float().mean().item() < 0.35
@@ -277,6 +295,7 @@ def test_mnist1d_is_seeded_and_leaves_global_rngs_alone(tmp_path, no_network):
 
 def test_digits_offline(no_network):
     from sklearn.datasets import load_digits
+
     workload = get_workload("digits-mlp", seed=0)
     x, y = workload.train
     assert x.shape == (1438, 64) and workload.test[0].shape == (359, 64)
@@ -312,8 +331,7 @@ def test_names_overrides_and_errors():
         get_workload("digits-mlp", batch_size=0)
     with pytest.raises(GraceConfigError, match="train_samples=5000 is out of range"):
         get_workload("digits-mlp", train_samples=5000)
-    workload = get_workload("digits-mlp", lr=0.2, epochs=3, train_samples=100, test_samples=50,
-                            lr_milestones=[2])
+    workload = get_workload("digits-mlp", lr=0.2, epochs=3, train_samples=100, test_samples=50, lr_milestones=[2])
     assert (workload.lr, workload.epochs, workload.lr_milestones) == (0.2, 3, (2,))
     assert len(workload.train[0]) == len(workload.train[1]) == 100 and len(workload.test[0]) == 50
     assert workload.info["train_size"] == 100 and workload.parameters == 64 * 128 + 128 + 128 * 10 + 10

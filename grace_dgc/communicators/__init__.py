@@ -1,4 +1,5 @@
 """Built-in communicators, one module per method; importing this package registers them all."""
+
 import importlib
 import pkgutil
 

@@ -1,5 +1,5 @@
 from .. import wire
-from ..interfaces import Communicator
+from ..interfaces import Communicator, Payload
 from ..registry import register_communicator
 
 
@@ -11,7 +11,7 @@ class Allgather(Communicator):
     2. allgather the flat byte buffers, padded to the longest (skipped if all are empty).
     """
 
-    def exchange(self, payload, name):
+    def exchange(self, payload: Payload, name: str) -> list[Payload]:
         buffer, header = wire.encode(payload)
         headers = self.engine.allgather(header)
         sizes = [int(h.sum()) for h in headers]

@@ -1,6 +1,6 @@
 import torch
 
-from ..interfaces import Communicator
+from ..interfaces import Communicator, Payload
 from ..registry import register_communicator
 from ..workspace import flat_span
 
@@ -16,24 +16,25 @@ class Allreduce(Communicator):
     Grace does when nothing reads it afterwards): then a tensor, or tensors lying back to back
     in one storage (a fusion bucket's flat gradient buffer), are summed where they are.
     """
+
     reduces = True
     needs_summable = True
     reduces_in_place = True
-    _consume = False    # set by exchange_many for its exchange: GRACE's exchange(payload, name) stays
+    _consume = False  # set by exchange_many for its exchange: GRACE's exchange(payload, name) stays
 
-    def exchange(self, payload, name):
-        summed = [None] * len(payload)
+    def exchange(self, payload: Payload, name: str) -> list[Payload]:
+        summed: list = [None] * len(payload)
         for dtype in dict.fromkeys(t.dtype for t in payload):
             members = [i for i, t in enumerate(payload) if t.dtype == dtype]
             span = flat_span([payload[i] for i in members]) if self._consume else None
-            if span is None:        # a copy: the inputs stay intact
+            if span is None:  # a copy: the inputs stay intact
                 span = torch.cat([payload[i].reshape(-1) for i in members])
             span = self.engine.allreduce(span)
             for i, part in zip(members, span.split([payload[i].numel() for i in members])):
                 summed[i] = part.view(payload[i].shape)
         return [summed]
 
-    def exchange_many(self, payloads, names, consume=False):
+    def exchange_many(self, payloads: list[Payload], names: list[str], consume: bool = False) -> list[list[Payload]]:
         self._consume = consume
         try:
             return super().exchange_many(payloads, names)

@@ -1,5 +1,5 @@
 from .. import wire
-from ..interfaces import Communicator
+from ..interfaces import Communicator, Payload
 from ..registry import register_communicator
 
 
@@ -12,7 +12,7 @@ class Broadcast(Communicator):
        (a rank with an empty payload is skipped by everyone, so nobody waits).
     """
 
-    def exchange(self, payload, name):
+    def exchange(self, payload: Payload, name: str) -> list[Payload]:
         buffer, header = wire.encode(payload)
         headers = self.engine.allgather(header)
         gathered = []

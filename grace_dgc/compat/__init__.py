@@ -39,6 +39,7 @@ Where GRACE contradicts the paper, grace_dgc follows the paper:
 * Sign methods: an exact zero is sent as +1 and a majority tie gives 0 (GRACE: +1); see the
   README's method notes.
 """
+
 import logging
 import warnings
 import weakref
@@ -55,22 +56,40 @@ log = logging.getLogger("grace_dgc")
 GRACE_CLIP_NORM = 5.0
 
 #: GRACE's helper defaults, by grace_dgc's canonical names
-GRACE_DEFAULTS = {
-    "compressor": {"topk": {"compress_ratio": 0.3}, "randomk": {"compress_ratio": 0.3},
-                   "dgc": {"compress_ratio": 0.3}, "qsgd": {"quantum_num": 127, "bucket_size": 128},
-                   "threshold": {"threshold": 0.01}, "signum": {"momentum": 0.9},
-                   "powersgd": {"compress_rank": 1}},
+GRACE_DEFAULTS: dict[str, dict[str, dict[str, object]]] = {
+    "compressor": {
+        "topk": {"compress_ratio": 0.3},
+        "randomk": {"compress_ratio": 0.3},
+        "dgc": {"compress_ratio": 0.3},
+        "qsgd": {"quantum_num": 127, "bucket_size": 128},
+        "threshold": {"threshold": 0.01},
+        "signum": {"momentum": 0.9},
+        "powersgd": {"compress_rank": 1},
+    },
     "memory": {"momentum": {"momentum": 0.9}, "efsignsgd": {"lr": 0.1}},
 }
 #: every key GRACE's grace_from_params reads
-GRACE_KEYS = {"compressor", "memory", "communicator", "world_size", "compress_ratio", "lr", "quantum_num",
-              "bucket_size", "momentum", "threshold", "kernel", "gradient_clipping", "compress_rank"}
+GRACE_KEYS = {
+    "compressor",
+    "memory",
+    "communicator",
+    "world_size",
+    "compress_ratio",
+    "lr",
+    "quantum_num",
+    "bucket_size",
+    "momentum",
+    "threshold",
+    "kernel",
+    "gradient_clipping",
+    "compress_rank",
+}
 #: GRACE's top-k kernels; all give the exact top-k here
 GRACE_KERNELS = ("torch", "cupy", "rdxtopk")
 #: build() keywords a dict may also carry
 NATIVE_KEYS = ("engine", "process_group", "timeout", "nonfinite")
 
-_made_with = weakref.WeakKeyDictionary()     # part -> the parameters its constructor was given
+_made_with: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # part -> the parameters its constructor was given
 
 
 def grace_from_params(params, engine="auto"):
@@ -88,15 +107,24 @@ def grace_from_params(params, engine="auto"):
     _check_kernel(params.pop("kernel", "torch"))
     if "gradient_clipping" in params:
         params["gradient_clipping"] = _clipping(params["gradient_clipping"])
-    settings = {**GRACE_DEFAULTS["compressor"].get(compressor, {}), **GRACE_DEFAULTS["memory"].get(memory, {}),
-                **params}
-    accepted = {*COMPRESSORS.accepted_params(compressor), *MEMORIES.accepted_params(memory),
-                *COMMUNICATORS.accepted_params(communicator)}
+    settings = {
+        **GRACE_DEFAULTS["compressor"].get(compressor, {}),
+        **GRACE_DEFAULTS["memory"].get(memory, {}),
+        **params,
+    }
+    accepted = {
+        *COMPRESSORS.accepted_params(compressor),
+        *MEMORIES.accepted_params(memory),
+        *COMMUNICATORS.accepted_params(communicator),
+    }
     for key in sorted(set(settings) - accepted):
-        if key in GRACE_KEYS:       # GRACE reads a key only for the methods that use it
+        if key in GRACE_KEYS:  # GRACE reads a key only for the methods that use it
             if key in params:
-                warnings.warn(f"grace_dgc.compat: {key}={params[key]!r} is not used by compressor "
-                              f"{compressor!r} / memory {memory!r}; ignored (as GRACE does)", stacklevel=2)
+                warnings.warn(
+                    f"grace_dgc.compat: {key}={params[key]!r} is not used by compressor "
+                    f"{compressor!r} / memory {memory!r}; ignored (as GRACE does)",
+                    stacklevel=2,
+                )
             del settings[key]
     return build(compressor, memory, communicator, world_size=world_size, **native, **settings)
 
@@ -114,8 +142,9 @@ def _carrier(name, compressor):
 
 def _check_kernel(kernel):
     if kernel not in GRACE_KERNELS:
-        raise GraceConfigError(f"kernel={kernel!r}; accepted: {', '.join(GRACE_KERNELS)} (all compute the exact "
-                               f"top-k in grace_dgc)")
+        raise GraceConfigError(
+            f"kernel={kernel!r}; accepted: {', '.join(GRACE_KERNELS)} (all compute the exact top-k in grace_dgc)"
+        )
 
 
 def _clipping(value):
@@ -133,135 +162,165 @@ def _part(registry, name, **params):
     return part
 
 
-def NoneCompressor():  # noqa: N802  (GRACE's names are the API here)
+def NoneCompressor():
     return _part(COMPRESSORS, "none")
 
 
-def FP16Compressor():  # noqa: N802
+def FP16Compressor():
     return _part(COMPRESSORS, "fp16")
 
 
-def TopKCompressor(compress_ratio=0.3, kernel="torch"):  # noqa: N802
+def TopKCompressor(compress_ratio=0.3, kernel="torch"):
     _check_kernel(kernel)
     return _part(COMPRESSORS, "topk", compress_ratio=compress_ratio)
 
 
-def RandomKCompressor(compress_ratio=0.3):  # noqa: N802
+def RandomKCompressor(compress_ratio=0.3):
     return _part(COMPRESSORS, "randomk", compress_ratio=compress_ratio)
 
 
-def DgcCompressor(compress_ratio=0.3):  # noqa: N802
+def DgcCompressor(compress_ratio=0.3):
     return _part(COMPRESSORS, "dgc", compress_ratio=compress_ratio)
 
 
-def ThresholdCompressor(threshold=0.01):  # noqa: N802
+def ThresholdCompressor(threshold=0.01):
     return _part(COMPRESSORS, "threshold", threshold=threshold)
 
 
-def QSGDCompressor(quantum_num=127, bucket_size=128):  # noqa: N802
+def QSGDCompressor(quantum_num=127, bucket_size=128):
     return _part(COMPRESSORS, "qsgd", quantum_num=quantum_num, bucket_size=bucket_size)
 
 
-def TernGradCompressor():  # noqa: N802
+def TernGradCompressor():
     return _part(COMPRESSORS, "terngrad")
 
 
-def NaturalCompressor():  # noqa: N802
+def NaturalCompressor():
     return _part(COMPRESSORS, "natural")
 
 
-QSGDCompressor_CUDA = QSGDCompressor        # GRACE's CUDA kernels: the same methods here
+QSGDCompressor_CUDA = QSGDCompressor  # GRACE's CUDA kernels: the same methods here
 NaturalCompressor_CUDA = NaturalCompressor
 
 
-def OneBitCompressor():  # noqa: N802
+def OneBitCompressor():
     return _part(COMPRESSORS, "onebit")
 
 
-def SignSGDCompressor():  # noqa: N802
+def SignSGDCompressor():
     return _part(COMPRESSORS, "signsgd")
 
 
-def SignumCompressor(momentum=0.9):  # noqa: N802
+def SignumCompressor(momentum=0.9):
     return _part(COMPRESSORS, "signum", momentum=momentum)
 
 
-def EFSignSGDCompressor(lr=0.1):  # noqa: N802
+def EFSignSGDCompressor(lr=0.1):
     """GRACE divides the aggregate by ``lr`` here and multiplies by it in the memory; in
     grace_dgc the memory carries ``lr`` alone (give the same lr to EFSignSGDMemory)."""
     check_range("lr", lr, 0, low_open=True)
     return _part(COMPRESSORS, "efsignsgd")
 
 
-def PowerSGDCompressor(compress_rank=1):  # noqa: N802
+def PowerSGDCompressor(compress_rank=1):
     part = _part(COMPRESSORS, "powersgd", compress_rank=compress_rank)
-    part.q_memory = part        # GRACE hands compressor.q_memory to PowerSGDMemory: Q lives here
+    part.q_memory = part  # GRACE hands compressor.q_memory to PowerSGDMemory: Q lives here
     return part
 
 
-def NoneMemory():  # noqa: N802
+def NoneMemory():
     return _part(MEMORIES, "none")
 
 
-def ResidualMemory(beta=1.0, gamma=1.0):  # noqa: N802
+def ResidualMemory(beta=1.0, gamma=1.0):
     return _part(MEMORIES, "residual", beta=beta, gamma=gamma)
 
 
-def DgcMemory(momentum=0.9, gradient_clipping=False, world_size=None):  # noqa: N802
+def DgcMemory(momentum=0.9, gradient_clipping=False, world_size=None):
     """GRACE's DGC memory: grace_dgc's ``momentum`` memory (``world_size`` comes from the
     engine; ``gradient_clipping`` as in the module docstring)."""
     return _part(MEMORIES, "momentum", momentum=momentum, gradient_clipping=_clipping(gradient_clipping))
 
 
-def PowerSGDMemory(q_memory=None, compress_rank=1):  # noqa: N802
+def PowerSGDMemory(q_memory=None, compress_rank=1):
     """``q_memory`` is GRACE's shared Q store: the PowerSGDCompressor that owns Q here; its
     rank is set to ``compress_rank`` as GRACE's memory decides the rank."""
     rank = check_range("compress_rank", compress_rank, 1, kind=int)
     if q_memory is not None:
         if getattr(q_memory, "registered_name", None) != "powersgd":
-            raise GraceConfigError("PowerSGDMemory(q_memory, …) needs the PowerSGDCompressor()'s q_memory, got "
-                                   f"{type(q_memory).__name__}")
+            raise GraceConfigError(
+                f"PowerSGDMemory(q_memory, …) needs the PowerSGDCompressor()'s q_memory, got {type(q_memory).__name__}"
+            )
         q_memory.compress_rank = rank
         _made_with[q_memory] = {"compress_rank": rank}
     return _part(MEMORIES, "powersgd")
 
 
-def EFSignSGDMemory(lr=0.1):  # noqa: N802
+def EFSignSGDMemory(lr=0.1):
     return _part(MEMORIES, "efsignsgd", lr=lr)
 
 
 def _compose(communicator, compressor, memory, world_size):
     for what, part, base in (("compressor", compressor, Compressor), ("memory", memory, Memory)):
         if not isinstance(part, base):
-            raise GraceConfigError(f"the {what} must be a grace_dgc {base.__name__} (e.g. from grace_dgc.compat), "
-                                   f"got {type(part).__name__}")
+            raise GraceConfigError(
+                f"the {what} must be a grace_dgc {base.__name__} (e.g. from grace_dgc.compat), "
+                f"got {type(part).__name__}"
+            )
     name = _carrier(communicator, compressor.registered_name)
     engine = create_engine("auto")
     grace = Grace(compressor, memory, COMMUNICATORS.get(name)(engine), engine, world_size=world_size)
-    grace.params = {"compressor": dict(_made_with.get(compressor, {})), "memory": dict(_made_with.get(memory, {})),
-                    "communicator": {}}
+    grace.params = {
+        "compressor": dict(_made_with.get(compressor, {})),
+        "memory": dict(_made_with.get(memory, {})),
+        "communicator": {},
+    }
     return grace
 
 
-def Allreduce(compressor, memory, world_size=None):  # noqa: N802  (GRACE's torch version has no world_size)
+def Allreduce(compressor, memory, world_size=None):
     return _compose("allreduce", compressor, memory, world_size)
 
 
-def Allgather(compressor, memory, world_size=None):  # noqa: N802
+def Allgather(compressor, memory, world_size=None):
     return _compose("allgather", compressor, memory, world_size)
 
 
-def Broadcast(compressor, memory, world_size=None):  # noqa: N802
+def Broadcast(compressor, memory, world_size=None):
     return _compose("broadcast", compressor, memory, world_size)
 
 
-def AllToAll(compressor, memory, world_size=None):  # noqa: N802
+def AllToAll(compressor, memory, world_size=None):
     return _compose("alltoall", compressor, memory, world_size)
 
 
-__all__ = ["grace_from_params", "GRACE_CLIP_NORM", "GRACE_DEFAULTS", "Allreduce", "Allgather", "Broadcast",
-           "AllToAll", "NoneCompressor", "FP16Compressor", "TopKCompressor", "RandomKCompressor", "DgcCompressor",
-           "ThresholdCompressor", "QSGDCompressor", "QSGDCompressor_CUDA", "TernGradCompressor",
-           "NaturalCompressor", "NaturalCompressor_CUDA", "OneBitCompressor", "SignSGDCompressor",
-           "SignumCompressor", "EFSignSGDCompressor", "PowerSGDCompressor", "NoneMemory", "ResidualMemory",
-           "DgcMemory", "PowerSGDMemory", "EFSignSGDMemory"]
+__all__ = [
+    "grace_from_params",
+    "GRACE_CLIP_NORM",
+    "GRACE_DEFAULTS",
+    "Allreduce",
+    "Allgather",
+    "Broadcast",
+    "AllToAll",
+    "NoneCompressor",
+    "FP16Compressor",
+    "TopKCompressor",
+    "RandomKCompressor",
+    "DgcCompressor",
+    "ThresholdCompressor",
+    "QSGDCompressor",
+    "QSGDCompressor_CUDA",
+    "TernGradCompressor",
+    "NaturalCompressor",
+    "NaturalCompressor_CUDA",
+    "OneBitCompressor",
+    "SignSGDCompressor",
+    "SignumCompressor",
+    "EFSignSGDCompressor",
+    "PowerSGDCompressor",
+    "NoneMemory",
+    "ResidualMemory",
+    "DgcMemory",
+    "PowerSGDMemory",
+    "EFSignSGDMemory",
+]

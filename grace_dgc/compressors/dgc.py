@@ -44,9 +44,21 @@ class DGCCompressor(SparseCompressor):
     every rank agrees).
     """
 
-    def __init__(self, compress_ratio=0.001, sample_ratio=0.01, min_compress_size=1024, dense_1d=True,
-                 fp16_values=False, warmup_epochs=0, warmup_steps=0, warmup_coeff=None,
-                 warmup_ratios=None, max_adaptation_iters=10, threshold_decay=0.8, seed=0):
+    def __init__(
+        self,
+        compress_ratio=0.001,
+        sample_ratio=0.01,
+        min_compress_size=1024,
+        dense_1d=True,
+        fp16_values=False,
+        warmup_epochs=0,
+        warmup_steps=0,
+        warmup_coeff=None,
+        warmup_ratios=None,
+        max_adaptation_iters=10,
+        threshold_decay=0.8,
+        seed=0,
+    ):
         self.compress_ratio = check_range("compress_ratio", compress_ratio, 0, 1, low_open=True)
         self.sample_ratio = check_range("sample_ratio", sample_ratio, 0, 1, low_open=True)
         self.min_compress_size = check_range("min_compress_size", min_compress_size, 0, kind=int)
@@ -59,23 +71,28 @@ class DGCCompressor(SparseCompressor):
         self.warmup_ratios = None
         if warmup_ratios is not None:
             if warmup_coeff is not None or isinstance(warmup_ratios, str) or not len(warmup_ratios):
-                raise GraceConfigError("warmup_ratios must be a non-empty list of ratios in (0, 1] "
-                                       "(and excludes warmup_coeff)")
+                raise GraceConfigError(
+                    "warmup_ratios must be a non-empty list of ratios in (0, 1] (and excludes warmup_coeff)"
+                )
             self.warmup_ratios = [check_range("warmup_ratios[]", r, 0, 1, low_open=True) for r in warmup_ratios]
             if not self.warmup_steps:
                 if self.warmup_epochs not in (0, len(self.warmup_ratios)):
-                    raise GraceConfigError(f"warmup_ratios has {len(self.warmup_ratios)} entries but "
-                                           f"warmup_epochs={self.warmup_epochs}; accepted: equal lengths")
+                    raise GraceConfigError(
+                        f"warmup_ratios has {len(self.warmup_ratios)} entries but "
+                        f"warmup_epochs={self.warmup_epochs}; accepted: equal lengths"
+                    )
                 self.warmup_epochs = len(self.warmup_ratios)
-        self.warmup_coeff = None if warmup_coeff is None else check_range(
-            "warmup_coeff", warmup_coeff, 0, 1, low_open=True, high_open=True)
+        self.warmup_coeff = (
+            None
+            if warmup_coeff is None
+            else check_range("warmup_coeff", warmup_coeff, 0, 1, low_open=True, high_open=True)
+        )
         self.max_adaptation_iters = check_range("max_adaptation_iters", max_adaptation_iters, 0, kind=int)
-        self.threshold_decay = check_range("threshold_decay", threshold_decay, 0, 1, low_open=True,
-                                           high_open=True)
+        self.threshold_decay = check_range("threshold_decay", threshold_decay, 0, 1, low_open=True, high_open=True)
         self.seed = check_range("seed", seed, 0, kind=int)
-        self.rng = random.Random(self.seed)     # own RNG: the global one is left alone
+        self.rng = random.Random(self.seed)  # own RNG: the global one is left alone
         self.epoch = 0
-        self.steps = {}                         # name -> compress calls so far
+        self.steps = {}  # name -> compress calls so far
         self.current_ratio = self.ratio_at(0)
 
     # -- warm-up schedule --------------------------------------------------------------
@@ -107,19 +124,19 @@ class DGCCompressor(SparseCompressor):
         magnitude (``values`` may be the gradient or its magnitudes: |·| is taken)."""
         n = values.numel()
         stride = n // max(math.ceil(self.sample_ratio * n), math.ceil(2 * n / k))
-        if stride <= 1:         # the sample would be the whole tensor: select exactly
+        if stride <= 1:  # the sample would be the whole tensor: select exactly
             return torch.topk(values.abs(), k, sorted=False).indices
-        stride |= 1             # odd, so it does not keep hitting the same columns of 2^m-wide rows
-        samples = values[self.rng.randrange(stride)::stride].abs()
+        stride |= 1  # odd, so it does not keep hitting the same columns of 2^m-wide rows
+        samples = values[self.rng.randrange(stride) :: stride].abs()
         threshold = torch.topk(samples, math.ceil(samples.numel() * k / n), sorted=False).values.min()
         for attempt in range(self.max_adaptation_iters + 1):
-            if attempt:         # too few passed: lower the threshold and retry
+            if attempt:  # too few passed: lower the threshold and retry
                 threshold = threshold * self.threshold_decay
             # C = {i : |g_i| ≥ τ}, chunk by chunk, with |g_C|
             candidates, magnitudes = at_least(values, threshold, self.workspace, keep_nan=False)
             if candidates.numel() >= k:
                 break
-        else:                   # bounded retries exhausted (e.g. one huge element): exact top-k
+        else:  # bounded retries exhausted (e.g. one huge element): exact top-k
             return torch.topk(values.abs(), k, sorted=False).indices
         if candidates.numel() > (13 * k) // 10:
             candidates = candidates[torch.topk(magnitudes, k, sorted=False).indices]
@@ -135,7 +152,7 @@ class DGCCompressor(SparseCompressor):
         ctx = (tensor.shape, tensor.dtype, dense)
         values_dtype = torch.float16 if self.fp16_values else tensor.dtype
         flat = tensor.reshape(-1)
-        if dense:   # a copy: the payload must not alias a memory's state updated in place
+        if dense:  # a copy: the payload must not alias a memory's state updated in place
             return [flat.to(values_dtype, copy=True)], ctx
         k = max(1, int(flat.numel() * self.current_ratio))
         values, indices = sparse_payload(flat, self.select(flat, k))
@@ -171,8 +188,12 @@ class DGCCompressor(SparseCompressor):
         return super().sent_mask(payload, ctx)
 
     def state_dict(self):
-        return {"epoch": self.epoch, "steps": dict(self.steps), "rng": self.rng.getstate(),
-                "current_ratio": self.current_ratio}
+        return {
+            "epoch": self.epoch,
+            "steps": dict(self.steps),
+            "rng": self.rng.getstate(),
+            "current_ratio": self.current_ratio,
+        }
 
     def load_state_dict(self, state):
         self.epoch, self.steps = state["epoch"], dict(state["steps"])

@@ -31,7 +31,7 @@ class EFSignSGDCompressor(Compressor):
         # fp32 accumulation: the scale is one fp32 on the wire whatever the gradient dtype
         magnitude = torch.abs(tensor, out=self.workspace.like("abs", tensor))
         total = magnitude.sum(dtype=torch.float32)
-        if not bool(torch.isfinite(total)):     # fp32 overflowed on finite values: sum in fp64
+        if not bool(torch.isfinite(total)):  # fp32 overflowed on finite values: sum in fp64
             total = magnitude.sum(dtype=torch.float64)
         scale = (total / max(numel, 1)).float()
         return [wire.pack_signs(tensor, self.workspace), scale.reshape(1)], (tensor.shape, tensor.dtype)
@@ -42,7 +42,7 @@ class EFSignSGDCompressor(Compressor):
 
     def decompress_into(self, payload, ctx, out):
         packed, scale = payload
-        scale = float(scale)        # ±1 · scale is exactly ±scale
+        scale = float(scale)  # ±1 · scale is exactly ±scale
         return wire.unpack_select(packed, out, scale, -scale, self.workspace)
 
     def sent_mask(self, payload, ctx):
@@ -50,4 +50,4 @@ class EFSignSGDCompressor(Compressor):
         return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
 
     def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_()         # every element was sent
+        return tensor.zero_()  # every element was sent

@@ -15,6 +15,7 @@ class FP16Compressor(Compressor):
     non-finite policy then skips the step on every rank (or raises), it does not pass it on. With a
     power-of-two N the averaged result equals torch's ``fp16_compress_hook`` bit for bit.
     """
+
     summable = True
     elementwise = True
     wire_dtype = torch.float16
@@ -30,8 +31,7 @@ class FP16Compressor(Compressor):
         return [wire if self.world_size == 1 else wire.div_(self.world_size)], tensor.dtype
 
     def decompress(self, payload, ctx):
-        return self.decompress_into(payload, ctx, torch.empty(payload[0].shape, dtype=ctx,
-                                                              device=payload[0].device))
+        return self.decompress_into(payload, ctx, torch.empty(payload[0].shape, dtype=ctx, device=payload[0].device))
 
     def decompress_into(self, payload, ctx, out):
         out.copy_(payload[0].view(out.shape))
@@ -42,4 +42,4 @@ class FP16Compressor(Compressor):
         return torch.ones_like(payload[0], dtype=torch.bool)
 
     def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_()         # every element was sent
+        return tensor.zero_()  # every element was sent

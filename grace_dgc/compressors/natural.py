@@ -7,12 +7,12 @@ from ..registry import register_compressor
 from .qsgd import StochasticCompressor
 
 MANTISSA_BITS = 23
-INF_BITS = 0x7F800000   # fp32 bits of +inf; larger magnitudes are NaN
-INF_EXPONENT = 255      # fp32 biased exponent of inf / NaN
-MAX_EXPONENT = 254      # of the largest finite power of two, 2**127
+INF_BITS = 0x7F800000  # fp32 bits of +inf; larger magnitudes are NaN
+INF_EXPONENT = 255  # fp32 biased exponent of inf / NaN
+MAX_EXPONENT = 254  # of the largest finite power of two, 2**127
 
 
-@register_compressor("natural", aliases=("natural_cuda",))     # GRACE's CUDA-kernel name
+@register_compressor("natural", aliases=("natural_cuda",))  # GRACE's CUDA-kernel name
 class NaturalCompressor(StochasticCompressor):
     """Natural compression (Horváth et al. 2019): unbiased rounding to ±2^k; 8-bit exponent + sign bit.
 
@@ -50,17 +50,25 @@ class NaturalCompressor(StochasticCompressor):
             size, part = stop - start, bits[start:stop]
             magnitude = torch.bitwise_and(part, 0x7FFFFFFF, out=scratch.get("magnitude", size, torch.int32, device))
             finite = torch.sub(magnitude, INF_BITS, out=scratch.get("finite", size, torch.int32, device))
-            finite.bitwise_right_shift_(31)             # −1 where finite, else 0
-            magnitude.clamp_(max=INF_BITS)      # NaN → inf: the add below cannot overflow int32
-            rounded = torch.randint(0, 1 << MANTISSA_BITS, (size,), dtype=torch.int32, device=device,
-                                    generator=generator, out=scratch.get("uniform", size, torch.int32, device))
-            rounded.add_(magnitude).bitwise_right_shift_(MANTISSA_BITS)     # 255 for inf and NaN
+            finite.bitwise_right_shift_(31)  # −1 where finite, else 0
+            magnitude.clamp_(max=INF_BITS)  # NaN → inf: the add below cannot overflow int32
+            rounded = torch.randint(
+                0,
+                1 << MANTISSA_BITS,
+                (size,),
+                dtype=torch.int32,
+                device=device,
+                generator=generator,
+                out=scratch.get("uniform", size, torch.int32, device),
+            )
+            rounded.add_(magnitude).bitwise_right_shift_(MANTISSA_BITS)  # 255 for inf and NaN
             # finite inputs saturate at 2^127 instead of carrying into inf: min(e, 254), and
             # 255 for inf and NaN (min(255, 254) + 1)
             exponent[start:stop].copy_(rounded.clamp_(max=MAX_EXPONENT).add_(finite).add_(1))
             # the sign bits: bit 7 of each fp32's high byte (little-endian)
             high_bytes = part.view(torch.uint8)[3::4] if sys.byteorder == "little" else part.view(torch.uint8)[::4]
             return torch.bitwise_right_shift(high_bytes, 7, out=scratch.get("negative", size, torch.uint8, device))
+
         return [exponent, wire.pack_chunks(n, 1, encode, device, scratch)], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):

@@ -7,6 +7,7 @@ from ..registry import register_compressor
 @register_compressor("none", aliases=("dense", "identity"))
 class NoneCompressor(Compressor):
     """No compression: the payload is the tensor itself (the dense baseline)."""
+
     summable = True
     elementwise = True
 
@@ -17,7 +18,7 @@ class NoneCompressor(Compressor):
         return payload[0]
 
     def decompress_into(self, payload, ctx, out):
-        if payload[0].data_ptr() != out.data_ptr():     # reduced in place: already there
+        if payload[0].data_ptr() != out.data_ptr():  # reduced in place: already there
             out.copy_(payload[0].view(out.shape))
         return out
 
@@ -25,7 +26,7 @@ class NoneCompressor(Compressor):
         return tensor.sub_(payload[0].view(tensor.shape))
 
     def sent_mask(self, payload, ctx):
-        return torch.ones_like(payload[0], dtype=torch.bool)    # every element is sent
+        return torch.ones_like(payload[0], dtype=torch.bool)  # every element is sent
 
     def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_()         # every element was sent
+        return tensor.zero_()  # every element was sent

@@ -39,7 +39,7 @@ class OneBitCompressor(Compressor):
     """
 
     def compress(self, tensor, name):
-        flat = tensor.reshape(-1).float()      # means are computed and sent in fp32
+        flat = tensor.reshape(-1).float()  # means are computed and sent in fp32
         n, scratch, device = flat.numel(), self.workspace, flat.device
         bits = flat.view(torch.int32)
         # where(P, g, 0) on the fp32 bits: g's bits & −P (all ones on P), made chunk by chunk
@@ -53,8 +53,9 @@ class OneBitCompressor(Compressor):
             count_pos.add_(torch.count_nonzero(positive))
             picked[start:stop].copy_(positive).neg_().bitwise_and_(bits[start:stop])
             return positive
+
         packed = wire.pack_chunks(n, 1, encode, device, scratch)
-        count_pos = count_pos.to(torch.float32)     # exact at any size
+        count_pos = count_pos.to(torch.float32)  # exact at any size
         count_neg = n - count_pos
         sum_pos = _sum(picked.view(torch.float32))
         sum_neg = _sum(picked.bitwise_xor_(bits).view(torch.float32))
@@ -75,4 +76,4 @@ class OneBitCompressor(Compressor):
         return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
 
     def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_()         # every element was sent
+        return tensor.zero_()  # every element was sent

@@ -19,23 +19,25 @@ def orthogonalize(matrix, epsilon=0.0):
     if rank > 2 and matrix.dtype not in (torch.float16, torch.bfloat16):
         return torch.linalg.qr(matrix).Q
     out = matrix.clone()
-    for i in range(rank):       # r columns (r is tiny); each step is vectorised over the n rows
-        col = out[:, i:i + 1]
+    for i in range(rank):  # r columns (r is tiny); each step is vectorised over the n rows
+        col = out[:, i : i + 1]
         norm = col.norm()
         col /= (norm + epsilon) if epsilon else torch.where(norm > 0, norm, torch.ones_like(norm))
-        if i + 1 < rank:        # remove the column's direction from the columns after it
-            rest = out[:, i + 1:]
+        if i + 1 < rank:  # remove the column's direction from the columns after it
+            rest = out[:, i + 1 :]
             rest -= (col * rest).sum(dim=0, keepdim=True) * col
     return out
 
 
 class Dense(NamedTuple):
     """ctx of a tensor sent whole, in one round."""
+
     shape: torch.Size
 
 
 class Factors(NamedTuple):
     """ctx of a low-rank tensor: ``matrix`` (local M) in round 1, then ``p`` (P̂, equal on all ranks)."""
+
     name: str
     shape: torch.Size
     matrix: torch.Tensor | None
@@ -67,18 +69,20 @@ class PowerSGDCompressor(Compressor):
     of tensor ``name`` comes from a ``torch.Generator`` seeded by seed ⊕ crc32(name) ⊕ draw count,
     so all ranks draw the same Q without touching the global RNG; ``warm_start=False`` draws a fresh Q every step.
     """
+
     summable = True
     rounds = 2
 
-    def __init__(self, compress_rank=1, min_compression_rate=2.0, warm_start=True,
-                 orthogonalization_epsilon=0.0, seed=0):
+    def __init__(
+        self, compress_rank=1, min_compression_rate=2.0, warm_start=True, orthogonalization_epsilon=0.0, seed=0
+    ):
         self.compress_rank = check_range("compress_rank", compress_rank, 1, kind=int)
         self.min_compression_rate = check_range("min_compression_rate", min_compression_rate, 0)
         self.warm_start = check_bool("warm_start", warm_start)
         self.epsilon = check_range("orthogonalization_epsilon", orthogonalization_epsilon, 0)
         self.seed = check_range("seed", seed, 0, kind=int)
-        self.q = {}         # name -> Q_sum of the last step (the warm start), shape m × r
-        self.draws = {}     # name -> how many initial Qs were drawn for it
+        self.q = {}  # name -> Q_sum of the last step (the warm start), shape m × r
+        self.draws = {}  # name -> how many initial Qs were drawn for it
 
     def low_rank(self, shape):
         """r for a tensor of ``shape``, or 0 when it goes dense."""
@@ -92,7 +96,8 @@ class PowerSGDCompressor(Compressor):
         draw = self.draws.get(name, 0)
         self.draws[name] = draw + 1
         generator = torch.Generator().manual_seed(
-            (self.seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + draw) % 2**63)
+            (self.seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + draw) % 2**63
+        )
         # drawn on the CPU, so CPU and CUDA runs start from the same Q
         return torch.randn(m, rank, generator=generator, dtype=dtype)
 
@@ -108,12 +113,12 @@ class PowerSGDCompressor(Compressor):
         return [matrix @ q], Factors(name, tensor.shape, matrix, None)
 
     def next_round(self, summed_payload, ctx):
-        if isinstance(ctx, Dense):              # sent whole: done after one round
+        if isinstance(ctx, Dense):  # sent whole: done after one round
             return None
-        if ctx.p is None:                       # got Σ P: send this rank's Q = Mᵀ P̂
+        if ctx.p is None:  # got Σ P: send this rank's Q = Mᵀ P̂
             p_hat = orthogonalize(summed_payload[0], self.epsilon)
             return [ctx.matrix.t() @ p_hat], Factors(ctx.name, ctx.shape, None, p_hat)
-        if self.warm_start:                     # got Σ Q: next step starts from it
+        if self.warm_start:  # got Σ Q: next step starts from it
             self.q[ctx.name] = summed_payload[0].clone()
         return None
 

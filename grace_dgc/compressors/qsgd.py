@@ -23,11 +23,12 @@ class StochasticCompressor(Compressor):
         checkpoint on every rank resumes each rank's own stream exactly.
     The rank is the engine's (Grace binds it; 0 for a compressor used on its own).
     """
+
     rank = 0
 
     def __init__(self, seed=0):
         self.seed = check_range("seed", seed, 0, kind=int)
-        self.steps = {}     # name -> how many times that tensor was compressed
+        self.steps = {}  # name -> how many times that tensor was compressed
 
     def generator(self, name, device):
         step = self.steps.get(name, 0)
@@ -45,7 +46,7 @@ class StochasticCompressor(Compressor):
         return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
 
     def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_()         # every element was sent
+        return tensor.zero_()  # every element was sent
 
     def state_dict(self):
         return {"steps": dict(self.steps)}
@@ -67,12 +68,17 @@ def stochastic_round_(x, generator, workspace):
     result is the workspace's "floor" buffer."""
     floor = torch.floor(x, out=workspace.get("floor", x.numel(), x.dtype, x.device).view(x.shape))
     fraction = x.sub_(floor)
-    uniform = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype,
-                         out=workspace.get("uniform", x.numel(), x.dtype, x.device).view(x.shape))
-    return floor.add_(uniform.lt_(fraction))     # in place: large tensors, few passes
+    uniform = torch.rand(
+        x.shape,
+        generator=generator,
+        device=x.device,
+        dtype=x.dtype,
+        out=workspace.get("uniform", x.numel(), x.dtype, x.device).view(x.shape),
+    )
+    return floor.add_(uniform.lt_(fraction))  # in place: large tensors, few passes
 
 
-@register_compressor("qsgd", aliases=("qsgd_cuda",))     # GRACE's CUDA-kernel name
+@register_compressor("qsgd", aliases=("qsgd_cuda",))  # GRACE's CUDA-kernel name
 class QSGDCompressor(StochasticCompressor):
     """QSGD (Alistarh et al. 2017): unbiased stochastic levels, ⌈log2(2s+1)⌉ bits/element + bucket norms.
 
@@ -94,7 +100,7 @@ class QSGDCompressor(StochasticCompressor):
     def __init__(self, quantum_num=64, bucket_size=512, seed=0):
         super().__init__(seed)
         # levels are exact integers in the fp32 arithmetic below only up to 2**24
-        self.quantum_num = check_range("quantum_num", quantum_num, 1, 2 ** 23, kind=int)
+        self.quantum_num = check_range("quantum_num", quantum_num, 1, 2**23, kind=int)
         self.bucket_size = check_range("bucket_size", bucket_size, 1, kind=int)
         self.bits = math.ceil(math.log2(2 * self.quantum_num + 1))
 
@@ -103,8 +109,10 @@ class QSGDCompressor(StochasticCompressor):
         buckets (the last bucket may be short): chunks keep the temporaries small and in
         cache, and draw the same random stream, in the same order, as one pass."""
         rows = -(-n // self.bucket_size)
-        return [(start // self.bucket_size, stop // self.bucket_size, start, min(stop, n))
-                for start, stop in chunks(rows * self.bucket_size, device, multiple=self.bucket_size)]
+        return [
+            (start // self.bucket_size, stop // self.bucket_size, start, min(stop, n))
+            for start, stop in chunks(rows * self.bucket_size, device, multiple=self.bucket_size)
+        ]
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()
@@ -115,19 +123,20 @@ class QSGDCompressor(StochasticCompressor):
         for row, last_row, start, stop in self.row_chunks(n, flat.device):
             block = scratch.get("block", (last_row - row) * size, torch.float32, flat.device)
             block[: stop - start].copy_(flat[start:stop])
-            block[stop - start:].zero_()        # a short last bucket is zero-padded
+            block[stop - start :].zero_()  # a short last bucket is zero-padded
             block = block.view(-1, size)
             norm = norms[row:last_row]
             norm.copy_(block.norm(dim=1))
-            overflowed = torch.nonzero(~torch.isfinite(norm)).view(-1)    # ‖v‖² beyond fp32, or NaN/Inf
+            overflowed = torch.nonzero(~torch.isfinite(norm)).view(-1)  # ‖v‖² beyond fp32, or NaN/Inf
             if overflowed.numel():
                 norm[overflowed] = scaled_norms(block[overflowed])
             # a zero-norm bucket has only zeros: divide by 1 instead (levels stay 0)
-            scaled = torch.abs(block, out=scratch.get("scaled", block.numel(), torch.float32, flat.device)
-                               .view(block.shape))
+            scaled = torch.abs(
+                block, out=scratch.get("scaled", block.numel(), torch.float32, flat.device).view(block.shape)
+            )
             scaled.mul_((s / torch.where(norm > 0, norm, 1.0)).unsqueeze(1))
             levels = stochastic_round_(scaled.clamp_(max=s), generator, scratch)
-            signed = torch.copysign(levels, block, out=scaled).add_(s)         # in [0, 2s]
+            signed = torch.copysign(levels, block, out=scaled).add_(s)  # in [0, 2s]
             codes[start:stop].copy_(signed.view(-1)[: stop - start])
         packed = codes if self.bits == 8 else wire.pack_bits(codes, self.bits, scratch)
         return [packed, norms], (tensor.shape, tensor.dtype)
@@ -143,10 +152,13 @@ class QSGDCompressor(StochasticCompressor):
         flat = out.view(-1)
         for row, last_row, start, stop in self.row_chunks(n, out.device):
             whole = stop - start == (last_row - row) * size and out.dtype == torch.float32
-            block = flat[start:stop] if whole else self.workspace.get(
-                "block", (last_row - row) * size, torch.float32, out.device)
+            block = (
+                flat[start:stop]
+                if whole
+                else self.workspace.get("block", (last_row - row) * size, torch.float32, out.device)
+            )
             block[: stop - start].copy_(codes[start:stop])
-            block[stop - start:].zero_()
+            block[stop - start :].zero_()
             block.view(-1, size).sub_(s).mul_((norms[row:last_row] / s).unsqueeze(1))
             if not whole:
                 flat[start:stop].copy_(block[: stop - start])

@@ -31,7 +31,7 @@ def distinct_indices(n, k, generator):
     m = math.ceil(-n * math.log1p(-k / n) * 1.02) + 16
     draws = torch.randint(n, (m,), generator=generator)
     distinct = torch.unique(draws)
-    while distinct.numel() < k:         # rare: the margin fell short
+    while distinct.numel() < k:  # rare: the margin fell short
         draws = torch.cat([distinct, torch.randint(n, (k,), generator=generator)])
         distinct = torch.unique(draws)
     surplus = distinct.numel() - k
@@ -52,16 +52,18 @@ class RandomKCompressor(Compressor):
     touched; :func:`distinct_indices` says how), so only the k values travel and payloads
     are summable (allreduce).
     """
+
     summable = True
 
     def __init__(self, compress_ratio=0.01, seed=0):
         self.compress_ratio = check_range("compress_ratio", compress_ratio, 0, 1, low_open=True)
         self.seed = check_range("seed", seed, 0, kind=int)
-        self.steps = {}      # name -> how many times that tensor was compressed
+        self.steps = {}  # name -> how many times that tensor was compressed
 
     def indices(self, name, numel, step):
         generator = torch.Generator().manual_seed(
-            (self.seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + step) % 2**63)
+            (self.seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + step) % 2**63
+        )
         k = max(1, int(numel * self.compress_ratio)) if numel else 0
         return distinct_indices(numel, k, generator)
 
@@ -88,7 +90,7 @@ class RandomKCompressor(Compressor):
         return tensor
 
     def sent_mask(self, payload, ctx):
-        indices, shape = ctx      # the shared index set, a sent zero included
+        indices, shape = ctx  # the shared index set, a sent zero included
         mask = torch.zeros(torch.Size(shape).numel(), dtype=torch.bool, device=payload[0].device)
         mask[indices] = True
         return mask.view(shape)

@@ -37,6 +37,7 @@ class SignSGDCompressor(Compressor):
     The vote is already the step direction, so ``average = False`` (Grace must not divide
     it by the world size); sign bits cannot be summed, so allgather or broadcast only.
     """
+
     average = False
 
     def compress(self, tensor, name):
@@ -62,7 +63,7 @@ class SignSGDCompressor(Compressor):
         return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
 
     def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_()         # every element was sent
+        return tensor.zero_()  # every element was sent
 
     def aggregate(self, tensors):
         return majority_vote(tensors)

@@ -28,17 +28,20 @@ class SignumCompressor(SignSGDCompressor):
 
     def __init__(self, momentum=0.9):
         self.momentum = check_range("momentum", momentum, 0, 1, high_open=True)
-        self.momentums = {}     # name -> m_t, updated in place (state_dict hands out copies)
+        self.momentums = {}  # name -> m_t, updated in place (state_dict hands out copies)
 
     def compress(self, tensor, name):
         previous = self.momentums.get(name)
         if previous is None:
             momentum = self.momentums[name] = (1 - self.momentum) * tensor
-        else:       # β·m + (1 − β)·g, the two products rounded as in the formula; in cache
+        else:  # β·m + (1 − β)·g, the two products rounded as in the formula; in cache
             momentum, grad = previous.view(-1), tensor.reshape(-1)
             for start, stop in chunks(momentum.numel(), momentum.device):
-                scaled = torch.mul(grad[start:stop], 1 - self.momentum,
-                                   out=self.workspace.get("scaled", stop - start, grad.dtype, grad.device))
+                scaled = torch.mul(
+                    grad[start:stop],
+                    1 - self.momentum,
+                    out=self.workspace.get("scaled", stop - start, grad.dtype, grad.device),
+                )
                 momentum[start:stop].mul_(self.momentum).add_(scaled)
             momentum = previous
         return super().compress(momentum, name)

@@ -37,32 +37,38 @@ class TernGradCompressor(StochasticCompressor):
         flat = tensor.reshape(-1).float()
         n, scratch, device = flat.numel(), self.workspace, flat.device
         if not n:
-            return [wire.pack_bits(flat.new_empty(0, dtype=torch.uint8), 2), flat.new_zeros(1)], (tensor.shape,
-                                                                                                  tensor.dtype)
+            return [wire.pack_bits(flat.new_empty(0, dtype=torch.uint8), 2), flat.new_zeros(1)], (
+                tensor.shape,
+                tensor.dtype,
+            )
         sigma = flat.std(correction=0)
-        bound = torch.where(sigma > 0, self.clip_factor * sigma, torch.inf)
+        clip_bound = torch.where(sigma > 0, self.clip_factor * sigma, torch.inf)
         # max |clip(g)| = min(max |g|, bound): clipping is monotone, so no clipped copy is needed
         low, high = torch.aminmax(flat)
-        scale = torch.minimum(torch.maximum(-low, high), bound).reshape(1)
+        scale = torch.minimum(torch.maximum(-low, high), clip_bound).reshape(1)
         # plain numbers (fp32 values) for the chunk passes: 0-d tensor operands broadcast slowly
-        bound, divisor = float(bound), float(torch.where(scale > 0, scale, 1.0))
+        bound, divisor = float(clip_bound), float(torch.where(scale > 0, scale, 1.0))
         generator = self.generator(name, tensor.device)
 
-        def encode(start, stop):        # chunks in order: the same random stream as one draw of n
+        def encode(start, stop):  # chunks in order: the same random stream as one draw of n
             size = stop - start
-            clipped = torch.clamp(flat[start:stop], -bound, bound,
-                                  out=scratch.get("clipped", size, torch.float32, device))
+            clipped = torch.clamp(
+                flat[start:stop], -bound, bound, out=scratch.get("clipped", size, torch.float32, device)
+            )
             # code − 1 = the sign bit (differs from ĝ < 0 only at −0.0 and NaN, never sent)
-            code = torch.bitwise_right_shift(clipped.view(torch.int32), 31,
-                                             out=scratch.get("code", size, torch.int32, device))
-            code.bitwise_and_(1).add_(POSITIVE)         # NEGATIVE = POSITIVE + 1
+            code = torch.bitwise_right_shift(
+                clipped.view(torch.int32), 31, out=scratch.get("code", size, torch.int32, device)
+            )
+            code.bitwise_and_(1).add_(POSITIVE)  # NEGATIVE = POSITIVE + 1
             probability = clipped.abs_().div_(divisor).nan_to_num_(nan=0.0)
-            uniform = torch.rand(size, generator=generator, device=device,
-                                 out=scratch.get("uniform", size, torch.float32, device))
+            uniform = torch.rand(
+                size, generator=generator, device=device, out=scratch.get("uniform", size, torch.float32, device)
+            )
             # b_i = [u < p]: the sign bit of u − p (exact: the difference of two floats in
             # [0, 1] is negative exactly when u < p), as an all-ones/zero integer mask
             sent = uniform.sub_(probability).view(torch.int32).bitwise_right_shift_(31)
             return scratch.get("codes", size, torch.uint8, device).copy_(code.bitwise_and_(sent))
+
         return [wire.pack_chunks(n, 2, encode, device, scratch), scale], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):
@@ -74,8 +80,9 @@ class TernGradCompressor(StochasticCompressor):
         flat, scale = out.view(-1), scale.to(out.dtype)
         for start, stop, codes in wire.unpack_chunks(packed, 2, out.numel(), self.workspace):
             # sgn = low bit − high bit: 1 → +1, 2 → −1, 0 and 3 → 0 (byte arithmetic, ~3× a lookup)
-            high = torch.bitwise_right_shift(codes, 1, out=self.workspace.get("high", stop - start, torch.uint8,
-                                                                               out.device))
+            high = torch.bitwise_right_shift(
+                codes, 1, out=self.workspace.get("high", stop - start, torch.uint8, out.device)
+            )
             signs = codes.bitwise_and_(1).view(torch.int8).sub_(high.view(torch.int8))
             flat[start:stop].copy_(signs).mul_(scale)
         return out

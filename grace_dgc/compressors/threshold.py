@@ -13,7 +13,7 @@ class ThresholdCompressor(SparseCompressor):
     """
 
     def __init__(self, threshold=0.01):
-        self.threshold = check_range("threshold", threshold, 0, allow_inf=True)    # ∞: send nothing
+        self.threshold = check_range("threshold", threshold, 0, allow_inf=True)  # ∞: send nothing
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1)

@@ -89,9 +89,10 @@ def at_least(flat, threshold, workspace, keep_nan=True):
         magnitude = torch.abs(flat[start:stop], out=workspace.get("abs", size, torch.float32, device))
         test = torch.sub(magnitude.view(torch.int32), bound, out=workspace.get("test", size, torch.int32, device))
         test.bitwise_right_shift_(31).add_(1)
-        if not keep_nan:        # NaN bits exceed inf's: ((bits(inf) − bits) >> 31) is −1 there
-            nan = torch.sub(magnitude.view(torch.int32), 0x7F800000,
-                            out=workspace.get("nan", size, torch.int32, device))
+        if not keep_nan:  # NaN bits exceed inf's: ((bits(inf) − bits) >> 31) is −1 there
+            nan = torch.sub(
+                magnitude.view(torch.int32), 0x7F800000, out=workspace.get("nan", size, torch.int32, device)
+            )
             test.add_(nan.neg_().bitwise_right_shift_(31))
         mask = workspace.get("mask", size, torch.uint8, device).copy_(test)
         hits = flat_nonzero(mask.view(torch.bool))
@@ -153,10 +154,10 @@ def exact_top_k(flat, k, workspace):
     if candidates.numel() == k:
         return candidates
     kth = torch.kthvalue(magnitude, candidates.numel() - k + 1).values
-    if torch.isnan(kth):        # more NaNs than k: the lowest-indexed NaNs
+    if torch.isnan(kth):  # more NaNs than k: the lowest-indexed NaNs
         chosen, tied = torch.zeros_like(magnitude, dtype=torch.bool), torch.isnan(magnitude)
     else:
-        chosen, tied = ~(magnitude <= kth), magnitude == kth        # larger (NaN included), tied
+        chosen, tied = ~(magnitude <= kth), magnitude == kth  # larger (NaN included), tied
     missing = k - int(chosen.sum())
     chosen[torch.nonzero(tied).view(-1)[:missing]] = True
     return candidates[chosen]

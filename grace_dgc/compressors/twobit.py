@@ -42,6 +42,7 @@ class TwoBitCompressor(Compressor):
             codes = torch.ge(part, self.threshold, out=scratch.get("up", size, torch.bool, flat.device))
             down = torch.le(part, -self.threshold, out=scratch.get("down", size, torch.bool, flat.device))
             return codes.view(torch.uint8).mul_(POSITIVE).bitwise_or_(down.view(torch.uint8).mul_(NEGATIVE))
+
         return [wire.pack_chunks(flat.numel(), 2, encode, flat.device, scratch)], (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx):

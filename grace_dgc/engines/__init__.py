@@ -7,7 +7,12 @@ when a process group is initialized, else the single-process ``local`` engine â€
 the environment says this process is one rank of several (``WORLD_SIZE`` > 1, a Horovod
 or MPI launch): then it raises instead of training alone without a word.
 """
+
 import os
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
 
 from ..errors import GraceConfigError
 from .base import Engine
@@ -17,12 +22,13 @@ from .torch_engine import TorchEngine
 ENGINES = {"local": LocalEngine, "torch": TorchEngine}
 
 
-def _horovod_initialized():
+def _horovod_initialized() -> bool:
     import sys
+
     hvd = sys.modules.get("horovod.torch")
     try:
         return hvd is not None and hvd.is_initialized()
-    except Exception:   # horovod present but its library failed to load
+    except Exception:  # horovod present but its library failed to load
         return False
 
 
@@ -30,22 +36,25 @@ def _horovod_initialized():
 LAUNCHER_SIZES = ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
-def detect_engine_name():
+def detect_engine_name() -> str:
     """The runtime this process runs in: ``horovod``, ``torch`` or ``local`` (raises under a
     launcher that started several ranks when no process group exists yet)."""
     import torch.distributed as dist
+
     if _horovod_initialized():
         return "horovod"
     if dist.is_available() and dist.is_initialized():
         return "torch"
-    launched = {key: os.environ[key] for key in LAUNCHER_SIZES
-                if os.environ.get(key, "").isdigit() and int(os.environ[key]) > 1}
+    launched = {
+        key: os.environ[key] for key in LAUNCHER_SIZES if os.environ.get(key, "").isdigit() and int(os.environ[key]) > 1
+    }
     if launched:
         found = ", ".join(f"{key}={value}" for key, value in launched.items())
         raise GraceConfigError(
             f"engine='auto' found no process group, but the environment says this is one rank of a "
             f"distributed run ({found}): call torch.distributed.init_process_group(...) (or hvd.init()) "
-            f"before the first exchange, or pass engine='local' to train this process alone")
+            f"before the first exchange, or pass engine='local' to train this process alone"
+        )
     return "local"
 
 
@@ -54,17 +63,18 @@ class AutoEngine(Engine):
     be built before ``init_process_group`` (as GRACE's scripts do). Every call and the
     ``rank``/``size``/``bytes_sent`` attributes go to that engine."""
 
-    def __init__(self, **kwargs):      # no Engine.__init__: bytes_sent is the chosen engine's
-        self._kwargs, self._engine = kwargs, None
+    def __init__(self, **kwargs: Any) -> None:  # no Engine.__init__: bytes_sent is the chosen engine's
+        self._kwargs = kwargs
+        self._engine: Engine | None = None
 
-    def resolve(self):
+    def resolve(self) -> Engine:
         if self._engine is None:
-            name = detect_engine_name()      # process_group and timeout are torch.distributed's
+            name = detect_engine_name()  # process_group and timeout are torch.distributed's
             self._engine = create_engine(name, **(self._kwargs if name == "torch" else {}))
         return self._engine
 
     @property
-    def name(self):
+    def name(self) -> str:  # type: ignore[override]  # a class attribute elsewhere
         """The chosen engine's name; before the first use, the one it would choose now
         (without choosing: a script may still initialise its process group)."""
         if self._engine is not None:
@@ -80,23 +90,23 @@ class AutoEngine(Engine):
     local_rank = property(lambda self: self.resolve().local_rank)
     bytes_sent = property(lambda self: 0 if self._engine is None else self._engine.bytes_sent)
 
-    def allreduce(self, tensor):
+    def allreduce(self, tensor: Tensor) -> Tensor:
         return self.resolve().allreduce(tensor)
 
-    def allgather(self, tensor, sizes=None):
+    def allgather(self, tensor: Tensor, sizes: Sequence[int] | None = None) -> list[Tensor]:
         return self.resolve().allgather(tensor, sizes)
 
-    def broadcast(self, tensor, root):
+    def broadcast(self, tensor: Tensor, root: int) -> Tensor:
         return self.resolve().broadcast(tensor, root)
 
-    def broadcast_object(self, obj, root=0):
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self.resolve().broadcast_object(obj, root)
 
-    def barrier(self):
+    def barrier(self) -> None:
         return self.resolve().barrier()
 
 
-def create_engine(engine="auto", **kwargs):
+def create_engine(engine: str | Engine = "auto", **kwargs: Any) -> Engine:
     """Create an engine by name (``auto``, ``local``, ``torch``, ``horovod``) or pass one
     through; ``auto`` gives an :class:`AutoEngine`, which chooses at its first use."""
     if isinstance(engine, Engine):
@@ -104,7 +114,7 @@ def create_engine(engine="auto", **kwargs):
     if engine == "auto":
         return AutoEngine(**kwargs)
     if engine != "torch":
-        kwargs.pop("timeout", None)     # Horovod has its own stall checks; local never waits
+        kwargs.pop("timeout", None)  # Horovod has its own stall checks; local never waits
     if engine == "horovod" and "horovod" not in ENGINES:
         from . import horovod_engine  # noqa: F401  registers itself; import errors name the fix
     if engine not in ENGINES:

@@ -15,114 +15,131 @@ Differences from the torch engine, all on the wire, none in the results:
     int8, int16 in int32, cast back with the same wrap-around as a native sum); the widened
     buffer is what Horovod moves, so that is what ``bytes_sent`` counts.
 """
+
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..errors import GraceConfigError
 from .base import Engine
 
 try:
     import horovod.torch as hvd
-except ImportError as error:   # not installed, or built without PyTorch support
+except ImportError as error:  # not installed, or built without PyTorch support
     raise ImportError(
         "engine='horovod' needs Horovod with PyTorch and Gloo support (horovod.torch could not be "
         f"imported: {error}). Install it with `pip install grace_dgc[horovod]` (horovod==0.28.1) "
         "or, against torch >= 2.1, with the project's scripts/install-horovod.sh, which builds "
-        "horovod 0.28.1 with the C++17 flag torch's headers need") from error
+        "horovod 0.28.1 with the C++17 flag torch's headers need"
+    ) from error
 
 # Types Horovod 0.28's PyTorch ops accept (mpi_lib's horovod_torch_<op>_async_<type> functions).
 SUMMABLE = {torch.float16, torch.float32, torch.float64, torch.int32, torch.int64}
 MOVABLE = SUMMABLE | {torch.uint8, torch.int8, torch.int16}
 # How the other types are summed: in a wider type, then cast back.
-WIDER = {torch.bfloat16: torch.float32, torch.bool: torch.int32, torch.uint8: torch.int32,
-         torch.int8: torch.int32, torch.int16: torch.int32}
+WIDER = {
+    torch.bfloat16: torch.float32,
+    torch.bool: torch.int32,
+    torch.uint8: torch.int32,
+    torch.int8: torch.int32,
+    torch.int16: torch.int32,
+}
 
 
 class HorovodEngine(Engine):
     """Horovod's allreduce (op=Sum) / allgather / broadcast over all ``hvd.size()`` ranks."""
+
     name = "horovod"
 
-    def __init__(self, process_group=None):
+    def __init__(self, process_group: Any = None) -> None:
         super().__init__()
         if process_group is not None:
             raise GraceConfigError(
                 "engine='horovod' runs on Horovod's global process set; process_group is "
-                "accepted only by engine='torch'")
+                "accepted only by engine='torch'"
+            )
         if not hvd.is_initialized():
-            raise GraceConfigError("engine='horovod' needs Horovod to be initialized: call "
-                                   "horovod.torch.init() first (and launch with horovodrun)")
+            raise GraceConfigError(
+                "engine='horovod' needs Horovod to be initialized: call "
+                "horovod.torch.init() first (and launch with horovodrun)"
+            )
         self.rank = hvd.rank()
         self.size = hvd.size()
         self._local_rank = hvd.local_rank()
-        self._issued = 0        # collectives issued by this engine: the n of their names
+        self._issued = 0  # collectives issued by this engine: the n of their names
 
     @property
-    def local_rank(self):
+    def local_rank(self) -> int:
         return self._local_rank
 
-    def _name(self, kind):
+    def _name(self, kind: str) -> str:
         self._issued += 1
         return f"grace.{kind}.{self._issued - 1}"
 
-    def allreduce(self, tensor):
+    def allreduce(self, tensor: Tensor) -> Tensor:
         if tensor.dtype not in SUMMABLE and tensor.dtype not in WIDER:
             raise GraceConfigError(
                 f"engine='horovod' cannot sum {tensor.dtype} tensors; accepted dtypes: "
-                f"{', '.join(sorted(str(d) for d in SUMMABLE | set(WIDER)))}")
+                f"{', '.join(sorted(str(d) for d in SUMMABLE | set(WIDER)))}"
+            )
         wire = tensor.to(WIDER.get(tensor.dtype, tensor.dtype)).contiguous()  # no copy if fit
         self._count(wire)
         hvd.synchronize(hvd.allreduce_async_(wire, name=self._name("allreduce"), op=hvd.Sum))
-        if wire is not tensor:      # widened or made contiguous: write the sum back in place
+        if wire is not tensor:  # widened or made contiguous: write the sum back in place
             tensor.copy_(wire.to(tensor.dtype) if tensor.dtype != torch.bool else wire != 0)
         return tensor
 
-    def allgather(self, tensor, sizes=None):
+    def allgather(self, tensor: Tensor, sizes: Sequence[int] | None = None) -> list[Tensor]:
         scalar = tensor.dim() == 0
         rows = tensor.reshape(1) if scalar else tensor.contiguous()
-        if sizes is None and rows.numel() == 0:     # equal sizes promised: every rank is empty
+        if sizes is None and rows.numel() == 0:  # equal sizes promised: every rank is empty
             return [tensor.new_empty(tensor.shape) for _ in range(self.size)]
         if sizes is not None:
             if len(sizes) != self.size or sizes[self.rank] != rows.shape[0]:
                 raise GraceConfigError(
                     f"allgather sizes={list(sizes)} must list {self.size} lengths with this rank's "
-                    f"({self.rank}) equal to its tensor's {rows.shape[0]}")
-            if not any(sizes):      # every rank is empty: no collective, as on the torch engine
+                    f"({self.rank}) equal to its tensor's {rows.shape[0]}"
+                )
+            if not any(sizes):  # every rank is empty: no collective, as on the torch engine
                 return [tensor.new_empty(0) for _ in range(self.size)]
         wire = rows if rows.dtype in MOVABLE else _as_byte_rows(rows)
-        self._count(wire)           # this rank's tensor as it is: Horovod does not pad
+        self._count(wire)  # this rank's tensor as it is: Horovod does not pad
         gathered = hvd.synchronize(hvd.allgather_async(wire, name=self._name("allgather")))
         if wire is not rows:
             gathered = gathered.view(tensor.dtype).reshape(-1, *rows.shape[1:])
-        if sizes is None:           # equal sizes were promised: check, then split evenly
+        if sizes is None:  # equal sizes were promised: check, then split evenly
             if gathered.shape[0] != rows.shape[0] * self.size:
                 raise GraceConfigError(
                     f"allgather without sizes needs equal lengths on every rank; this rank has "
-                    f"{rows.shape[0]} of {gathered.shape[0]} gathered rows: pass sizes=")
+                    f"{rows.shape[0]} of {gathered.shape[0]} gathered rows: pass sizes="
+                )
             sizes = [rows.shape[0]] * self.size
         parts = list(torch.split(gathered, list(sizes)))
         return [p.reshape(()) for p in parts] if scalar else parts
 
-    def broadcast(self, tensor, root):
+    def broadcast(self, tensor: Tensor, root: int) -> Tensor:
         if not 0 <= root < self.size:
             raise GraceConfigError(f"broadcast root={root} is out of range; accepted: 0..{self.size - 1}")
         rows = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
-        wire = rows if rows.dtype in MOVABLE else rows.view(torch.uint8)   # a view: in place
+        wire = rows if rows.dtype in MOVABLE else rows.view(torch.uint8)  # a view: in place
         if root == self.rank:
             self._count(wire)
         hvd.synchronize(hvd.broadcast_async_(wire, root, name=self._name("broadcast")))
-        if not tensor.is_contiguous():     # rows was a copy
+        if not tensor.is_contiguous():  # rows was a copy
             tensor.copy_(rows.view(tensor.shape))
         return tensor
 
-    def broadcast_object(self, obj, root=0):
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))
 
-    def barrier(self):
+    def barrier(self) -> None:
         hvd.barrier()
 
 
-def _as_byte_rows(rows):
+def _as_byte_rows(rows: Tensor) -> Tensor:
     """``rows`` (dim 0 = rows) reinterpreted as uint8 rows of the same count: lossless."""
     return rows.reshape(rows.shape[0], math.prod(rows.shape[1:])).view(torch.uint8)
 

@@ -1,4 +1,8 @@
 import copy
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
 
 from .base import Engine
 
@@ -6,19 +10,20 @@ from .base import Engine
 class LocalEngine(Engine):
     """World size 1, no process group: collectives are identities (bytes still counted,
     so a one-worker run reports what it would put on the wire)."""
+
     name = "local"
 
-    def allreduce(self, tensor):
+    def allreduce(self, tensor: Tensor) -> Tensor:
         self._count(tensor)
         return tensor
 
-    def allgather(self, tensor, sizes=None):
+    def allgather(self, tensor: Tensor, sizes: Sequence[int] | None = None) -> list[Tensor]:
         self._count(tensor)
         return [tensor]
 
-    def broadcast(self, tensor, root):
+    def broadcast(self, tensor: Tensor, root: int) -> Tensor:
         self._count(tensor)
         return tensor
 
-    def broadcast_object(self, obj, root=0):
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return copy.deepcopy(obj)

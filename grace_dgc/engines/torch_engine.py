@@ -1,13 +1,16 @@
 import os
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ..errors import GraceCommError, GraceConfigError, check_range
 from .base import Engine, pad_to
 
-DEFAULT_TIMEOUT = 300.0     # seconds: far below torch's 30 min, far above any sane step
+DEFAULT_TIMEOUT = 300.0  # seconds: far below torch's 30 min, far above any sane step
 
 
 class TorchEngine(Engine):
@@ -19,9 +22,10 @@ class TorchEngine(Engine):
     hung or dead — instead of a bare "connection reset", or a hang until torch's own 30-min
     timeout.
     """
+
     name = "torch"
 
-    def __init__(self, process_group=None, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, process_group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         super().__init__()
         self.timeout = check_range("timeout", timeout, 0, low_open=True)
         self._calls = 0
@@ -29,25 +33,26 @@ class TorchEngine(Engine):
             raise GraceConfigError(
                 "engine='torch' needs an initialized process group: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets the env), "
-                "or use engine='local' for a single process")
+                "or use engine='local' for a single process"
+            )
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
         self._backend = dist.get_backend(process_group)
 
     @property
-    def backend(self):
+    def backend(self) -> str:
         return self._backend
 
     @property
-    def local_rank(self):
+    def local_rank(self) -> int:
         """torchrun's ``LOCAL_RANK`` (the rank itself when launched otherwise)."""
         return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
 
-    def _global(self, rank):
+    def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _run(self, kind, launch):
+    def _run(self, kind: str, launch: Callable[[], Any]) -> None:
         """Run one collective (``launch()`` starts it asynchronously), waiting at most
         ``timeout``; a failure becomes an error naming the ranks that did not answer."""
         self._calls += 1
@@ -56,11 +61,13 @@ class TorchEngine(Engine):
         except Exception as error:
             raise GraceCommError(self._diagnose(kind, error)) from error
 
-    def _diagnose(self, kind, error):
+    def _diagnose(self, kind: str, error: BaseException) -> str:
         """Meet the other ranks in the store: each survivor sets a key for this collective
         and waits briefly for the others'; those missing did not answer."""
-        what = (f"{kind} #{self._calls} failed on rank {self.rank} of {self.size} "
-                f"({type(error).__name__}: {str(error).splitlines()[0][:200]})")
+        what = (
+            f"{kind} #{self._calls} failed on rank {self.rank} of {self.size} "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        )
         try:
             store = dist.distributed_c10d._get_default_store()
             prefix = f"grace/failed/{self._calls}/"
@@ -73,25 +80,29 @@ class TorchEngine(Engine):
                     store.wait([prefix + str(self._global(rank))], timedelta(seconds=min(self.timeout, 10.0)))
                 except Exception as wait_error:
                     if "timeout" not in str(wait_error).lower():
-                        raise                       # not a timeout: the store itself is gone
+                        raise  # not a timeout: the store itself is gone
                     missing.append(rank)
         except Exception as store_error:
-            return (f"{what}; the store (hosted by rank 0) is unreachable too "
-                    f"({type(store_error).__name__}): rank 0 may be the one that stopped or died")
+            return (
+                f"{what}; the store (hosted by rank 0) is unreachable too "
+                f"({type(store_error).__name__}): rank 0 may be the one that stopped or died"
+            )
         if missing:
-            return (f"{what}; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
-                    f"answer (stopped, hung or dead): look at {'their' if len(missing) > 1 else 'its'} log")
+            return (
+                f"{what}; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
+                f"answer (stopped, hung or dead): look at {'their' if len(missing) > 1 else 'its'} log"
+            )
         return f"{what}; every rank is still answering, so the collective itself failed"
 
-    def allreduce(self, tensor):
+    def allreduce(self, tensor: Tensor) -> Tensor:
         self._count(tensor)
         self._run("allreduce", lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
         return tensor
 
-    def allgather(self, tensor, sizes=None):
+    def allgather(self, tensor: Tensor, sizes: Sequence[int] | None = None) -> list[Tensor]:
         # torch.distributed gathers equal sizes only: pad to the largest, then trim.
         longest = tensor.numel() if sizes is None else max(sizes)
-        if longest == 0:        # every rank is empty: nothing to move, and no rank waits
+        if longest == 0:  # every rank is empty: nothing to move, and no rank waits
             return [tensor.new_empty(0) for _ in range(self.size)]
         padded = pad_to(tensor, longest)
         self._count(padded)
@@ -99,18 +110,17 @@ class TorchEngine(Engine):
         self._run("allgather", lambda: dist.all_gather(out, padded, group=self.group, async_op=True))
         return out if sizes is None else [o[:n] for o, n in zip(out, sizes)]
 
-    def broadcast(self, tensor, root):
+    def broadcast(self, tensor: Tensor, root: int) -> Tensor:
         if root == self.rank:
             self._count(tensor)
-        self._run("broadcast", lambda: dist.broadcast(tensor, src=self._global(root), group=self.group,
-                                                       async_op=True))
+        self._run("broadcast", lambda: dist.broadcast(tensor, src=self._global(root), group=self.group, async_op=True))
         return tensor
 
-    def broadcast_object(self, obj, root=0):
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         box = [obj if self.rank == root else None]
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
         dist.broadcast_object_list(box, src=self._global(root), group=self.group, device=device)
         return box[0]
 
-    def barrier(self):
+    def barrier(self) -> None:
         self._run("barrier", lambda: dist.barrier(group=self.group, async_op=True))

@@ -32,7 +32,7 @@ class EFSignSGDMemory(Memory):
 
     def __init__(self, lr=1.0):
         self.lr = check_range("lr", lr, 0, low_open=True)
-        self.residuals = {}     # name -> e_t, in parameter units
+        self.residuals = {}  # name -> e_t, in parameter units
 
     def compensate(self, tensor, name):
         residual = self.residuals.get(name)

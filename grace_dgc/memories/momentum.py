@@ -33,19 +33,19 @@ class MomentumMemory(Memory):
     parameters and gets 0 instead, logged once — momentum must not be applied twice.
     """
 
-    def __init__(self, momentum=0.9, nesterov=False, weight_decay=0.0, gradient_clipping=None,
-                 momentum_masking=True):
+    def __init__(self, momentum=0.9, nesterov=False, weight_decay=0.0, gradient_clipping=None, momentum_masking=True):
         self.momentum = check_range("momentum", momentum, 0, 1, high_open=True)
         self.nesterov = check_bool("nesterov", nesterov)
         self.weight_decay = check_range("weight_decay", weight_decay, 0)
-        self.gradient_clipping = None if gradient_clipping is None else check_range(
-            "gradient_clipping", gradient_clipping, 0, low_open=True)
+        self.gradient_clipping = (
+            None if gradient_clipping is None else check_range("gradient_clipping", gradient_clipping, 0, low_open=True)
+        )
         self.momentum_masking = check_bool("momentum_masking", momentum_masking)
         self.world_size = 1
-        self.parameters = {}     # name -> parameter (for weight decay), from attach_optimizer
-        self.settings = {}       # name -> (momentum, nesterov, weight_decay) taken from SGD groups
-        self.momentums = {}      # u
-        self.velocities = {}     # v
+        self.parameters = {}  # name -> parameter (for weight decay), from attach_optimizer
+        self.settings = {}  # name -> (momentum, nesterov, weight_decay) taken from SGD groups
+        self.momentums = {}  # u
+        self.velocities = {}  # v
 
     def bind(self, engine):
         """Called by Grace: clipping scales its threshold by the world size."""
@@ -65,19 +65,26 @@ class MomentumMemory(Memory):
             if momentum > 0 and group.get("dampening", 0) != 0:
                 raise GraceConfigError(
                     f"SGD param group {index} has dampening={group['dampening']}; the momentum memory "
-                    f"implements u ← m·u + g only; accepted: dampening=0")
-            setting = (momentum if momentum > 0 else self.momentum,
-                       bool(group.get("nesterov")) if momentum > 0 else self.nesterov,
-                       decay if decay > 0 else self.weight_decay)
+                    f"implements u ← m·u + g only; accepted: dampening=0"
+                )
+            setting = (
+                momentum if momentum > 0 else self.momentum,
+                bool(group.get("nesterov")) if momentum > 0 else self.nesterov,
+                decay if decay > 0 else self.weight_decay,
+            )
             for param in group["params"]:
                 if id(param) in names:
                     self.settings[names[id(param)]] = setting
-            moved.append(f"group {index}: momentum={momentum}, nesterov={group.get('nesterov', False)}, "
-                         f"weight_decay={decay}")
+            moved.append(
+                f"group {index}: momentum={momentum}, nesterov={group.get('nesterov', False)}, weight_decay={decay}"
+            )
             group.update(momentum=0, weight_decay=0, nesterov=False)
         if moved:
-            log.warning("momentum memory took over SGD's momentum/weight decay (SGD's set to 0, "
-                        "applied before compression instead): %s", "; ".join(moved))
+            log.warning(
+                "momentum memory took over SGD's momentum/weight decay (SGD's set to 0, "
+                "applied before compression instead): %s",
+                "; ".join(moved),
+            )
 
     def compensate(self, tensor, name):
         momentum, nesterov, decay = self.settings.get(name, (self.momentum, self.nesterov, self.weight_decay))
@@ -85,7 +92,7 @@ class MomentumMemory(Memory):
         if self.gradient_clipping is not None:
             max_norm = self.gradient_clipping / math.sqrt(self.world_size)
             norm = grad.norm()
-            if not bool(torch.isfinite(norm)):      # ‖g‖² overflowed fp32 (or g is not finite)
+            if not bool(torch.isfinite(norm)):  # ‖g‖² overflowed fp32 (or g is not finite)
                 scale = grad.abs().max()
                 norm = grad.div(scale).norm() * scale if bool(torch.isfinite(scale)) and scale > 0 else norm
             grad = grad * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -94,12 +101,12 @@ class MomentumMemory(Memory):
                 raise GraceConfigError(
                     f"weight_decay needs the parameter {name!r}: wrap the optimizer with "
                     f"DistributedOptimizer(optimizer, grace, model.named_parameters()) or call "
-                    f"memory.attach_optimizer(optimizer, grace, dict(model.named_parameters()))")
+                    f"memory.attach_optimizer(optimizer, grace, dict(model.named_parameters()))"
+                )
             grad = grad + decay * self.parameters[name].detach().reshape(grad.shape)
-        u, v = self.momentums.get(name), self.velocities.get(name)
-        if u is None:
-            u, v = torch.zeros_like(grad), torch.zeros_like(grad)
-            self.momentums[name], self.velocities[name] = u, v
+        if name not in self.momentums:
+            self.momentums[name], self.velocities[name] = torch.zeros_like(grad), torch.zeros_like(grad)
+        u, v = self.momentums[name], self.velocities[name]
         # In place: on large layers, fresh full-size buffers every step cost more than the math.
         if nesterov:
             u.add_(grad).mul_(momentum)
@@ -107,11 +114,11 @@ class MomentumMemory(Memory):
         else:
             u.mul_(momentum).add_(grad)
             v.add_(u)
-        return v    # the memory's own buffer: compressors copy what they send
+        return v  # the memory's own buffer: compressors copy what they send
 
     def update(self, tensor, name, compressor, payload, ctx):
         v, u = self.velocities[name], self.momentums[name]
-        compressor.mask_sent_(v, payload, ctx)      # v ← v ⊙ ¬M (sparsifiers: at their indices)
+        compressor.mask_sent_(v, payload, ctx)  # v ← v ⊙ ¬M (sparsifiers: at their indices)
         # u is masked too unless the step was dense: every element with v ≠ 0 was sent, i.e.
         # nothing is left in v (one host sync on an accelerator)
         if self.momentum_masking and torch.count_nonzero(v):
@@ -125,9 +132,11 @@ class MomentumMemory(Memory):
             self.momentums.pop(name, None)
             self.velocities.pop(name, None)
 
-    def state_dict(self):      # copies: u and v are updated in place
-        return {"momentums": {n: u.clone() for n, u in self.momentums.items()},
-                "velocities": {n: v.clone() for n, v in self.velocities.items()}}
+    def state_dict(self):  # copies: u and v are updated in place
+        return {
+            "momentums": {n: u.clone() for n, u in self.momentums.items()},
+            "velocities": {n: v.clone() for n, v in self.velocities.items()},
+        }
 
     def load_state_dict(self, state):
         self.momentums = {n: u.clone() for n, u in state["momentums"].items()}

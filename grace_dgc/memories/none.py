@@ -5,4 +5,5 @@ from ..registry import register_memory
 @register_memory("none")
 class NoneMemory(Memory):
     """No memory: what the compressor drops is lost."""
+
     identity = True

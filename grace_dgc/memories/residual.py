@@ -32,7 +32,7 @@ class ResidualMemory(Memory):
         return residual.add_(tensor if self.gamma == 1 else self.gamma * tensor)
 
     def update(self, tensor, name, compressor, payload, ctx):
-        if tensor is not self.residuals.get(name):     # the first step: p_t is the input (or new)
+        if tensor is not self.residuals.get(name):  # the first step: p_t is the input (or new)
             tensor = tensor.clone()
         self.residuals[name] = compressor.subtract_sent_(tensor, payload, ctx)
 

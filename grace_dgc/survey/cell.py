@@ -1,4 +1,5 @@
 """One run of a survey grid (a *cell*: method × workers × seed × network) and its fingerprints."""
+
 import dataclasses
 import hashlib
 import json
@@ -17,13 +18,14 @@ class Cell:
     seeds of a method). Also readable as a mapping (``cell["workers"]``), as results code
     and earlier scripts read it.
     """
+
     survey: str
     label: str
-    method: dict[str, Any]          # compressor, memory, communicator, params, tags
+    method: dict[str, Any]  # compressor, memory, communicator, params, tags
     tune_lr: list[float] | None
     workers: int
     seed: int
-    network: dict[str, Any]         # Network.to_dict(): bandwidth_bps, latency_ms, tag
+    network: dict[str, Any]  # Network.to_dict(): bandwidth_bps, latency_ms, tag
     workload: str
     workload_options: dict[str, Any]
     hyper: dict[str, Any]
@@ -36,7 +38,7 @@ class Cell:
     timing_skip_steps: int
     device: str
     backend: str
-    cache_dir: str | None = None    # where a run keeps generated data (not hashed)
+    cache_dir: str | None = None  # where a run keeps generated data (not hashed)
     tensorboard_dir: str | None = None  # where rank 0 logs scalars, if asked (not hashed)
     run_id: str = ""
     cell_hash: str = ""

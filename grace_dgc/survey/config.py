@@ -6,6 +6,7 @@ commented example of every key. Loading validates everything up front — unknow
 wrong types, bad values and method names or parameters that ``grace_dgc.build`` would
 reject — so a typo fails in a second, not after an hour of training.
 """
+
 import copy
 import json
 import math
@@ -63,7 +64,8 @@ class SurveyConfig:
             raise GraceConfigError(f"{source}: 'workload' is required (one of {', '.join(_workload_names())})")
         if raw["workload"].lower() not in _workload_names():
             from .workloads import get_workload
-            get_workload(raw["workload"])      # raises the registry's error with a suggestion
+
+            get_workload(raw["workload"])  # raises the registry's error with a suggestion
         self.workload = raw["workload"].lower()
         self.name = raw.get("name", os.path.splitext(os.path.basename(source))[0] or "survey")
         self.description = raw.get("description", "")
@@ -97,8 +99,9 @@ class SurveyConfig:
             try:
                 import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
             except ImportError:
-                raise GraceConfigError("tensorboard = true needs the tensorboard package: pip install "
-                                       "'grace_dgc[tensorboard]'") from None
+                raise GraceConfigError(
+                    "tensorboard = true needs the tensorboard package: pip install 'grace_dgc[tensorboard]'"
+                ) from None
         self.device = settings["device"]
         if self.device not in ("auto", "cpu", "cuda"):
             raise GraceConfigError(f"device = {self.device!r}; accepted: auto, cpu, cuda")
@@ -112,13 +115,14 @@ class SurveyConfig:
     # -- validation ------------------------------------------------------------------
     def _check_hyper(self):
         from .workloads import _checked
-        _checked({k: v for k, v in self.hyper.items()})      # raises naming the key and range
+
+        _checked({k: v for k, v in self.hyper.items()})  # raises naming the key and range
 
     def _networks(self, networks):
         out = []
         for i, net in enumerate(networks):
             if not isinstance(net, dict):
-                raise GraceConfigError(f"networks[{i}] = {net!r} must be a table, e.g. {{bandwidth = \"1gbit\"}}")
+                raise GraceConfigError(f'networks[{i}] = {net!r} must be a table, e.g. {{bandwidth = "1gbit"}}')
             _check_keys(net, NETWORK_KEYS, f"networks[{i}]")
             out.append(Network(net.get("bandwidth"), net.get("latency")))
         tags = [n.tag for n in out]
@@ -130,9 +134,12 @@ class SurveyConfig:
         import grace_dgc
 
         from ..registry import COMPRESSORS
+
         if not methods:
-            raise GraceConfigError(f"{self.source}: no methods; add [[methods]] tables "
-                                   f"(compressor = one of {', '.join(grace_dgc.list_compressors())})")
+            raise GraceConfigError(
+                f"{self.source}: no methods; add [[methods]] tables "
+                f"(compressor = one of {', '.join(grace_dgc.list_compressors())})"
+            )
         out, labels = [], set()
         for i, method in enumerate(methods):
             where = f"methods[{i}]"
@@ -140,8 +147,9 @@ class SurveyConfig:
                 raise GraceConfigError(f"{where} must be a table with at least 'compressor'")
             _check_keys(method, METHOD_KEYS, where)
             if "compressor" not in method:
-                raise GraceConfigError(f"{where}: 'compressor' is required "
-                                       f"(one of {', '.join(grace_dgc.list_compressors())})")
+                raise GraceConfigError(
+                    f"{where}: 'compressor' is required (one of {', '.join(grace_dgc.list_compressors())})"
+                )
             compressor = COMPRESSORS.canonical(method["compressor"])
             summable = COMPRESSORS.get(compressor).summable
             spec = {
@@ -152,9 +160,10 @@ class SurveyConfig:
                 "params": dict(method.get("params", {})),
                 "tags": dict(method.get("tags", {})),
             }
-            try:        # every name and parameter checked by the real builder, on no network
-                grace_dgc.build(spec["compressor"], spec["memory"], spec["communicator"], engine="local",
-                                **spec["params"])
+            try:  # every name and parameter checked by the real builder, on no network
+                grace_dgc.build(
+                    spec["compressor"], spec["memory"], spec["communicator"], engine="local", **spec["params"]
+                )
             except GraceConfigError as err:
                 raise GraceConfigError(f"{where} ({spec['label']!r}): {err}") from None
             if spec["label"] in labels:
@@ -164,15 +173,18 @@ class SurveyConfig:
                 if key in method:
                     low_ok = method[key] > 0 if key == "lr" else method[key] >= 0
                     if not (low_ok and math.isfinite(method[key])):
-                        raise GraceConfigError(f"{where}: {key} = {method[key]!r} must be "
-                                               f"{'> 0' if key == 'lr' else '>= 0'}")
+                        raise GraceConfigError(
+                            f"{where}: {key} = {method[key]!r} must be {'> 0' if key == 'lr' else '>= 0'}"
+                        )
                     spec[key] = float(method[key])
             if "tune_lr" in method:
                 cands = method["tune_lr"]
-                if not cands or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0
-                                        for c in cands):
-                    raise GraceConfigError(f"{where}: tune_lr = {cands!r} must be a non-empty list of "
-                                           f"learning rates > 0")
+                if not cands or not all(
+                    isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in cands
+                ):
+                    raise GraceConfigError(
+                        f"{where}: tune_lr = {cands!r} must be a non-empty list of learning rates > 0"
+                    )
                 if "lr" in method:
                     raise GraceConfigError(f"{where}: give lr or tune_lr, not both")
                 spec["tune_lr"] = [float(c) for c in cands]
@@ -198,15 +210,28 @@ class SurveyConfig:
         hyper = dict(self.hyper)
         hyper.update({k: method[k] for k in ("lr", "momentum", "weight_decay") if k in method})
         return Cell(
-            survey=self.name, label=method["label"],
+            survey=self.name,
+            label=method["label"],
             method={k: method[k] for k in ("compressor", "memory", "communicator", "params", "tags")},
-            tune_lr=method.get("tune_lr"), workers=workers, seed=seed, network=net.to_dict(),
-            workload=self.workload, workload_options=self.workload_options, hyper=hyper,
-            data_dir=self.data_dir, data_seed=self.data_seed, max_steps=self.max_steps,
-            tune_epochs=self.tune_epochs, tune_holdout=self.tune_holdout,
-            eval_batch_size=self.eval_batch_size, timing_skip_steps=self.timing_skip_steps,
-            device=self.device, backend=self.backend, cache_dir=cache_dir,
-            tensorboard_dir=tensorboard_dir if self.tensorboard else None)
+            tune_lr=method.get("tune_lr"),
+            workers=workers,
+            seed=seed,
+            network=net.to_dict(),
+            workload=self.workload,
+            workload_options=self.workload_options,
+            hyper=hyper,
+            data_dir=self.data_dir,
+            data_seed=self.data_seed,
+            max_steps=self.max_steps,
+            tune_epochs=self.tune_epochs,
+            tune_holdout=self.tune_holdout,
+            eval_batch_size=self.eval_batch_size,
+            timing_skip_steps=self.timing_skip_steps,
+            device=self.device,
+            backend=self.backend,
+            cache_dir=cache_dir,
+            tensorboard_dir=tensorboard_dir if self.tensorboard else None,
+        )
 
     def to_dict(self):
         return copy.deepcopy(self.raw)
@@ -214,6 +239,7 @@ class SurveyConfig:
 
 def _workload_names():
     from .workloads import list_workloads
+
     return list_workloads()
 
 
@@ -234,8 +260,7 @@ def load_config(path):
     return SurveyConfig(raw, source=path)
 
 
-def with_overrides(config, workers=None, epochs=None, data_dir=None, network=None, max_steps=None,
-                   tensorboard=None):
+def with_overrides(config, workers=None, epochs=None, data_dir=None, network=None, max_steps=None, tensorboard=None):
     """A copy of ``config`` with the CLI's overrides applied (validated again)."""
     raw = config.to_dict()
     if workers is not None:

@@ -1,5 +1,6 @@
 """Where a survey rank runs: its engine (the one source of rank, size, backend and local
 rank), its device, and the runner's own small collectives (metrics, agreement)."""
+
 import torch
 
 import grace_dgc
@@ -11,7 +12,7 @@ class Context:
     """This rank's runtime: ``engine`` answers rank/size/backend; ``device`` is where it trains."""
 
     def __init__(self, engine_kind, device):
-        self.engine_kind = engine_kind      # what grace.build gets: "torch", "horovod", "local"
+        self.engine_kind = engine_kind  # what grace.build gets: "torch", "horovod", "local"
         self.engine = grace_dgc.create_engine(engine_kind)
         self.rank, self.size = self.engine.rank, self.engine.size
         self.device = device

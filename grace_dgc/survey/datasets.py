@@ -11,6 +11,7 @@ names, in the original distribution formats:
 Every loader returns CPU tensors: float32 inputs already normalised for the model and int64
 targets. Missing files raise :class:`MissingDataError` naming every expected file.
 """
+
 import gzip
 import os
 import pickle
@@ -28,7 +29,8 @@ def _missing(workload, data_dir, expected, looked_in):
     where = ", ".join(looked_in) if looked_in else "(no --data-dir given)"
     raise MissingDataError(
         f"workload {workload!r} reads local files and never downloads them; expected "
-        f"{', '.join(expected)} (.gz accepted for MNIST) in data_dir (--data-dir); looked in: {where}")
+        f"{', '.join(expected)} (.gz accepted for MNIST) in data_dir (--data-dir); looked in: {where}"
+    )
 
 
 def _find(data_dir, names, subdirs, workload):
@@ -40,8 +42,9 @@ def _find(data_dir, names, subdirs, workload):
             looked.append(folder)
             found = []
             for name in names:
-                hits = [os.path.join(folder, n) for n in (name, name + ".gz")
-                        if os.path.isfile(os.path.join(folder, n))]
+                hits = [
+                    os.path.join(folder, n) for n in (name, name + ".gz") if os.path.isfile(os.path.join(folder, n))
+                ]
                 found.append(hits[0] if hits else None)
             if all(found):
                 return found
@@ -64,6 +67,7 @@ def mnist1d(num_samples=5000, seed=0, cache_dir=None):
             with np.load(cache) as saved:
                 return tuple(torch.from_numpy(saved[k]) for k in ("x", "y", "x_test", "y_test"))
     import mnist1d.data
+
     args = mnist1d.data.get_dataset_args()
     args.num_samples, args.seed = int(num_samples), int(seed)
     py_state, np_state = random.getstate(), np.random.get_state()
@@ -72,10 +76,14 @@ def mnist1d(num_samples=5000, seed=0, cache_dir=None):
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
-    arrays = {"x": data["x"].astype(np.float32), "y": data["y"].astype(np.int64),
-              "x_test": data["x_test"].astype(np.float32), "y_test": data["y_test"].astype(np.int64)}
+    arrays = {
+        "x": data["x"].astype(np.float32),
+        "y": data["y"].astype(np.int64),
+        "x_test": data["x_test"].astype(np.float32),
+        "y_test": data["y_test"].astype(np.int64),
+    }
     if cache is not None and os.access(cache_dir, os.W_OK):
-        partial = f"{cache}.{os.getpid()}.tmp.npz"     # atomic: ranks may write at once
+        partial = f"{cache}.{os.getpid()}.tmp.npz"  # atomic: ranks may write at once
         np.savez(partial, **arrays)
         os.replace(partial, cache)
     return tuple(torch.from_numpy(arrays[k]) for k in ("x", "y", "x_test", "y_test"))
@@ -88,6 +96,7 @@ def digits(seed=0, test_fraction=0.2):
     Pixels (0..16) are scaled to [0, 1] and standardised with the train split's mean/std.
     """
     from sklearn.datasets import load_digits
+
     bunch = load_digits()
     x = torch.tensor(bunch.data, dtype=torch.float32) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.int64)
@@ -101,8 +110,7 @@ def digits(seed=0, test_fraction=0.2):
 
 # ------------------------------------------------------------------------------------ MNIST
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-               "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
@@ -113,15 +121,18 @@ def read_idx(path):
     with opener(path, "rb") as handle:
         raw = handle.read()
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise ValueError(f"{path} is not an IDX file (bad magic number {raw[:4].hex()}); "
-                         f"accepted: 00 00 <type in {sorted(_IDX_DTYPES)}> <ndim>")
+        raise ValueError(
+            f"{path} is not an IDX file (bad magic number {raw[:4].hex()}); "
+            f"accepted: 00 00 <type in {sorted(_IDX_DTYPES)}> <ndim>"
+        )
     dtype, ndim = np.dtype(_IDX_DTYPES[raw[2]]), raw[3]
     shape = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
     offset = 4 + 4 * ndim
     expected = int(np.prod(shape)) * dtype.itemsize
     if len(raw) - offset != expected:
-        raise ValueError(f"{path}: header says shape {shape} ({expected} bytes of data) "
-                         f"but the file holds {len(raw) - offset}")
+        raise ValueError(
+            f"{path}: header says shape {shape} ({expected} bytes of data) but the file holds {len(raw) - offset}"
+        )
     return np.frombuffer(raw, dtype, offset=offset).reshape(shape).astype(dtype.newbyteorder("="))
 
 
@@ -139,8 +150,13 @@ def mnist(data_dir, workload="mnist"):
     def images_to_tensor(images):
         x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
         return (x - MNIST_MEAN) / MNIST_STD
-    return (images_to_tensor(train_x), torch.from_numpy(train_y.astype(np.int64)),
-            images_to_tensor(test_x), torch.from_numpy(test_y.astype(np.int64)))
+
+    return (
+        images_to_tensor(train_x),
+        torch.from_numpy(train_y.astype(np.int64)),
+        images_to_tensor(test_x),
+        torch.from_numpy(test_y.astype(np.int64)),
+    )
 
 
 # --------------------------------------------------------------------------------- CIFAR-10
@@ -153,16 +169,24 @@ class _ArraysOnly(pickle.Unpickler):
     """Unpickles plain containers and numpy arrays, nothing else: a CIFAR-10 batch is a dict
     of bytes keys, a uint8 array and lists; a crafted file naming any other callable (say
     ``os.system``) is refused instead of run."""
-    ALLOWED = {(module, name) for module in ("numpy.core.multiarray", "numpy._core.multiarray")
-               for name in ("_reconstruct", "scalar")} | {
-        ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.numeric", "_frombuffer"),
+
+    ALLOWED = {
+        (module, name)
+        for module in ("numpy.core.multiarray", "numpy._core.multiarray")
+        for name in ("_reconstruct", "scalar")
+    } | {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.numeric", "_frombuffer"),
         ("numpy._core.numeric", "_frombuffer"),
-        ("_codecs", "encode")}      # how pickle protocol 2 writes bytes from Python 3
+        ("_codecs", "encode"),
+    }  # how pickle protocol 2 writes bytes from Python 3
 
     def find_class(self, module, name):
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(
-                f"refusing {module}.{name}: a CIFAR-10 batch holds only plain containers and numpy arrays")
+                f"refusing {module}.{name}: a CIFAR-10 batch holds only plain containers and numpy arrays"
+            )
         return super().find_class(module, name)
 
 
@@ -175,8 +199,9 @@ def _cifar_batch(path):
     data = np.asarray(batch[b"data"], dtype=np.uint8)
     labels = np.asarray(batch[b"labels"], dtype=np.int64)
     if data.ndim != 2 or data.shape[1] != 3072 or len(data) != len(labels):
-        raise ValueError(f"{path}: expected b'data' uint8 (N, 3072) and N b'labels', "
-                         f"got {data.shape} and {labels.shape}")
+        raise ValueError(
+            f"{path}: expected b'data' uint8 (N, 3072) and N b'labels', got {data.shape} and {labels.shape}"
+        )
     return data, labels
 
 
@@ -196,9 +221,13 @@ def cifar10(data_dir, workload="cifar10"):
     def images_to_tensor(data):
         x = torch.from_numpy(data).view(-1, 3, 32, 32).float().div_(255.0)
         return (x - mean) / std
-    return (images_to_tensor(np.concatenate([d for d, _ in train])),
-            torch.from_numpy(np.concatenate([lab for _, lab in train])),
-            images_to_tensor(test_x), torch.from_numpy(test_y))
+
+    return (
+        images_to_tensor(np.concatenate([d for d, _ in train])),
+        torch.from_numpy(np.concatenate([lab for _, lab in train])),
+        images_to_tensor(test_x),
+        torch.from_numpy(test_y),
+    )
 
 
 def cifar_augment(images, generator):
@@ -214,17 +243,21 @@ def cifar_augment(images, generator):
     black = (-torch.tensor(CIFAR_MEAN) / torch.tensor(CIFAR_STD)).to(images)
     black = black[:channels] if channels <= 3 else torch.zeros(channels).to(images)
     padded = black.view(1, channels, 1, 1).expand(batch, channels, height + 2 * pad, width + 2 * pad).clone()
-    padded[:, :, pad:pad + height, pad:pad + width] = images
+    padded[:, :, pad : pad + height, pad : pad + width] = images
     row0 = torch.randint(0, 2 * pad + 1, (batch,), generator=generator)
     col0 = torch.randint(0, 2 * pad + 1, (batch,), generator=generator)
     flip = torch.rand(batch, generator=generator) < 0.5
     rows = row0[:, None] + torch.arange(height)
-    cols = torch.where(flip[:, None], col0[:, None] + torch.arange(width - 1, -1, -1),
-                       col0[:, None] + torch.arange(width))
+    cols = torch.where(
+        flip[:, None], col0[:, None] + torch.arange(width - 1, -1, -1), col0[:, None] + torch.arange(width)
+    )
     device = images.device
-    return padded[torch.arange(batch, device=device)[:, None, None, None],
-                  torch.arange(channels, device=device)[None, :, None, None],
-                  rows.to(device)[:, None, :, None], cols.to(device)[:, None, None, :]]
+    return padded[
+        torch.arange(batch, device=device)[:, None, None, None],
+        torch.arange(channels, device=device)[None, :, None, None],
+        rows.to(device)[:, None, :, None],
+        cols.to(device)[:, None, None, :],
+    ]
 
 
 # -------------------------------------------------------------------------------------- PTB
@@ -239,7 +272,7 @@ def _ptb_words(path):
 def _windows(tokens, bptt):
     """Non-overlapping ``(inputs, targets)`` windows: targets are inputs shifted by one token."""
     count = (len(tokens) - 1) // bptt
-    stream = torch.tensor(tokens[:count * bptt + 1], dtype=torch.int64)
+    stream = torch.tensor(tokens[: count * bptt + 1], dtype=torch.int64)
     return stream[:-1].view(count, bptt), stream[1:].view(count, bptt)
 
 
@@ -269,8 +302,7 @@ def ptb(data_dir, bptt=35, workload="ptb"):
 
 
 # ---------------------------------------------------------------------------- fc-heavy task
-def teacher_task(train_samples, test_samples, input_dim=1024, num_classes=10, latent_dim=16,
-                 noise=0.5, seed=0):
+def teacher_task(train_samples, test_samples, input_dim=1024, num_classes=10, latent_dim=16, noise=0.5, seed=0):
     """Synthetic classification labelled by a fixed random teacher.
 
     A latent z ~ N(0, I_16) is embedded in ``input_dim`` dimensions by a random matrix E
@@ -281,7 +313,7 @@ def teacher_task(train_samples, test_samples, input_dim=1024, num_classes=10, la
     come from one seeded torch.Generator.
     """
     gen = torch.Generator().manual_seed(int(seed))
-    embedding = torch.randn(latent_dim, input_dim, generator=gen) / latent_dim ** 0.5
+    embedding = torch.randn(latent_dim, input_dim, generator=gen) / latent_dim**0.5
     teacher = torch.randn(latent_dim, num_classes, generator=gen)
     total = train_samples + test_samples
     latent = torch.randn(total, latent_dim, generator=gen)

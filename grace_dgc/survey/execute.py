@@ -1,5 +1,6 @@
 """One cell from start to summary: lr (tuned or the workload's), training, and the summary line
 rank 0 appends to results.jsonl."""
+
 import datetime
 import os
 import platform
@@ -22,8 +23,7 @@ def execute_cell(ctx, cell, out_dir, progress=False):
     """Train one cell on this rank; rank 0 writes its epoch lines and summary line and
     returns the summary (other ranks return None)."""
     if ctx.size != cell.workers:
-        raise GraceConfigError(f"cell {cell.run_id!r} wants {cell.workers} workers, "
-                               f"the runtime has {ctx.size}")
+        raise GraceConfigError(f"cell {cell.run_id!r} wants {cell.workers} workers, the runtime has {ctx.size}")
     workload = load_workload(cell)
     tuning = None
     if cell.tune_lr:
@@ -32,8 +32,14 @@ def execute_cell(ctx, cell, out_dir, progress=False):
         lr = workload.lr
     attempt = ctx.broadcast_object(uuid.uuid4().hex[:12])
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    base = {"run_id": cell.run_id, "attempt": attempt, "label": cell.label,
-            "workers": cell.workers, "seed": cell.seed, "network": cell.network["tag"]}
+    base = {
+        "run_id": cell.run_id,
+        "attempt": attempt,
+        "label": cell.label,
+        "workers": cell.workers,
+        "seed": cell.seed,
+        "network": cell.network["tag"],
+    }
 
     def on_epoch(record):
         if ctx.rank == 0:
@@ -41,9 +47,19 @@ def execute_cell(ctx, cell, out_dir, progress=False):
 
     writer = _tensorboard(cell) if ctx.rank == 0 else None
     try:
-        history, facts = train(ctx, cell, workload, lr, workload.train, workload.test, workload.epochs,
-                               on_epoch=on_epoch, progress=progress, desc=cell.run_id,
-                               scalars=None if writer is None else _scalars(writer))
+        history, facts = train(
+            ctx,
+            cell,
+            workload,
+            lr,
+            workload.train,
+            workload.test,
+            workload.epochs,
+            on_epoch=on_epoch,
+            progress=progress,
+            desc=cell.run_id,
+            scalars=None if writer is None else _scalars(writer),
+        )
     finally:
         if writer is not None:
             writer.close()
@@ -52,39 +68,66 @@ def execute_cell(ctx, cell, out_dir, progress=False):
     timed = [h for h in history if h["timed_steps"]] or history
     weights = [h["timed_steps"] or 1 for h in timed]
 
-    def mean_step(key):     # per-step mean over the run (epochs weighted by their timed steps)
+    def mean_step(key):  # per-step mean over the run (epochs weighted by their timed steps)
         return sum(h[key] * w for h, w in zip(timed, weights)) / sum(weights)
 
     last = history[-1]
     total_steps = sum(h["steps"] for h in history)
     train_time = last["elapsed_s"]
     summary = dict(
-        base, type="summary", cell_hash=cell.cell_hash, survey=cell.survey,
-        compressor=cell.method["compressor"], memory=cell.method["memory"],
-        communicator=cell.method["communicator"], params=cell.method["params"],
-        tags=cell.method["tags"], bandwidth_bps=cell.network["bandwidth_bps"],
-        latency_ms=cell.network["latency_ms"], workload=workload.name,
-        workload_description=workload.description, parameters=facts["parameters"],
-        batch_size=workload.batch_size, global_batch=facts["global_batch"], lr=lr, lr_tuning=tuning,
-        momentum=workload.momentum, weight_decay=workload.weight_decay, epochs=len(history),
-        steps_per_epoch=facts["steps_per_epoch"], steps=total_steps,
-        final_test_accuracy=last["test_accuracy"], final_test_loss=last["test_loss"],
-        final_train_accuracy=last["train_accuracy"], final_train_loss=last["train_loss"],
+        base,
+        type="summary",
+        cell_hash=cell.cell_hash,
+        survey=cell.survey,
+        compressor=cell.method["compressor"],
+        memory=cell.method["memory"],
+        communicator=cell.method["communicator"],
+        params=cell.method["params"],
+        tags=cell.method["tags"],
+        bandwidth_bps=cell.network["bandwidth_bps"],
+        latency_ms=cell.network["latency_ms"],
+        workload=workload.name,
+        workload_description=workload.description,
+        parameters=facts["parameters"],
+        batch_size=workload.batch_size,
+        global_batch=facts["global_batch"],
+        lr=lr,
+        lr_tuning=tuning,
+        momentum=workload.momentum,
+        weight_decay=workload.weight_decay,
+        epochs=len(history),
+        steps_per_epoch=facts["steps_per_epoch"],
+        steps=total_steps,
+        final_test_accuracy=last["test_accuracy"],
+        final_test_loss=last["test_loss"],
+        final_train_accuracy=last["train_accuracy"],
+        final_train_loss=last["train_loss"],
         best_test_accuracy=max(h["test_accuracy"] for h in history),
-        target_accuracy=target, epochs_to_target=reached["epoch"] if reached else None,
+        target_accuracy=target,
+        epochs_to_target=reached["epoch"] if reached else None,
         time_to_target_s=reached["elapsed_s"] if reached else None,
-        train_time_s=train_time, samples_per_s=total_steps * facts["global_batch"] / train_time,
+        train_time_s=train_time,
+        samples_per_s=total_steps * facts["global_batch"] / train_time,
         bytes_per_step=sum(h["bytes_per_step"] * h["steps"] for h in history) / total_steps,
         dense_bytes_per_step=sum(h["dense_bytes_per_step"] * h["steps"] for h in history) / total_steps,
-        compression_ratio=(sum(h["bytes_per_step"] * h["steps"] for h in history)
-                           / max(sum(h["dense_bytes_per_step"] * h["steps"] for h in history), 1)),
+        compression_ratio=(
+            sum(h["bytes_per_step"] * h["steps"] for h in history)
+            / max(sum(h["dense_bytes_per_step"] * h["steps"] for h in history), 1)
+        ),
         exchanges_per_step=last["exchanges_per_step"],
-        peak_rss_mb=max(h["peak_rss_mb"] for h in history), peak_gpu_mb=max(h["peak_gpu_mb"] for h in history),
-        device=str(ctx.device), backend=ctx.backend, engine=ctx.engine_kind,
-        torch=torch.__version__, grace_dgc=grace_dgc.__version__, host=socket.gethostname(),
-        python=platform.python_version(), started=started,
+        peak_rss_mb=max(h["peak_rss_mb"] for h in history),
+        peak_gpu_mb=max(h["peak_gpu_mb"] for h in history),
+        device=str(ctx.device),
+        backend=ctx.backend,
+        engine=ctx.engine_kind,
+        torch=torch.__version__,
+        grace_dgc=grace_dgc.__version__,
+        host=socket.gethostname(),
+        python=platform.python_version(),
+        started=started,
         finished=datetime.datetime.now().isoformat(timespec="seconds"),
-        method_stats=last["method_stats"], shaping=netem_shaping(),
+        method_stats=last["method_stats"],
+        shaping=netem_shaping(),
     )
     for key in ("compute_s", "compress_s", "communicate_s", "decompress_s", "wait_s", "step_s"):
         summary[key] = mean_step(key)
@@ -99,6 +142,7 @@ def _tensorboard(cell):
     if not cell.tensorboard_dir:
         return None
     from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter(os.path.join(cell.tensorboard_dir, re.sub(r"[^\w.@-]+", "_", cell.run_id)))
 
 
@@ -106,16 +150,16 @@ def _scalars(writer):
     def log(step, values):
         for tag, value in values.items():
             writer.add_scalar(tag, value, step)
+
     return log
 
 
 def netem_shaping():
     from .netem import current_shaping
+
     return current_shaping()
 
 
 def run_cell(rank, world_size, cell, out_dir, progress=False, device="auto"):
     """:func:`grace_dgc.launch.run_local` entry point: one rank of one cell."""
     return execute_cell(Context.detect(device), cell, out_dir, progress)
-
-

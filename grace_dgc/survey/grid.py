@@ -1,5 +1,6 @@
 """The grid driver: every unfinished cell of a config, each in its own process group on this
 machine (:func:`grace_dgc.launch.run_local`), shaped networks in a network namespace."""
+
 import json
 import os
 import sys
@@ -27,8 +28,9 @@ def resolve_runtime(config, workers=1, network_shaped=False):
     if backend == "auto":
         backend = "nccl" if cuda and gpus >= workers and not network_shaped else "gloo"
     if backend == "nccl" and gpus < workers:
-        raise GraceConfigError(f"backend = 'nccl' needs a GPU per rank ({workers} ranks, {gpus} GPUs); "
-                               f"use backend = 'gloo'")
+        raise GraceConfigError(
+            f"backend = 'nccl' needs a GPU per rank ({workers} ranks, {gpus} GPUs); use backend = 'gloo'"
+        )
     return backend, "cuda" if cuda else "cpu"
 
 
@@ -50,7 +52,8 @@ def prepare(config, out_dir, check_workload=True):
         if workload.batch_size * workers > len(workload.train[0]):
             raise GraceConfigError(
                 f"batch_size {workload.batch_size} × {workers} workers exceeds the "
-                f"{len(workload.train[0])} training samples of {workload.name!r}")
+                f"{len(workload.train[0])} training samples of {workload.name!r}"
+            )
     return cells, workload
 
 
@@ -63,6 +66,7 @@ def run_grid(config, out_dir, progress=True, network_tag=None, log=print):
 
     from ..launch import run_local
     from . import netem
+
     # a shaped-network child runs a share of a grid its parent has already checked
     cells, _ = prepare(config, out_dir, check_workload=network_tag is None)
     if network_tag is not None:
@@ -70,19 +74,20 @@ def run_grid(config, out_dir, progress=True, network_tag=None, log=print):
     done = finished_runs(out_dir)
     summaries, failures = [], []
     inside = netem.current_shaping()
-    by_network = {}
+    by_network: dict[str, list] = {}
     for cell in cells:
         by_network.setdefault(cell.network["tag"], []).append(cell)
 
     def is_shaped(net):
         return bool(net["bandwidth_bps"]) or net["latency_ms"] > 0
 
-    for group in by_network.values():     # fail fast: before any run, not after hours
+    for group in by_network.values():  # fail fast: before any run, not after hours
         net = group[0].network
         if is_shaped(net) and inside is None and any(done.get(c.run_id) != c.cell_hash for c in group):
             netem.probe(net["bandwidth_bps"], net["latency_ms"])
-    bar = tqdm(total=len(cells), desc=f"survey {config.name}", position=0, unit="run", dynamic_ncols=True,
-               disable=not progress)
+    bar = tqdm(
+        total=len(cells), desc=f"survey {config.name}", position=0, unit="run", dynamic_ncols=True, disable=not progress
+    )
     try:
         for tag, group in by_network.items():
             net = group[0].network
@@ -93,15 +98,30 @@ def run_grid(config, out_dir, progress=True, network_tag=None, log=print):
             shaped = is_shaped(net)
             if shaped and (inside is None or inside.get("tag") != tag):
                 if inside is not None:
-                    raise GraceConfigError(f"already inside a shaped network ({inside.get('tag')}); cannot "
-                                           f"run cells of network {tag!r} here")
+                    raise GraceConfigError(
+                        f"already inside a shaped network ({inside.get('tag')}); cannot "
+                        f"run cells of network {tag!r} here"
+                    )
                 log(f"[survey] network {tag}: running {len(todo)} run(s) in a shaped network namespace")
                 bar.clear()
                 code = netem.run_shaped(
-                    [sys.executable, "-m", "grace_dgc.survey.cli", "survey", "--config",
-                     os.path.join(out_dir, CONFIG_JSON), "--out", out_dir, "--network-tag", tag]
+                    [
+                        sys.executable,
+                        "-m",
+                        "grace_dgc.survey.cli",
+                        "survey",
+                        "--config",
+                        os.path.join(out_dir, CONFIG_JSON),
+                        "--out",
+                        out_dir,
+                        "--network-tag",
+                        tag,
+                    ]
                     + ([] if progress else ["--no-progress"]),
-                    bandwidth_bps=net["bandwidth_bps"], latency_ms=net["latency_ms"], check_first=False)
+                    bandwidth_bps=net["bandwidth_bps"],
+                    latency_ms=net["latency_ms"],
+                    check_first=False,
+                )
                 finished = {r["run_id"]: r for r in latest_summaries(read_records(out_dir))}
                 for cell in todo:
                     if finished.get(cell.run_id, {}).get("cell_hash") == cell.cell_hash:
@@ -114,23 +134,35 @@ def run_grid(config, out_dir, progress=True, network_tag=None, log=print):
                 backend, device = resolve_runtime(config, cell.workers, shaped)
                 bar.set_postfix_str(cell.run_id)
                 try:
-                    result = run_local(run_cell, cell.workers, (cell, out_dir, progress, device),
-                                       backend=backend, timeout=config.timeout)
+                    result = run_local(
+                        run_cell,
+                        cell.workers,
+                        (cell, out_dir, progress, device),
+                        backend=backend,
+                        timeout=config.timeout,
+                    )
                     summary = result[0]
                     summaries.append(summary)
-                    bar.write(f"[survey] {cell['run_id']}: test acc {summary['final_test_accuracy']:.4f}, "
-                              f"{summary['bytes_per_step']:.0f} B/step, ratio {summary['compression_ratio']:.4g}, "
-                              f"{summary['train_time_s']:.1f} s")
-                except Exception as err:        # one broken run does not stop the survey
+                    bar.write(
+                        f"[survey] {cell['run_id']}: test acc {summary['final_test_accuracy']:.4f}, "
+                        f"{summary['bytes_per_step']:.0f} B/step, ratio {summary['compression_ratio']:.4g}, "
+                        f"{summary['train_time_s']:.1f} s"
+                    )
+                except Exception as err:  # one broken run does not stop the survey
                     message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
                     failures.append((cell.run_id, str(err)))
-                    append_record(out_dir, {"type": "error", "run_id": cell.run_id,
-                                            "cell_hash": cell.cell_hash, "message": str(err)[-4000:]})
+                    append_record(
+                        out_dir,
+                        {
+                            "type": "error",
+                            "run_id": cell.run_id,
+                            "cell_hash": cell.cell_hash,
+                            "message": str(err)[-4000:],
+                        },
+                    )
                     bar.write(f"[survey] {cell['run_id']} FAILED: {message}")
                 bar.update(1)
     finally:
         bar.close()
         write_summary_csv(out_dir)
     return summaries, failures
-
-

@@ -1,23 +1,25 @@
 """What one rank measures in one epoch (:class:`RankTotals`), and the epoch record every
 rank derives from all ranks' totals (:func:`epoch_record`). Adding a metric: a field here and
 its line in ``epoch_record``."""
+
 import dataclasses
 
 
 @dataclasses.dataclass
 class RankTotals:
     """One rank's sums over one epoch's steps (gathered as one float64 vector)."""
-    loss: float = 0.0               # Σ loss × samples
-    hits: float = 0.0               # correct predictions
-    count: float = 0.0              # predictions
-    bytes_sent: float = 0.0         # grace.stats()["bytes_sent"]
-    dense_bytes: float = 0.0        # what an fp32 allreduce would have handed over
-    exchanges: float = 0.0          # tensors exchanged
-    timed_steps: float = 0.0        # steps past timing_skip_steps
-    train_time: float = 0.0         # epoch wall time (set at the end of the epoch)
+
+    loss: float = 0.0  # Σ loss × samples
+    hits: float = 0.0  # correct predictions
+    count: float = 0.0  # predictions
+    bytes_sent: float = 0.0  # grace.stats()["bytes_sent"]
+    dense_bytes: float = 0.0  # what an fp32 allreduce would have handed over
+    exchanges: float = 0.0  # tensors exchanged
+    timed_steps: float = 0.0  # steps past timing_skip_steps
+    train_time: float = 0.0  # epoch wall time (set at the end of the epoch)
     peak_rss_mb: float = 0.0
     peak_gpu_mb: float = 0.0
-    compute: float = 0.0            # the timers: seconds over the timed steps
+    compute: float = 0.0  # the timers: seconds over the timed steps
     compress: float = 0.0
     communicate: float = 0.0
     decompress: float = 0.0
@@ -41,21 +43,26 @@ def epoch_record(ranks, epoch, lr, steps, global_batch, elapsed, test_loss, test
     dense = sum(r.dense_bytes for r in ranks)
     count = sum(r.count for r in ranks)
     record = {
-        "epoch": epoch, "lr": lr, "steps": steps,
+        "epoch": epoch,
+        "lr": lr,
+        "steps": steps,
         "train_loss": sum(r.loss for r in ranks) / count,
         "train_accuracy": sum(r.hits for r in ranks) / count,
-        "test_loss": test_loss, "test_accuracy": test_accuracy,
-        "epoch_time_s": epoch_time, "elapsed_s": elapsed + epoch_time,
+        "test_loss": test_loss,
+        "test_accuracy": test_accuracy,
+        "epoch_time_s": epoch_time,
+        "elapsed_s": elapsed + epoch_time,
         "samples_per_s": steps * global_batch / epoch_time,
         "bytes_per_step": sent / n / steps,
         "dense_bytes_per_step": dense / n / steps,
         "compression_ratio": sent / max(dense, 1),
         "exchanges_per_step": ranks[0].exchanges / steps,
         "timed_steps": int(ranks[0].timed_steps),
-        "peak_rss_mb": max(r.peak_rss_mb for r in ranks), "peak_gpu_mb": max(r.peak_gpu_mb for r in ranks),
+        "peak_rss_mb": max(r.peak_rss_mb for r in ranks),
+        "peak_gpu_mb": max(r.peak_gpu_mb for r in ranks),
         "method_stats": method_stats,
     }
-    for name in RankTotals.TIMERS:      # per-step means over ranks
+    for name in RankTotals.TIMERS:  # per-step means over ranks
         record[name + "_s"] = sum(getattr(r, name) / max(r.timed_steps, 1) for r in ranks) / n
     record["step_s"] = record["compute_s"] + record["wait_s"]
     return record

@@ -1,6 +1,7 @@
 """Models of the survey workloads. Each draws its initial weights from the global torch RNG
 only, so ``torch.manual_seed(seed); make_model()`` gives the same model on every rank and
 for every compression method."""
+
 import torch.nn.functional as F
 from torch import nn
 
@@ -12,7 +13,7 @@ def parameter_count(model):
 
 def mlp(sizes):
     """Flatten, then Linear+ReLU layers through ``sizes`` (no ReLU after the last)."""
-    layers = [nn.Flatten()]
+    layers: list[nn.Module] = [nn.Flatten()]
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         layers.append(nn.Linear(n_in, n_out))
         if i < len(sizes) - 2:
@@ -30,7 +31,7 @@ class CNN1D(nn.Module):
         self.conv2 = nn.Conv1d(channels, channels, 3, stride=2, padding=1)
         self.conv3 = nn.Conv1d(channels, channels, 3, stride=2, padding=1)
         out = length
-        for kernel in (5, 3, 3):      # each conv maps length L to (L + 2 - kernel) // 2 + 1
+        for kernel in (5, 3, 3):  # each conv maps length L to (L + 2 - kernel) // 2 + 1
             out = (out + 2 - kernel) // 2 + 1
         self.linear = nn.Linear(channels * out, num_classes)
 
@@ -77,7 +78,7 @@ class BasicBlock(nn.Module):
     def shortcut(self, x):
         if self.stride == 1 and self.extra == 0:
             return x
-        x = x[:, :, ::self.stride, ::self.stride]
+        x = x[:, :, :: self.stride, :: self.stride]
         return F.pad(x, (0, 0, 0, 0, self.extra // 2, self.extra - self.extra // 2))
 
     def forward(self, x):
@@ -104,8 +105,9 @@ class ResNetCifar(nn.Module):
         self.linear = nn.Linear(widths[-1], num_classes)
         for module in self.modules():
             if isinstance(module, (nn.Conv2d, nn.Linear)):
-                nn.init.kaiming_normal_(module.weight, mode="fan_out" if isinstance(module, nn.Conv2d)
-                                        else "fan_in", nonlinearity="relu")
+                nn.init.kaiming_normal_(
+                    module.weight, mode="fan_out" if isinstance(module, nn.Conv2d) else "fan_in", nonlinearity="relu"
+                )
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -145,4 +147,3 @@ def fc_heavy(sizes=(1024, 4096, 4096, 1024, 10)):
 def mlp_parameter_count(sizes):
     """Parameters of ``mlp(sizes)`` by formula (weights + biases), without building it."""
     return sum(n_in * n_out + n_out for n_in, n_out in zip(sizes[:-1], sizes[1:]))
-

@@ -28,6 +28,7 @@ Needs root or CAP_NET_ADMIN (or user namespaces), ``unshare`` (util-linux), ipro
 Without them :class:`NetemUnavailable` says what is missing and suggests
 ``grace-dgc project``, which projects the same comparison from measured figures.
 """
+
 import argparse
 import json
 import os
@@ -62,13 +63,44 @@ def shaping_commands(bandwidth_bps=None, latency_ms=0.0):
     cmds = [["ip", "link", "set", "lo", "mtu", str(MTU), "up"]]
     parent = ["root"]
     if latency_ms:
-        cmds.append(["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "netem",
-                     "delay", f"{latency_ms:g}ms", "limit", "1000000"])
+        cmds.append(
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "handle",
+                "1:",
+                "netem",
+                "delay",
+                f"{latency_ms:g}ms",
+                "limit",
+                "1000000",
+            ]
+        )
         parent = ["parent", "1:1"]
     if bandwidth_bps:
-        cmds.append(["tc", "qdisc", "add", "dev", "lo", *parent, "handle", "10:", "tbf",
-                     "rate", f"{int(bandwidth_bps)}bit", "burst", str(burst_bytes(bandwidth_bps)),
-                     "latency", "1s"])
+        cmds.append(
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                *parent,
+                "handle",
+                "10:",
+                "tbf",
+                "rate",
+                f"{int(bandwidth_bps)}bit",
+                "burst",
+                str(burst_bytes(bandwidth_bps)),
+                "latency",
+                "1s",
+            ]
+        )
     return cmds
 
 
@@ -85,8 +117,10 @@ def _unshare_prefix():
     return ["unshare", "--user", "--map-root-user", "--net", "--"]
 
 
-_SUGGESTION = ("Without it, project the comparison from measured figures instead: run the survey "
-               "unshaped, then `grace-dgc project DIR --nodes 8,16,64 --bandwidth 1gbit,10gbit`.")
+_SUGGESTION = (
+    "Without it, project the comparison from measured figures instead: run the survey "
+    "unshaped, then `grace-dgc project DIR --nodes 8,16,64 --bandwidth 1gbit,10gbit`."
+)
 
 
 def probe(bandwidth_bps=None, latency_ms=0.0):
@@ -95,28 +129,33 @@ def probe(bandwidth_bps=None, latency_ms=0.0):
     for tool in ("unshare", "ip", "tc"):
         if shutil.which(tool) is None:
             package = "util-linux" if tool == "unshare" else "iproute2"
-            raise NetemUnavailable(f"the emulated network needs `{tool}` ({package}), which is not on PATH. "
-                                   + _SUGGESTION)
+            raise NetemUnavailable(
+                f"the emulated network needs `{tool}` ({package}), which is not on PATH. " + _SUGGESTION
+            )
     script = " && ".join(" ".join(c) for c in shaping_commands(bandwidth_bps or 1e7, latency_ms))
     try:
-        proc = subprocess.run(_unshare_prefix() + ["sh", "-c", script], capture_output=True, text=True,
-                              timeout=30)
+        proc = subprocess.run(_unshare_prefix() + ["sh", "-c", script], capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
         raise NetemUnavailable("creating a shaped network namespace timed out. " + _SUGGESTION) from None
     if proc.returncode != 0:
         err = (proc.stderr or proc.stdout).strip()
         if "unknown" in err.lower() and latency_ms:
-            why = ("this kernel has no `netem` qdisc (CONFIG_NET_SCH_NETEM), needed for --latency; "
-                   "bandwidth shaping alone (tbf) may still work: drop --latency")
+            why = (
+                "this kernel has no `netem` qdisc (CONFIG_NET_SCH_NETEM), needed for --latency; "
+                "bandwidth shaping alone (tbf) may still work: drop --latency"
+            )
         elif "unknown" in err.lower():
             why = "this kernel has no `tbf` qdisc (CONFIG_NET_SCH_TBF)"
         elif "not permitted" in err.lower() or "permission" in err.lower():
-            why = ("creating a network namespace was refused: it needs root or CAP_NET_ADMIN "
-                   "(or unprivileged user namespaces, for `unshare --user --map-root-user --net`)")
+            why = (
+                "creating a network namespace was refused: it needs root or CAP_NET_ADMIN "
+                "(or unprivileged user namespaces, for `unshare --user --map-root-user --net`)"
+            )
         else:
             why = "setting up the shaped loopback failed"
-        raise NetemUnavailable(f"emulated network unavailable: {why} ({err or 'exit ' + str(proc.returncode)}). "
-                               + _SUGGESTION)
+        raise NetemUnavailable(
+            f"emulated network unavailable: {why} ({err or 'exit ' + str(proc.returncode)}). " + _SUGGESTION
+        )
 
 
 def run_shaped(argv, bandwidth_bps=None, latency_ms=0.0, capture=False, timeout=None, check_first=True):
@@ -126,9 +165,18 @@ def run_shaped(argv, bandwidth_bps=None, latency_ms=0.0, capture=False, timeout=
         raise ValueError("run_shaped needs a bandwidth or a latency")
     if check_first:
         probe(bandwidth_bps, latency_ms)
-    cmd = _unshare_prefix() + [sys.executable, "-m", "grace_dgc.survey.netem", "_inside",
-                               "--bandwidth-bps", str(bandwidth_bps or 0), "--latency-ms", str(latency_ms or 0),
-                               "--", *argv]
+    cmd = _unshare_prefix() + [
+        sys.executable,
+        "-m",
+        "grace_dgc.survey.netem",
+        "_inside",
+        "--bandwidth-bps",
+        str(bandwidth_bps or 0),
+        "--latency-ms",
+        str(latency_ms or 0),
+        "--",
+        *argv,
+    ]
     if capture:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     return subprocess.run(cmd, timeout=timeout).returncode
@@ -141,8 +189,9 @@ def _inside(bandwidth_bps, latency_ms, argv):
             print(f"[netem] `{' '.join(cmd)}` failed: {proc.stderr.strip()}", file=sys.stderr)
             return 3
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    env[ENV] = json.dumps({"bandwidth_bps": bandwidth_bps or None, "latency_ms": latency_ms,
-                           "tag": describe(bandwidth_bps, latency_ms)})
+    env[ENV] = json.dumps(
+        {"bandwidth_bps": bandwidth_bps or None, "latency_ms": latency_ms, "tag": describe(bandwidth_bps, latency_ms)}
+    )
     return subprocess.run(argv, env=env).returncode
 
 
@@ -150,6 +199,7 @@ def _inside(bandwidth_bps, latency_ms, argv):
 def _transfer_rank(rank, world_size, nbytes, repeats):
     import torch
     import torch.distributed as dist
+
     payload = torch.zeros(nbytes, dtype=torch.uint8)
     times = []
     for _ in range(repeats):
@@ -167,6 +217,7 @@ def _transfer_rank(rank, world_size, nbytes, repeats):
 def measure_transfer(nbytes=1_000_000, repeats=1):
     """Seconds to move ``nbytes`` from rank 0 to rank 1 over gloo (barrier to barrier)."""
     from ..launch import run_local
+
     return run_local(_transfer_rank, 2, (nbytes, repeats), timeout=120)[1]
 
 
@@ -178,9 +229,10 @@ def main(argv=None):
         parser.add_argument("--bandwidth-bps", type=float, default=0)
         parser.add_argument("--latency-ms", type=float, default=0)
         args = parser.parse_args(argv[1:sep])
-        return _inside(args.bandwidth_bps or None, args.latency_ms, argv[sep + 1:])
-    parser = argparse.ArgumentParser(prog="python -m grace_dgc.survey.netem",
-                                     description="run a command on a shaped loopback, or measure one")
+        return _inside(args.bandwidth_bps or None, args.latency_ms, argv[sep + 1 :])
+    parser = argparse.ArgumentParser(
+        prog="python -m grace_dgc.survey.netem", description="run a command on a shaped loopback, or measure one"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a command in a shaped network namespace")
     run.add_argument("--bandwidth", help="e.g. 1gbit, 100mbit")
@@ -198,8 +250,7 @@ def main(argv=None):
     if not cmd:
         parser.error("give the command after --")
     try:
-        return run_shaped(cmd, parse_rate(args.bandwidth) if args.bandwidth else None,
-                          parse_latency(args.latency))
+        return run_shaped(cmd, parse_rate(args.bandwidth) if args.bandwidth else None, parse_latency(args.latency))
     except NetemUnavailable as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """The built-in survey grids, named by what they reproduce (the seed documents' tables). The
 names they first had (by document number) are kept as aliases."""
+
 import math
 
 from ..errors import GraceConfigError
@@ -23,22 +24,24 @@ def _kpercent_method(k):
     if k == 100:
         return _method("100 (send all)", "none", tags={"kpercent": 100})
     if k == 0:
-        return _method("0 (send none)", "threshold", "none", "allgather",
-                       params={"threshold": math.inf}, tags={"kpercent": 0})
-    return _method(f"{k:g}", "topk", "none", "allgather", params={"compress_ratio": k / 100},
-                   tags={"kpercent": k})
+        return _method(
+            "0 (send none)", "threshold", "none", "allgather", params={"threshold": math.inf}, tags={"kpercent": 0}
+        )
+    return _method(f"{k:g}", "topk", "none", "allgather", params={"compress_ratio": k / 100}, tags={"kpercent": k})
 
 
 def _preset_quick(data_dir):
     return {
         "name": "quick",
         "description": "none, top-k 1%, DGC 0.1%, QSGD and 2-bit on MNIST-1D with 2 ranks",
-        "workload": "mnist1d-mlp", "workers": 2, "seeds": [0], "epochs": 10,
+        "workload": "mnist1d-mlp",
+        "workers": 2,
+        "seeds": [0],
+        "epochs": 10,
         "methods": [
             _method("dense", "none"),
             _method("topk 1%", "topk", "residual", "allgather", params={"compress_ratio": 0.01}),
-            _method("dgc 0.1%", "dgc", "momentum", "allgather",
-                    params={"compress_ratio": 0.001, "warmup_epochs": 2}),
+            _method("dgc 0.1%", "dgc", "momentum", "allgather", params={"compress_ratio": 0.001, "warmup_epochs": 2}),
             _method("qsgd 64", "qsgd", "none", "allgather", params={"quantum_num": 64}),
             _method("twobit 0.005", "twobit", "residual", "allgather", params={"threshold": 0.005}),
         ],
@@ -49,9 +52,11 @@ def _preset_kpercent(data_dir):
     return {
         "name": "kpercent-masking",
         "description": "Send k% of the gradient (top-k by magnitude, the rest dropped) with 1 and 2 "
-                       "workers; the seed's 'Send k% grads | Accuracy | Loss' table",
-        "workload": "mnist-mlp" if data_dir else "mnist1d-mlp", "data_dir": data_dir,
-        "workers": [1, 2], "seeds": [0],
+        "workers; the seed's 'Send k% grads | Accuracy | Loss' table",
+        "workload": "mnist-mlp" if data_dir else "mnist1d-mlp",
+        "data_dir": data_dir,
+        "workers": [1, 2],
+        "seeds": [0],
         "methods": [_kpercent_method(k) for k in KPERCENTS],
     }
 
@@ -60,13 +65,21 @@ def _preset_dgc_resnet20(data_dir):
     return {
         "name": "dgc-resnet20-time-to-accuracy",
         "description": "ResNet-20 on CIFAR-10, dense vs DGC (ratio 0.001, 5 warm-up epochs, fp16 "
-                       "values, int32 indices, momentum correction); the seed's time-to-85% table",
-        "workload": "cifar10-resnet20", "data_dir": data_dir, "workers": 1, "seeds": [0],
+        "values, int32 indices, momentum correction); the seed's time-to-85% table",
+        "workload": "cifar10-resnet20",
+        "data_dir": data_dir,
+        "workers": 1,
+        "seeds": [0],
         "target_accuracy": 0.85,
         "methods": [
             _method("dense", "none"),
-            _method("dgc 0.1%", "dgc", "momentum", "allgather",
-                    params={"compress_ratio": 0.001, "warmup_epochs": 5, "fp16_values": True}),
+            _method(
+                "dgc 0.1%",
+                "dgc",
+                "momentum",
+                "allgather",
+                params={"compress_ratio": 0.001, "warmup_epochs": 5, "fp16_values": True},
+            ),
         ],
     }
 
@@ -76,14 +89,22 @@ def _preset_topk_dgc_qsgd(data_dir):
     return {
         "name": "tuned-topk-dgc-qsgd",
         "description": "baseline vs Top-k vs DGC vs QSGD at 2 and 4 ranks, each with its own learning "
-                       "rate tuned on a held-out split (the seed thesis' fairness point)",
-        "workload": "mnist-lenet5" if data_dir else "mnist1d-cnn", "data_dir": data_dir,
-        "workers": [2, 4], "seeds": [0, 1, 2],
+        "rate tuned on a held-out split (the seed thesis' fairness point)",
+        "workload": "mnist-lenet5" if data_dir else "mnist1d-cnn",
+        "data_dir": data_dir,
+        "workers": [2, 4],
+        "seeds": [0, 1, 2],
         "methods": [
             _method("baseline", "none", tune_lr=lrs),
             _method("topk 1%", "topk", "residual", "allgather", params={"compress_ratio": 0.01}, tune_lr=lrs),
-            _method("dgc 0.1%", "dgc", "momentum", "allgather",
-                    params={"compress_ratio": 0.001, "warmup_epochs": 2}, tune_lr=lrs),
+            _method(
+                "dgc 0.1%",
+                "dgc",
+                "momentum",
+                "allgather",
+                params={"compress_ratio": 0.001, "warmup_epochs": 2},
+                tune_lr=lrs,
+            ),
             _method("qsgd 64", "qsgd", "none", "allgather", params={"quantum_num": 64}, tune_lr=lrs),
         ],
     }
@@ -93,12 +114,18 @@ def _preset_twobit(data_dir):
     return {
         "name": "twobit-thresholds",
         "description": "MXNet's 2-bit quantisation (error feedback) at several thresholds vs dense on the "
-                       "fully-connected-heavy network, unshaped and on a 1 Gbit/s shaped loopback",
-        "workload": "fc-heavy", "workers": 2, "seeds": [0], "epochs": 2, "max_steps": 30,
+        "fully-connected-heavy network, unshaped and on a 1 Gbit/s shaped loopback",
+        "workload": "fc-heavy",
+        "workers": 2,
+        "seeds": [0],
+        "epochs": 2,
+        "max_steps": 30,
         "networks": [{}, {"bandwidth": "1gbit"}],
-        "methods": [_method("dense", "none")] + [
+        "methods": [_method("dense", "none")]
+        + [
             _method(f"twobit {t:g}", "twobit", "residual", "allgather", params={"threshold": t})
-            for t in (0.5, 0.05, 0.005)],
+            for t in (0.5, 0.05, 0.005)
+        ],
     }
 
 
@@ -123,14 +150,15 @@ def preset_dict(name, data_dir=None):
     the preset has one)."""
     name = PRESET_ALIASES.get(name, name)
     if name not in PRESETS:
-        raise GraceConfigError(f"unknown preset {name!r}; accepted: {', '.join(PRESETS)} "
-                               f"(or the earlier names {', '.join(PRESET_ALIASES)})")
+        raise GraceConfigError(
+            f"unknown preset {name!r}; accepted: {', '.join(PRESETS)} "
+            f"(or the earlier names {', '.join(PRESET_ALIASES)})"
+        )
     raw = PRESETS[name](data_dir)
     return {k: v for k, v in raw.items() if v is not None}
 
 
 def load_preset(name, data_dir=None):
     from .config import SurveyConfig
+
     return SurveyConfig(preset_dict(name, data_dir), source=f"preset {PRESET_ALIASES.get(name, name)}")
-
-

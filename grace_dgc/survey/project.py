@@ -29,6 +29,7 @@ Weak scaling: each node keeps the measured per-worker batch, so c does not chang
 The model ignores compute/communication overlap (real dense allreduce overlaps part of
 backward, so compression's advantage is an upper bound), congestion and stragglers.
 """
+
 import argparse
 import csv
 import math
@@ -63,13 +64,13 @@ def communication_time(communicator, nodes, nbytes, exchanges, alpha, beta):
     exchanges with ``communicator`` among ``nodes`` ranks."""
     if communicator == "allreduce":
         return ring_allreduce(nodes, nbytes, alpha, beta, exchanges)
-    if communicator == "allgather":         # the size-header allgather, then the data
+    if communicator == "allgather":  # the size-header allgather, then the data
         return allgather(nodes, nbytes, alpha, beta, 2 * exchanges)
-    if communicator == "broadcast":         # the header allgather, then N broadcasts
-        return (allgather(nodes, 0, alpha, beta, exchanges)
-                + broadcast_each(nodes, nbytes, alpha, beta, exchanges))
-    raise GraceConfigError(f"no cost model for communicator {communicator!r}; "
-                           f"accepted: allreduce, allgather, broadcast")
+    if communicator == "broadcast":  # the header allgather, then N broadcasts
+        return allgather(nodes, 0, alpha, beta, exchanges) + broadcast_each(nodes, nbytes, alpha, beta, exchanges)
+    raise GraceConfigError(
+        f"no cost model for communicator {communicator!r}; accepted: allreduce, allgather, broadcast"
+    )
 
 
 def project_step(method, nodes, alpha, beta):
@@ -94,26 +95,43 @@ def measured_methods(records):
     measured worker count (shaped runs are used only when there is no unshaped one)."""
     from ..registry import COMPRESSORS
     from .results import latest_summaries
+
     runs = latest_summaries(records)
     if not runs:
         raise GraceConfigError("no finished runs (summary lines) in this directory; run `grace-dgc survey` first")
     local = [r for r in runs if r.get("network", "local") == "local"] or runs
-    by_label = {}
+    by_label: dict[str, list[dict]] = {}
     for run in local:
         by_label.setdefault(run["label"], []).append(run)
     methods = []
     for label, rows in by_label.items():
         workers = max(r["workers"] for r in rows)
         rows = [r for r in rows if r["workers"] == workers]
-        keys = ("compute_s", "compress_s", "decompress_s", "communicate_s", "bytes_per_step",
-                "dense_bytes_per_step", "exchanges_per_step", "batch_size")
+        keys = (
+            "compute_s",
+            "compress_s",
+            "decompress_s",
+            "communicate_s",
+            "bytes_per_step",
+            "dense_bytes_per_step",
+            "exchanges_per_step",
+            "batch_size",
+        )
         mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
         try:
             rounds = COMPRESSORS.get(rows[0]["compressor"]).rounds
         except GraceConfigError:
             rounds = 1
-        methods.append(dict(mean, label=label, workers=workers, rounds=rounds,
-                            compressor=rows[0]["compressor"], communicator=rows[0]["communicator"]))
+        methods.append(
+            dict(
+                mean,
+                label=label,
+                workers=workers,
+                rounds=rounds,
+                compressor=rows[0]["compressor"],
+                communicator=rows[0]["communicator"],
+            )
+        )
     return methods
 
 
@@ -127,34 +145,54 @@ def project(methods, nodes_list, bandwidths_bps, latency_ms):
         for nodes in nodes_list:
             for method in methods:
                 step, comm = project_step(method, nodes, alpha, beta)
-                if dense is not None:       # the measured dense run, through the same model
+                if dense is not None:  # the measured dense run, through the same model
                     dense_time = project_step(dense, nodes, alpha, beta)[0]
                 else:
-                    dense_time = dense_step(method["compute_s"], method["dense_bytes_per_step"],
-                                            method["exchanges_per_step"], nodes, alpha, beta)
-                rows.append({"label": method["label"], "nodes": nodes, "bandwidth_bps": bandwidth,
-                             "latency_ms": latency_ms, "step_s": step, "communication_s": comm,
-                             "dense_step_s": dense_time, "speedup": dense_time / step,
-                             "samples_per_s": method["batch_size"] * nodes / step,
-                             "bytes_per_step": method["bytes_per_step"],
-                             "measured_workers": method["workers"]})
+                    dense_time = dense_step(
+                        method["compute_s"],
+                        method["dense_bytes_per_step"],
+                        method["exchanges_per_step"],
+                        nodes,
+                        alpha,
+                        beta,
+                    )
+                rows.append(
+                    {
+                        "label": method["label"],
+                        "nodes": nodes,
+                        "bandwidth_bps": bandwidth,
+                        "latency_ms": latency_ms,
+                        "step_s": step,
+                        "communication_s": comm,
+                        "dense_step_s": dense_time,
+                        "speedup": dense_time / step,
+                        "samples_per_s": method["batch_size"] * nodes / step,
+                        "bytes_per_step": method["bytes_per_step"],
+                        "measured_workers": method["workers"],
+                    }
+                )
     return rows
 
 
 def format_table(rows):
-    lines = ["| Method | Nodes | Bandwidth | Latency | Step time | Communication | Dense step | "
-             "Speedup vs dense | Samples/s | Bytes/step/worker |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| Method | Nodes | Bandwidth | Latency | Step time | Communication | Dense step | "
+        "Speedup vs dense | Samples/s | Bytes/step/worker |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['nodes']} | {format_rate(r['bandwidth_bps'])} | {r['latency_ms']:g} ms | "
-                     f"{r['step_s'] * 1000:.2f} ms | {r['communication_s'] * 1000:.2f} ms | "
-                     f"{r['dense_step_s'] * 1000:.2f} ms | {r['speedup']:.2f}× | {r['samples_per_s']:.0f} | "
-                     f"{human_bytes(r['bytes_per_step'])} |")
+        lines.append(
+            f"| {r['label']} | {r['nodes']} | {format_rate(r['bandwidth_bps'])} | {r['latency_ms']:g} ms | "
+            f"{r['step_s'] * 1000:.2f} ms | {r['communication_s'] * 1000:.2f} ms | "
+            f"{r['dense_step_s'] * 1000:.2f} ms | {r['speedup']:.2f}× | {r['samples_per_s']:.0f} | "
+            f"{human_bytes(r['bytes_per_step'])} |"
+        )
     return "\n".join(lines)
 
 
 def plot(rows, path):
     from .report import _plt, _save
+
     plt = _plt()
     bandwidths = sorted({r["bandwidth_bps"] for r in rows})
     fig, axes = plt.subplots(1, len(bandwidths), figsize=(5 * len(bandwidths), 4), squeeze=False)
@@ -183,6 +221,7 @@ def add_project_args(parser):
 
 def run_project(args):
     from .results import read_records
+
     if not os.path.isdir(args.dir):
         raise GraceConfigError(f"{args.dir!r} is not a directory")
     try:
@@ -198,9 +237,11 @@ def run_project(args):
     os.makedirs(out, exist_ok=True)
     table = format_table(rows)
     with open(os.path.join(out, "projection.md"), "w") as f:
-        f.write("# Projected step time and speedup over dense allreduce\n\n"
-                "α-β model (see `grace_dgc.survey.project`); compute, compress/decompress times and "
-                "payload bytes measured by the survey.\n\n" + table + "\n")
+        f.write(
+            "# Projected step time and speedup over dense allreduce\n\n"
+            "α-β model (see `grace_dgc.survey.project`); compute, compress/decompress times and "
+            "payload bytes measured by the survey.\n\n" + table + "\n"
+        )
     with open(os.path.join(out, "projection.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, list(rows[0]))
         writer.writeheader()
@@ -212,8 +253,11 @@ def run_project(args):
 
 
 def main(argv=None):
-    parser = add_project_args(argparse.ArgumentParser(prog="grace-dgc project", description=__doc__,
-                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser = add_project_args(
+        argparse.ArgumentParser(
+            prog="grace-dgc project", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+    )
     return run_project(parser.parse_args(argv))
 
 

@@ -8,6 +8,7 @@ the seed000 format (``Send k% grads | Accuracy | Loss``) for runs tagged ``kperc
 lr-tuning outcomes. Plots (matplotlib, Agg): test accuracy and loss per epoch per method,
 accuracy vs measured compression ratio, time split per step as stacked bars.
 """
+
 import argparse
 import json
 import os
@@ -18,8 +19,12 @@ from ..errors import GraceConfigError
 from .results import CONFIG_JSON, latest_summaries, read_records
 from .units import human_bytes, human_seconds
 
-TIME_PARTS = (("compute_s", "compute (fwd+bwd)"), ("compress_s", "compress"),
-              ("communicate_s", "communicate"), ("decompress_s", "decompress"))
+TIME_PARTS = (
+    ("compute_s", "compute (fwd+bwd)"),
+    ("compress_s", "compress"),
+    ("communicate_s", "communicate"),
+    ("decompress_s", "decompress"),
+)
 
 
 # -- gathering -----------------------------------------------------------------------------
@@ -28,8 +33,8 @@ class Group:
 
     def __init__(self, label, workers, network):
         self.label, self.workers, self.network = label, workers, network
-        self.runs = []          # summaries
-        self.epochs = []        # per run: its epoch records (of the summarised attempt)
+        self.runs = []  # summaries
+        self.epochs = []  # per run: its epoch records (of the summarised attempt)
 
     @property
     def name(self):
@@ -63,11 +68,11 @@ class Group:
 def gather(records):
     """Groups (in first-run order), tuning records, failures without a later success."""
     latest = {r["run_id"]: r for r in latest_summaries(records)}
-    epochs_by_attempt = {}
+    epochs_by_attempt: dict[str | None, list[dict]] = {}
     for r in records:
         if r.get("type") == "epoch":
             epochs_by_attempt.setdefault(r.get("attempt"), []).append(r)
-    groups = {}
+    groups: dict[tuple, Group] = {}
     for summary in latest.values():
         key = (summary["label"], summary["workers"], summary.get("network", "local"))
         group = groups.setdefault(key, Group(*key))
@@ -97,10 +102,12 @@ def _ms(value):
 
 
 def general_table(groups):
-    lines = ["| Method | Workers | Network | Seeds | Test acc (mean ± std) | Test loss | Bytes/step/worker | "
-             "Compression ratio | Compute ms | Compress ms | Communicate ms | Decompress ms | Step ms | "
-             "Samples/s | Peak RSS |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| Method | Workers | Network | Seeds | Test acc (mean ± std) | Test loss | Bytes/step/worker | "
+        "Compression ratio | Compute ms | Compress ms | Communicate ms | Decompress ms | Step ms | "
+        "Samples/s | Peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for g in groups:
         rss = g.mean("peak_rss_mb")
         gpu = g.mean("peak_gpu_mb")
@@ -110,7 +117,8 @@ def general_table(groups):
             f"{g.mean_std('final_test_loss')} | {human_bytes(g.mean('bytes_per_step'))} | "
             f"{g.mean('compression_ratio'):.4g} | {_ms(g.mean('compute_s'))} | {_ms(g.mean('compress_s'))} | "
             f"{_ms(g.mean('communicate_s'))} | {_ms(g.mean('decompress_s'))} | {_ms(g.mean('step_s'))} | "
-            f"{g.mean('samples_per_s'):.0f} | {memory} |")
+            f"{g.mean('samples_per_s'):.0f} | {memory} |"
+        )
     return "\n".join(lines)
 
 
@@ -119,9 +127,11 @@ def target_table(groups):
     target = groups[0].runs[0]["target_accuracy"]
     epochs = max(r["epochs"] for g in groups for r in g.runs)
     pct = f"{target * 100:g}%"
-    lines = [f"| Model | Epochs to {pct} | Time to {pct} | Test acc (after {epochs} epochs) | "
-             f"Train acc (after {epochs} epochs) | Compression ratio | Gradient update size |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| Model | Epochs to {pct} | Time to {pct} | Test acc (after {epochs} epochs) | "
+        f"Train acc (after {epochs} epochs) | Compression ratio | Gradient update size |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for g in groups:
         reached = g.values("epochs_to_target")
         if len(reached) == len(g.runs):
@@ -132,9 +142,11 @@ def target_table(groups):
             tt = human_seconds(g.mean("time_to_target_s"))
         else:
             ep, tt = "not reached", "—"
-        lines.append(f"| {_group_title(g, groups)} | {ep} | {tt} | "
-                     f"{_pct(g.mean('final_test_accuracy'))} | {_pct(g.mean('final_train_accuracy'))} | "
-                     f"{g.mean('compression_ratio'):.4g} | {human_bytes(g.mean('bytes_per_step'))} |")
+        lines.append(
+            f"| {_group_title(g, groups)} | {ep} | {tt} | "
+            f"{_pct(g.mean('final_test_accuracy'))} | {_pct(g.mean('final_train_accuracy'))} | "
+            f"{g.mean('compression_ratio'):.4g} | {human_bytes(g.mean('bytes_per_step'))} |"
+        )
     return "\n".join(lines)
 
 
@@ -146,14 +158,15 @@ def kpercent_tables(groups):
     """The seed000 tables, one per worker count, for runs tagged with ``kpercent``."""
     tagged = [g for g in groups if "kpercent" in g.runs[0].get("tags", {})]
     out = []
-    for (workers, network) in dict.fromkeys((g.workers, g.network) for g in tagged):
-        rows = sorted((g for g in tagged if (g.workers, g.network) == (workers, network)),
-                      key=lambda g: -g.runs[0]["tags"]["kpercent"])
+    for workers, network in dict.fromkeys((g.workers, g.network) for g in tagged):
+        rows = sorted(
+            (g for g in tagged if (g.workers, g.network) == (workers, network)),
+            key=lambda g: -g.runs[0]["tags"]["kpercent"],
+        )
         title = "Single node" if workers == 1 else f"Multi node — {workers} nodes"
         if network != "local":
             title += f" @{network}"
-        lines = [f"{title} ({rows[0].runs[0]['workload']})", "",
-                 "| Send k% grads | Accuracy | Loss |", "|---|---|---|"]
+        lines = [f"{title} ({rows[0].runs[0]['workload']})", "", "| Send k% grads | Accuracy | Loss |", "|---|---|---|"]
         for g in rows:
             k = g.runs[0]["tags"]["kpercent"]
             name = "100 (send all)" if k == 100 else "0 (send none)" if k == 0 else f"{k:g}"
@@ -165,8 +178,12 @@ def kpercent_tables(groups):
 def tuning_table(tuning):
     lines = ["| Method | Workers | Network | Candidates: held-out accuracy | Chosen lr |", "|---|---|---|---|---|"]
     for t in tuning:
-        cands = ", ".join(f"{c['lr']:g}: {c['heldout_accuracy']:.4f}" if c.get("heldout_accuracy") is not None
-                          else f"{c['lr']:g}: diverged" for c in t["candidates"])
+        cands = ", ".join(
+            f"{c['lr']:g}: {c['heldout_accuracy']:.4f}"
+            if c.get("heldout_accuracy") is not None
+            else f"{c['lr']:g}: diverged"
+            for c in t["candidates"]
+        )
         lines.append(f"| {t['label']} | {t['workers']} | {t['network']} | {cands} | {t['chosen_lr']:g} |")
     return "\n".join(lines)
 
@@ -174,8 +191,10 @@ def tuning_table(tuning):
 # -- plots ---------------------------------------------------------------------------------
 def _plt():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -213,8 +232,11 @@ def plot_accuracy_vs_ratio(groups, path):
         ax.errorbar([ratio], [statistics.mean(accs)], yerr=[std], fmt="o", capsize=3, label=_group_title(g, groups))
         ax.annotate(g.label, (ratio, statistics.mean(accs)), fontsize=7, xytext=(4, 4), textcoords="offset points")
     ax.set_xscale("log")
-    ax.set(xlabel="measured compression ratio (bytes sent / dense fp32 bytes)", ylabel="final test accuracy",
-           title="Accuracy vs measured compression ratio")
+    ax.set(
+        xlabel="measured compression ratio (bytes sent / dense fp32 bytes)",
+        ylabel="final test accuracy",
+        title="Accuracy vs measured compression ratio",
+    )
     ax.grid(True, which="both", alpha=0.3)
     return _save(plt, fig, path)
 
@@ -260,8 +282,10 @@ def write_report(out_dir, report_dir=None):
     records = read_records(out_dir)
     groups, tuning, failures = gather(records)
     if not groups:
-        raise GraceConfigError(f"no finished runs in {out_dir!r} (results.jsonl has no summary lines); "
-                               f"run `grace-dgc survey ... --out {out_dir}` first")
+        raise GraceConfigError(
+            f"no finished runs in {out_dir!r} (results.jsonl has no summary lines); "
+            f"run `grace-dgc survey ... --out {out_dir}` first"
+        )
     report_dir = report_dir or out_dir
     os.makedirs(report_dir, exist_ok=True)
     config = {}
@@ -269,8 +293,11 @@ def write_report(out_dir, report_dir=None):
         with open(os.path.join(out_dir, CONFIG_JSON)) as f:
             config = json.load(f)
     first = groups[0].runs[0]
-    plots = {"accuracy_loss.png": plot_curves, "accuracy_vs_ratio.png": plot_accuracy_vs_ratio,
-             "time_split.png": plot_time_split}
+    plots = {
+        "accuracy_loss.png": plot_curves,
+        "accuracy_vs_ratio.png": plot_accuracy_vs_ratio,
+        "time_split.png": plot_time_split,
+    }
     for name, fn in plots.items():
         fn(groups, os.path.join(report_dir, name))
 
@@ -279,24 +306,37 @@ def write_report(out_dir, report_dir=None):
     if config.get("description"):
         parts += [config["description"], ""]
     seeds = sorted({r["seed"] for g in groups for r in g.runs})
-    parts += [f"- Workload: **{first['workload']}** — {first.get('workload_description', '')}",
-              f"- Workers: {', '.join(str(w) for w in sorted({g.workers for g in groups}))}; seeds: "
-              f"{', '.join(map(str, seeds))}; epochs: {first['epochs']} ({first['steps_per_epoch']} steps each, "
-              f"global batch {first['global_batch']} = {first['batch_size']} per worker × workers); "
-              f"lr {first['lr']:g} unless tuned; momentum {first['momentum']:g}",
-              f"- Device: {first.get('device')}, backend {first.get('backend')}, torch {first.get('torch')}, "
-              f"host {first.get('host')}",
-              "", "## Methods", "", "| Method | Compressor | Memory | Communicator | Parameters | lr |",
-              "|---|---|---|---|---|---|"]
+    parts += [
+        f"- Workload: **{first['workload']}** — {first.get('workload_description', '')}",
+        f"- Workers: {', '.join(str(w) for w in sorted({g.workers for g in groups}))}; seeds: "
+        f"{', '.join(map(str, seeds))}; epochs: {first['epochs']} ({first['steps_per_epoch']} steps each, "
+        f"global batch {first['global_batch']} = {first['batch_size']} per worker × workers); "
+        f"lr {first['lr']:g} unless tuned; momentum {first['momentum']:g}",
+        f"- Device: {first.get('device')}, backend {first.get('backend')}, torch {first.get('torch')}, "
+        f"host {first.get('host')}",
+        "",
+        "## Methods",
+        "",
+        "| Method | Compressor | Memory | Communicator | Parameters | lr |",
+        "|---|---|---|---|---|---|",
+    ]
     for g in dict((g.label, g) for g in groups).values():
         r = g.runs[0]
         params = ", ".join(f"{k}={v}" for k, v in r.get("params", {}).items()) or "—"
         lrs = sorted({x["lr"] for x in g.runs})
         lr = ", ".join(f"{x:g}" for x in lrs) + (" (tuned)" if r.get("lr_tuning") else "")
         parts.append(f"| {g.label} | {r['compressor']} | {r['memory']} | {r['communicator']} | {params} | {lr} |")
-    parts += ["", "## Results", "", general_table(groups), "",
-              f"## Time to accuracy (the seed001 format; target {first['target_accuracy'] * 100:g}%)", "",
-              target_table(groups), ""]
+    parts += [
+        "",
+        "## Results",
+        "",
+        general_table(groups),
+        "",
+        f"## Time to accuracy (the seed001 format; target {first['target_accuracy'] * 100:g}%)",
+        "",
+        target_table(groups),
+        "",
+    ]
     kp = kpercent_tables(groups)
     if kp:
         parts += ["## Send k% of the gradient (the seed000 format)", ""]
@@ -304,13 +344,22 @@ def write_report(out_dir, report_dir=None):
             parts += [table, ""]
     if tuning:
         parts += ["## Learning-rate tuning (best held-out accuracy)", "", tuning_table(tuning), ""]
-    parts += ["## Plots", "", "![Test accuracy and loss per epoch](accuracy_loss.png)", "",
-              "![Accuracy vs measured compression ratio](accuracy_vs_ratio.png)", "",
-              "![Time split per step](time_split.png)", ""]
+    parts += [
+        "## Plots",
+        "",
+        "![Test accuracy and loss per epoch](accuracy_loss.png)",
+        "",
+        "![Accuracy vs measured compression ratio](accuracy_vs_ratio.png)",
+        "",
+        "![Time split per step](time_split.png)",
+        "",
+    ]
     if failures:
         parts += ["## Failed runs", ""]
-        parts += [f"- `{f['run_id']}`: {f['message'].strip().splitlines()[-1] if f['message'].strip() else '?'}"
-                  for f in failures]
+        parts += [
+            f"- `{f['run_id']}`: {f['message'].strip().splitlines()[-1] if f['message'].strip() else '?'}"
+            for f in failures
+        ]
         parts.append("")
     parts += ["## Definitions", "", DEFINITIONS, ""]
     path = os.path.join(report_dir, "report.md")

@@ -1,6 +1,7 @@
 """The survey's results files: ``results.jsonl`` (one JSON line per epoch, tuning, summary or
 error, appended by rank 0 and fsynced, so a crash loses at most the line being written) and
 ``summary.csv`` (rewritten from it)."""
+
 import csv
 import json
 import math
@@ -10,12 +11,14 @@ RESULTS = "results.jsonl"
 SUMMARY_CSV = "summary.csv"
 CONFIG_JSON = "survey_config.json"
 
+
 def append_record(out_dir, record):
     """Append one JSON line to results.jsonl (rank 0 only; flushed at once)."""
     with open(os.path.join(out_dir, RESULTS), "a") as f:
         f.write(json.dumps(_finite(record), sort_keys=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
 
 def _finite(obj):
     """JSON without NaN/Infinity: non-finite floats become null (a diverged run's loss)."""
@@ -26,6 +29,7 @@ def _finite(obj):
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
     return obj
+
 
 def read_records(out_dir):
     path = os.path.join(out_dir, RESULTS)
@@ -39,31 +43,72 @@ def read_records(out_dir):
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError:
-                    pass        # a line cut by a crash: that run has no summary, so it reruns
+                    pass  # a line cut by a crash: that run has no summary, so it reruns
     return records
+
 
 def finished_runs(out_dir):
     """run_id → cell_hash of every run with a summary line."""
     return {r["run_id"]: r.get("cell_hash") for r in read_records(out_dir) if r.get("type") == "summary"}
 
+
 def latest_summaries(records):
     """The last summary per run_id, in first-appearance order."""
-    latest = {}
+    latest: dict[str, dict] = {}
     for r in records:
         if r.get("type") == "summary":
             latest.pop(r["run_id"], None)
             latest[r["run_id"]] = r
     return list(latest.values())
 
+
 SUMMARY_COLUMNS = [
-    "run_id", "label", "compressor", "memory", "communicator", "params", "workers", "seed", "network",
-    "workload", "parameters", "batch_size", "global_batch", "lr", "lr_tuned", "momentum", "epochs",
-    "steps", "final_test_accuracy", "final_test_loss", "final_train_accuracy", "final_train_loss",
-    "best_test_accuracy", "target_accuracy", "epochs_to_target", "time_to_target_s", "train_time_s",
-    "samples_per_s", "bytes_per_step", "dense_bytes_per_step", "compression_ratio", "exchanges_per_step",
-    "compute_s", "compress_s", "communicate_s", "decompress_s", "wait_s", "step_s", "peak_rss_mb",
-    "peak_gpu_mb", "device", "backend", "cell_hash", "finished",
+    "run_id",
+    "label",
+    "compressor",
+    "memory",
+    "communicator",
+    "params",
+    "workers",
+    "seed",
+    "network",
+    "workload",
+    "parameters",
+    "batch_size",
+    "global_batch",
+    "lr",
+    "lr_tuned",
+    "momentum",
+    "epochs",
+    "steps",
+    "final_test_accuracy",
+    "final_test_loss",
+    "final_train_accuracy",
+    "final_train_loss",
+    "best_test_accuracy",
+    "target_accuracy",
+    "epochs_to_target",
+    "time_to_target_s",
+    "train_time_s",
+    "samples_per_s",
+    "bytes_per_step",
+    "dense_bytes_per_step",
+    "compression_ratio",
+    "exchanges_per_step",
+    "compute_s",
+    "compress_s",
+    "communicate_s",
+    "decompress_s",
+    "wait_s",
+    "step_s",
+    "peak_rss_mb",
+    "peak_gpu_mb",
+    "device",
+    "backend",
+    "cell_hash",
+    "finished",
 ]
+
 
 def write_summary_csv(out_dir):
     """summary.csv: one row per finished run (its latest summary), rewritten from results.jsonl."""
@@ -80,4 +125,3 @@ def write_summary_csv(out_dir):
             writer.writerow(flat)
     os.replace(path + ".tmp", path)
     return path
-

@@ -43,6 +43,7 @@ Measurements (all per optimizer step unless stated; every figure is measured):
 The first ``timing_skip_steps`` steps of a run (thread start-up, allocator warm-up) are
 left out of the per-step time means, not out of bytes or samples/s.
 """
+
 import argparse
 import os
 import sys
@@ -82,9 +83,11 @@ def _init_runtime(launcher, backend):
             launcher = "local"
     if launcher == "horovod":
         import horovod.torch as hvd
+
         hvd.init()
     elif launcher == "torchrun":
         import torch.distributed as dist
+
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
@@ -96,6 +99,7 @@ def _init_runtime(launcher, backend):
 def main(argv=None):
     """``python -m grace_dgc.survey.runner`` under torchrun / horovodrun (or alone, 1 rank)."""
     from .config import load_config, load_preset
+
     parser = argparse.ArgumentParser(prog="python -m grace_dgc.survey.runner", description=main.__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="TOML config (or a survey_config.json)")
@@ -110,11 +114,13 @@ def main(argv=None):
     ctx = Context.detect(config.device)
     cells = prepare(config, args.out)[0] if ctx.rank == 0 else None
     cells = ctx.broadcast_object(cells)
-    mine = [c for c in cells if c.workers == ctx.size and not (
-        c.network["bandwidth_bps"] or c.network["latency_ms"])]
+    mine = [c for c in cells if c.workers == ctx.size and not (c.network["bandwidth_bps"] or c.network["latency_ms"])]
     if ctx.rank == 0 and len(mine) < len(cells):
-        print(f"[survey] world size {ctx.size}: running {len(mine)} of {len(cells)} runs "
-              f"(the others need another worker count or a shaped network)", file=sys.stderr)
+        print(
+            f"[survey] world size {ctx.size}: running {len(mine)} of {len(cells)} runs "
+            f"(the others need another worker count or a shaped network)",
+            file=sys.stderr,
+        )
     for cell in mine:
         done = finished_runs(args.out) if ctx.rank == 0 else None
         if ctx.broadcast_object(done).get(cell.run_id) == cell.cell_hash:

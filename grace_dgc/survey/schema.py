@@ -1,5 +1,6 @@
 """The survey config's schema: every key a config may hold, its types and meaning (the error
 for an unknown key lists them), and the small checks shared by the loader."""
+
 from ..errors import GraceConfigError
 
 # key -> (accepted types, description); None means "optional, no default here"
@@ -28,37 +29,59 @@ TOP_LEVEL = {
     "eval_batch_size": ((int,), "batch size for evaluation (default 1000)"),
     "device": ((str,), "auto, cpu or cuda"),
     "backend": ((str,), "auto, gloo or nccl"),
-    "tensorboard": ((bool,), "log per-step and per-epoch scalars to DIR/tensorboard/<run> (needs the "
-                             "tensorboard extra)"),
+    "tensorboard": (
+        (bool,),
+        "log per-step and per-epoch scalars to DIR/tensorboard/<run> (needs the tensorboard extra)",
+    ),
     "timing_skip_steps": ((int,), "first steps of a run left out of the timing means (default 1)"),
     "timeout": ((int, float), "seconds one run may take before it is killed (default 86400)"),
-    "networks": ((list,), "network conditions, e.g. [{}, {bandwidth = \"1gbit\", latency = 0.1}]"),
+    "networks": ((list,), 'network conditions, e.g. [{}, {bandwidth = "1gbit", latency = 0.1}]'),
     "methods": ((list,), "the methods: [[methods]] tables"),
 }
 METHOD_KEYS = {
     "label": ((str,), "the method's name in tables and plots (unique)"),
     "compressor": ((str,), "registered compressor (grace_dgc.list_compressors())"),
     "memory": ((str,), "registered memory (default none)"),
-    "communicator": ((str,), "registered communicator (default: allreduce if the compressor's "
-                             "payloads are summable, else allgather)"),
+    "communicator": (
+        (str,),
+        "registered communicator (default: allreduce if the compressor's payloads are summable, else allgather)",
+    ),
     "params": ((dict,), "parameters for grace_dgc.build, e.g. {compress_ratio = 0.01}"),
     "lr": ((int, float), "this method's learning rate (overrides the survey's)"),
     "momentum": ((int, float), "this method's SGD momentum"),
     "weight_decay": ((int, float), "this method's SGD weight decay"),
     "tune_lr": ((list,), "lr candidates: the best on a held-out split is used (and reported)"),
-    "tags": ((dict,), "free-form values carried into the results (e.g. kpercent = 1 for the "
-                      "seed000 table)"),
+    "tags": ((dict,), "free-form values carried into the results (e.g. kpercent = 1 for the seed000 table)"),
 }
 NETWORK_KEYS = {
-    "bandwidth": ((str, int, float), "rate of the shaped loopback, e.g. \"1gbit\""),
+    "bandwidth": ((str, int, float), 'rate of the shaped loopback, e.g. "1gbit"'),
     "latency": ((str, int, float), "one-way delay in milliseconds added to every packet"),
 }
 # forwarded to get_workload as hyper-parameter overrides
-WORKLOAD_HYPER = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "target_accuracy",
-                  "lr_milestones", "lr_gamma", "grad_clip")
-DEFAULTS = {"data_seed": 0, "workers": 2, "max_steps": 0, "tune_epochs": 0, "tune_holdout": 0.1,
-            "eval_batch_size": 1000, "device": "auto", "backend": "auto", "timing_skip_steps": 1, "tensorboard": False,
-            "timeout": 86400}
+WORKLOAD_HYPER = (
+    "epochs",
+    "batch_size",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "target_accuracy",
+    "lr_milestones",
+    "lr_gamma",
+    "grad_clip",
+)
+DEFAULTS = {
+    "data_seed": 0,
+    "workers": 2,
+    "max_steps": 0,
+    "tune_epochs": 0,
+    "tune_holdout": 0.1,
+    "eval_batch_size": 1000,
+    "device": "auto",
+    "backend": "auto",
+    "timing_skip_steps": 1,
+    "tensorboard": False,
+    "timeout": 86400,
+}
 
 
 def _check_keys(table, accepted, where):
@@ -77,5 +100,3 @@ def _positive_int(value, key, low=1):
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise GraceConfigError(f"{key} = {value!r} must be an int >= {low}")
     return value
-
-

@@ -1,5 +1,6 @@
 """Training one model for a survey cell: the seeded model and data order, the measured step
 loop, evaluation. See :mod:`grace_dgc.survey.runner` for what each measurement means."""
+
 import hashlib
 import resource
 import time
@@ -15,11 +16,11 @@ from .metrics import RankTotals, epoch_record
 
 def load_workload(cell):
     from .workloads import get_workload
+
     data_dir = cell.data_dir
     if data_dir is None and cell.workload.startswith("mnist1d") and cell.cache_dir:
-        data_dir = cell.cache_dir        # mnist1d keeps its generated arrays there
-    return get_workload(cell.workload, data_dir=data_dir, seed=cell.data_seed,
-                        **cell.workload_options, **cell.hyper)
+        data_dir = cell.cache_dir  # mnist1d keeps its generated arrays there
+    return get_workload(cell.workload, data_dir=data_dir, seed=cell.data_seed, **cell.workload_options, **cell.hyper)
 
 
 def _mix(*numbers):
@@ -30,7 +31,7 @@ def _mix(*numbers):
 
 def _loss_and_hits(output, targets):
     """(mean loss, correct predictions, predictions) for both workload kinds."""
-    if output.dim() == 3:      # lm: (N, bptt, vocab) against next tokens (N, bptt)
+    if output.dim() == 3:  # lm: (N, bptt, vocab) against next tokens (N, bptt)
         output = output.reshape(-1, output.shape[-1])
         targets = targets.reshape(-1)
     loss = F.cross_entropy(output, targets)
@@ -54,7 +55,7 @@ def evaluate(ctx, model, split, batch_size):
     model.eval()
     with torch.no_grad():
         for start in range(0, len(shard), batch_size):
-            idx = shard[start:start + batch_size]
+            idx = shard[start : start + batch_size]
             x, y = inputs[idx].to(ctx.device), targets[idx].to(ctx.device)
             loss, correct, n = _loss_and_hits(model(x), y)
             loss_sum += loss.item() * n
@@ -65,13 +66,14 @@ def evaluate(ctx, model, split, batch_size):
 
 
 def _peak_memory(ctx):
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # Linux: KiB
-    gpu_mb = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 20 if ctx.device.type == "cuda" else 0.0
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    gpu_mb = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else 0.0
     return rss_mb, gpu_mb
 
 
-def train(ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=None, progress=False,
-          desc=None, scalars=None):
+def train(
+    ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=None, progress=False, desc=None, scalars=None
+):
     """Train one model from its seeded init; returns (history, totals).
 
     ``on_epoch(record)`` gets each epoch's record (every rank calls it; the caller writes
@@ -82,15 +84,18 @@ def train(ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=Non
     method = cell.method
     params = dict(method["params"])
     from ..registry import COMPRESSORS
+
     if "seed" in COMPRESSORS.accepted_params(method["compressor"]) and "seed" not in params:
-        params["seed"] = seed       # a stochastic method's own randomness follows the run seed
+        params["seed"] = seed  # a stochastic method's own randomness follows the run seed
 
     torch.manual_seed(seed)
     model = workload.make_model().to(ctx.device)
-    grace = grace_dgc.build(method["compressor"], method["memory"], method["communicator"],
-                            engine=ctx.engine_kind, **params)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=workload.momentum,
-                                weight_decay=workload.weight_decay)
+    grace = grace_dgc.build(
+        method["compressor"], method["memory"], method["communicator"], engine=ctx.engine_kind, **params
+    )
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=lr, momentum=workload.momentum, weight_decay=workload.weight_decay
+    )
     dist_opt = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
 
     inputs, targets = train_split
@@ -102,7 +107,8 @@ def train(ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=Non
     if steps == 0:
         raise GraceConfigError(
             f"batch_size {per_worker} × {ctx.size} workers = {global_batch} exceeds the {len(inputs)} "
-            f"training samples of {workload.name!r}; lower batch_size or workers")
+            f"training samples of {workload.name!r}; lower batch_size or workers"
+        )
     if cell.max_steps:
         steps = min(steps, cell.max_steps)
     skip = cell.timing_skip_steps
@@ -110,8 +116,16 @@ def train(ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=Non
         torch.cuda.reset_peak_memory_stats(ctx.device)
 
     from tqdm.auto import tqdm
-    bar = tqdm(total=epochs * steps, desc=desc, position=1, leave=False, unit="step", dynamic_ncols=True,
-               disable=not (progress and ctx.rank == 0))
+
+    bar = tqdm(
+        total=epochs * steps,
+        desc=desc,
+        position=1,
+        leave=False,
+        unit="step",
+        dynamic_ncols=True,
+        disable=not (progress and ctx.rank == 0),
+    )
     history, elapsed, global_step = [], 0.0, 0
     try:
         for epoch in range(epochs):
@@ -130,7 +144,7 @@ def train(ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=Non
             epoch_start = time.perf_counter()
             for step in range(steps):
                 start = step * global_batch + ctx.rank * per_worker
-                idx = order[start:start + per_worker]
+                idx = order[start : start + per_worker]
                 x, y = inputs[idx], targets[idx]
                 if workload.augment is not None:
                     x = workload.augment(x, augment_rng)
@@ -142,7 +156,7 @@ def train(ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=Non
                 loss.backward()
                 ctx.sync()
                 t1 = time.perf_counter()
-                if workload.grad_clip:      # clip the averaged gradient, then update once
+                if workload.grad_clip:  # clip the averaged gradient, then update once
                     dist_opt.synchronize()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), workload.grad_clip)
                     optimizer.step()
@@ -167,8 +181,15 @@ def train(ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=Non
                     totals.decompress += stats["decompress_seconds"]
                 method_stats = {k: v for k, v in stats.items() if k not in _GRACE_KEYS}
                 if scalars is not None and ctx.rank == 0:
-                    scalars(global_step, {"train/loss": loss.item(), "train/bytes_sent": stats["bytes_sent"],
-                                          "train/step_s": t2 - t0, "train/lr": epoch_lr})
+                    scalars(
+                        global_step,
+                        {
+                            "train/loss": loss.item(),
+                            "train/bytes_sent": stats["bytes_sent"],
+                            "train/step_s": t2 - t0,
+                            "train/lr": epoch_lr,
+                        },
+                    )
                 global_step += 1
                 bar.update()
             ctx.sync()
@@ -176,24 +197,42 @@ def train(ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=Non
             totals.peak_rss_mb, totals.peak_gpu_mb = _peak_memory(ctx)
             ranks = [RankTotals.from_list(values) for values in ctx.gather(totals.as_list())]
             test_loss, test_acc = evaluate(ctx, model, eval_split, cell.eval_batch_size)
-            record = epoch_record(ranks, epoch + 1, epoch_lr, steps, global_batch, elapsed, test_loss, test_acc,
-                                  method_stats)
+            record = epoch_record(
+                ranks, epoch + 1, epoch_lr, steps, global_batch, elapsed, test_loss, test_acc, method_stats
+            )
             elapsed = record["elapsed_s"]
             history.append(record)
             if scalars is not None and ctx.rank == 0:
-                scalars(global_step, {"epoch/test_accuracy": test_acc, "epoch/test_loss": test_loss,
-                                      "epoch/train_loss": record["train_loss"],
-                                      "epoch/bytes_per_step": record["bytes_per_step"]})
+                scalars(
+                    global_step,
+                    {
+                        "epoch/test_accuracy": test_acc,
+                        "epoch/test_loss": test_loss,
+                        "epoch/train_loss": record["train_loss"],
+                        "epoch/bytes_per_step": record["bytes_per_step"],
+                    },
+                )
             bar.set_postfix(epoch=epoch + 1, test_acc=f"{test_acc:.3f}")
             if on_epoch is not None:
                 on_epoch(record)
     finally:
         bar.close()
         dist_opt.remove_hooks()
-    return history, {"global_batch": global_batch, "steps_per_epoch": steps,
-                     "parameters": sum(p.numel() for p in model.parameters())}
+    return history, {
+        "global_batch": global_batch,
+        "steps_per_epoch": steps,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
-_GRACE_KEYS = {"tensors", "bytes_sent", "dense_bytes", "compress_seconds", "communicate_seconds",
-               "decompress_seconds", "steps", "compression_ratio", "bytes_per_step"}
-
+_GRACE_KEYS = {
+    "tensors",
+    "bytes_sent",
+    "dense_bytes",
+    "compress_seconds",
+    "communicate_seconds",
+    "decompress_seconds",
+    "steps",
+    "compression_ratio",
+    "bytes_per_step",
+}

@@ -1,5 +1,6 @@
 """Learning-rate tuning: each method's lr is chosen among its candidates by short runs scored
 on a held-out split (the same split for every method), once per (method, workers, network)."""
+
 import math
 
 import torch
@@ -26,8 +27,10 @@ def tune_lr(ctx, cell, workload, out_dir, progress=False):
     key = cell.tuning_key
     existing = None
     if ctx.rank == 0:
-        existing = next((r for r in reversed(read_records(out_dir))
-                         if r.get("type") == "tuning" and r.get("tuning_key") == key), None)
+        existing = next(
+            (r for r in reversed(read_records(out_dir)) if r.get("type") == "tuning" and r.get("tuning_key") == key),
+            None,
+        )
     existing = ctx.broadcast_object(existing)
     if existing is not None:
         return existing["chosen_lr"], existing
@@ -35,8 +38,17 @@ def tune_lr(ctx, cell, workload, out_dir, progress=False):
     epochs = cell.tune_epochs or max(1, workload.epochs // 4)
     candidates = []
     for lr in cell.tune_lr:
-        history, _ = train(ctx, cell, workload, lr, train_part, held_part, epochs, progress=progress,
-                           desc=f"tune {cell['label']} lr={lr:g}")
+        history, _ = train(
+            ctx,
+            cell,
+            workload,
+            lr,
+            train_part,
+            held_part,
+            epochs,
+            progress=progress,
+            desc=f"tune {cell['label']} lr={lr:g}",
+        )
         last = history[-1]
         candidates.append({"lr": lr, "heldout_accuracy": last["test_accuracy"], "heldout_loss": last["test_loss"]})
 
@@ -45,12 +57,19 @@ def tune_lr(ctx, cell, workload, out_dir, progress=False):
         return (c["heldout_accuracy"] if math.isfinite(c["heldout_accuracy"]) else -1.0, -loss)
 
     best = max(candidates, key=score)
-    record = {"type": "tuning", "tuning_key": key, "label": cell.label, "workers": cell.workers,
-              "network": cell.network["tag"], "seed": cell.seed, "tune_epochs": epochs,
-              "holdout_size": len(held_part[0]), "train_size": len(train_part[0]),
-              "candidates": candidates, "chosen_lr": best["lr"]}
+    record = {
+        "type": "tuning",
+        "tuning_key": key,
+        "label": cell.label,
+        "workers": cell.workers,
+        "network": cell.network["tag"],
+        "seed": cell.seed,
+        "tune_epochs": epochs,
+        "holdout_size": len(held_part[0]),
+        "train_size": len(train_part[0]),
+        "candidates": candidates,
+        "chosen_lr": best["lr"],
+    }
     if ctx.rank == 0:
         append_record(out_dir, record)
     return best["lr"], record
-
-

@@ -1,5 +1,6 @@
 """Parsing and printing of rates, latencies, byte counts and durations (shared by the
 survey's config, ``project`` and ``netem``)."""
+
 import math
 import re
 
@@ -19,13 +20,17 @@ def parse_rate(text):
     else:
         match = _RATE.match(str(text))
         if not match:
-            raise GraceConfigError(f"bandwidth {text!r} is not a rate; accepted: a number with one of "
-                                   f"{', '.join(_RATE_UNITS)} (e.g. 1gbit, 100mbit)")
+            raise GraceConfigError(
+                f"bandwidth {text!r} is not a rate; accepted: a number with one of "
+                f"{', '.join(_RATE_UNITS)} (e.g. 1gbit, 100mbit)"
+            )
         value, unit = float(match.group(1)), (match.group(2) or "bit").lower()
         if unit not in _RATE_UNITS:
             hint = " (tc reads 'bps' as bytes per second; say mbit/gbit)" if unit.endswith("bps") else ""
-            raise GraceConfigError(f"bandwidth {text!r}: unknown unit {unit!r}{hint}; accepted: "
-                                   f"{', '.join(_RATE_UNITS)} (e.g. 1gbit, 100mbit)")
+            raise GraceConfigError(
+                f"bandwidth {text!r}: unknown unit {unit!r}{hint}; accepted: "
+                f"{', '.join(_RATE_UNITS)} (e.g. 1gbit, 100mbit)"
+            )
     bits = value * _RATE_UNITS[unit]
     if not (bits > 0 and math.isfinite(bits)):
         raise GraceConfigError(f"bandwidth {text!r} must be a positive rate, e.g. 1gbit")

@@ -12,6 +12,7 @@ teacher task). From a local ``data_dir`` (never downloaded): ``mnist-mlp``,
 split, the fc-heavy teacher and samples); file datasets are fixed. Pass ``data_seed=`` to
 pin the generated data while the seed varies. Data order and model init are the runner's.
 """
+
 import dataclasses
 import difflib
 import inspect
@@ -29,29 +30,38 @@ from .models import parameter_count
 @dataclass
 class Workload:
     name: str
-    train: tuple                  # (inputs, targets) CPU tensors, the full train split
-    test: tuple                   # (inputs, targets)
+    train: tuple  # (inputs, targets) CPU tensors, the full train split
+    test: tuple  # (inputs, targets)
     make_model: Callable[[], torch.nn.Module]
-    loss: str                     # "cross_entropy" or "lm" (targets are the next tokens)
-    batch_size: int               # per worker
-    lr: float                     # SGD learning rate
+    loss: str  # "cross_entropy" or "lm" (targets are the next tokens)
+    batch_size: int  # per worker
+    lr: float  # SGD learning rate
     momentum: float
     epochs: int
-    target_accuracy: float        # for time/epochs-to-target
+    target_accuracy: float  # for time/epochs-to-target
     description: str
     # lm workloads: inputs/targets are (N, bptt) int64 windows; accuracy = next-token accuracy
-    augment: Callable | None = None    # augment(inputs_batch, torch.Generator) -> batch (train only)
-    valid: tuple | None = None         # a held-out split when the dataset ships one (PTB)
+    augment: Callable | None = None  # augment(inputs_batch, torch.Generator) -> batch (train only)
+    valid: tuple | None = None  # a held-out split when the dataset ships one (PTB)
     weight_decay: float = 0.0
-    lr_milestones: tuple = ()             # epochs after which lr *= lr_gamma (MultiStepLR)
+    lr_milestones: tuple = ()  # epochs after which lr *= lr_gamma (MultiStepLR)
     lr_gamma: float = 0.1
-    grad_clip: float | None = None     # clip the gradient's global norm to this (LSTM)
-    parameters: int = 0                   # trainable parameters of make_model()
+    grad_clip: float | None = None  # clip the gradient's global norm to this (LSTM)
+    parameters: int = 0  # trainable parameters of make_model()
     info: dict = field(default_factory=dict)  # dataset/model facts: source, shapes, classes, vocab
 
 
-HYPER_PARAMETERS = ("batch_size", "lr", "momentum", "epochs", "target_accuracy", "weight_decay",
-                    "lr_milestones", "lr_gamma", "grad_clip")
+HYPER_PARAMETERS = (
+    "batch_size",
+    "lr",
+    "momentum",
+    "epochs",
+    "target_accuracy",
+    "weight_decay",
+    "lr_milestones",
+    "lr_gamma",
+    "grad_clip",
+)
 _BUILDERS = {}
 
 
@@ -59,6 +69,7 @@ def _workload(name):
     def decorator(fn):
         _BUILDERS[name] = fn
         return fn
+
     return decorator
 
 
@@ -80,11 +91,11 @@ def get_workload(name, data_dir=None, seed=0, **overrides):
     accepted = list(HYPER_PARAMETERS) + sorted(set(options) | {"train_samples", "test_samples"})
     unknown = sorted(set(overrides) - set(accepted))
     if unknown:
-        raise GraceConfigError(f"workload {name!r} does not accept {', '.join(unknown)}; "
-                               f"accepted: {', '.join(accepted)}")
+        raise GraceConfigError(
+            f"workload {name!r} does not accept {', '.join(unknown)}; accepted: {', '.join(accepted)}"
+        )
     hyper = {k: overrides.pop(k) for k in HYPER_PARAMETERS if k in overrides}
-    limits = {k: overrides.pop(k) for k in ("train_samples", "test_samples")
-              if k in overrides and k not in options}
+    limits = {k: overrides.pop(k) for k in ("train_samples", "test_samples") if k in overrides and k not in options}
     workload = builder(data_dir=data_dir, seed=int(seed), **overrides)
     workload.name = name
     for key, split in (("train_samples", "train"), ("test_samples", "test")):
@@ -95,17 +106,23 @@ def get_workload(name, data_dir=None, seed=0, **overrides):
     workload = dataclasses.replace(workload, **_checked(hyper))
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         workload.parameters = parameter_count(workload.make_model())  # no memory, RNG untouched
-    workload.info.update(parameters=workload.parameters, train_size=len(workload.train[0]),
-                         test_size=len(workload.test[0]))
+    workload.info.update(
+        parameters=workload.parameters, train_size=len(workload.train[0]), test_size=len(workload.test[0])
+    )
     workload.description = f"{workload.description}; {workload.parameters:,} parameters"
     return workload
 
 
 def _checked(hyper):
-    checks = {"batch_size": (1, None, False, int), "lr": (0, None, True, float),
-              "momentum": (0, 1, False, float), "epochs": (1, None, False, int),
-              "target_accuracy": (0, 1, False, float), "weight_decay": (0, None, False, float),
-              "lr_gamma": (0, None, True, float)}
+    checks = {
+        "batch_size": (1, None, False, int),
+        "lr": (0, None, True, float),
+        "momentum": (0, 1, False, float),
+        "epochs": (1, None, False, int),
+        "target_accuracy": (0, 1, False, float),
+        "weight_decay": (0, None, False, float),
+        "lr_gamma": (0, None, True, float),
+    }
     out = {}
     for key, value in hyper.items():
         if key in checks:
@@ -123,8 +140,16 @@ def _checked(hyper):
 def _classification(name, data, make_model, description, info, **hyper):
     x, y, x_test, y_test = data
     info = dict(info, input_shape=tuple(x.shape[1:]), num_classes=int(max(y.max(), y_test.max())) + 1)
-    return Workload(name=name, train=(x, y), test=(x_test, y_test), make_model=make_model,
-                    loss="cross_entropy", description=description, info=info, **hyper)
+    return Workload(
+        name=name,
+        train=(x, y),
+        test=(x_test, y_test),
+        make_model=make_model,
+        loss="cross_entropy",
+        description=description,
+        info=info,
+        **hyper,
+    )
 
 
 # ------------------------------------------------------------------------- offline defaults
@@ -132,31 +157,52 @@ def _classification(name, data, make_model, description, info, **hyper):
 def _mnist1d_mlp(data_dir, seed, num_samples=5000, data_seed=None):
     data = datasets.mnist1d(num_samples, seed if data_seed is None else data_seed, cache_dir=data_dir)
     return _classification(
-        "mnist1d-mlp", data, lambda: models.mlp([40, 100, 100, 10]),
+        "mnist1d-mlp",
+        data,
+        lambda: models.mlp([40, 100, 100, 10]),
         f"MNIST-1D ({num_samples} generated samples, 80/20 split, length 40); MLP 40-100-100-10",
         {"source": "generated offline by mnist1d.data.make_dataset"},
-        batch_size=32, lr=0.05, momentum=0.9, epochs=20, target_accuracy=0.6)
+        batch_size=32,
+        lr=0.05,
+        momentum=0.9,
+        epochs=20,
+        target_accuracy=0.6,
+    )
 
 
 @_workload("mnist1d-cnn")
 def _mnist1d_cnn(data_dir, seed, num_samples=5000, data_seed=None):
     data = datasets.mnist1d(num_samples, seed if data_seed is None else data_seed, cache_dir=data_dir)
     return _classification(
-        "mnist1d-cnn", data, models.CNN1D,
+        "mnist1d-cnn",
+        data,
+        models.CNN1D,
         f"MNIST-1D ({num_samples} generated samples, 80/20 split, length 40); "
         "1-D CNN (3 stride-2 convs of 25 channels, linear)",
         {"source": "generated offline by mnist1d.data.make_dataset"},
-        batch_size=32, lr=0.05, momentum=0.9, epochs=20, target_accuracy=0.85)
+        batch_size=32,
+        lr=0.05,
+        momentum=0.9,
+        epochs=20,
+        target_accuracy=0.85,
+    )
 
 
 @_workload("digits-mlp")
 def _digits_mlp(data_dir, seed, data_seed=None):
     data = datasets.digits(seed if data_seed is None else data_seed)
     return _classification(
-        "digits-mlp", data, lambda: models.mlp([64, 128, 10]),
+        "digits-mlp",
+        data,
+        lambda: models.mlp([64, 128, 10]),
         "scikit-learn digits (1797 8x8 images, seeded 80/20 split); MLP 64-128-10",
         {"source": "bundled with scikit-learn (sklearn.datasets.load_digits)"},
-        batch_size=32, lr=0.05, momentum=0.9, epochs=10, target_accuracy=0.95)
+        batch_size=32,
+        lr=0.05,
+        momentum=0.9,
+        epochs=10,
+        target_accuracy=0.95,
+    )
 
 
 FC_HEAVY_SIZES = (1024, 4096, 4096, 1024, 10)
@@ -166,45 +212,80 @@ FC_HEAVY_SIZES = (1024, 4096, 4096, 1024, 10)
 def _fc_heavy(data_dir, seed, train_samples=8192, test_samples=2048, data_seed=None):
     train_samples = check_range("train_samples", train_samples, 1, None, kind=int)
     test_samples = check_range("test_samples", test_samples, 1, None, kind=int)
-    data = datasets.teacher_task(train_samples, test_samples, FC_HEAVY_SIZES[0], FC_HEAVY_SIZES[-1],
-                                 seed=seed if data_seed is None else data_seed)
+    data = datasets.teacher_task(
+        train_samples,
+        test_samples,
+        FC_HEAVY_SIZES[0],
+        FC_HEAVY_SIZES[-1],
+        seed=seed if data_seed is None else data_seed,
+    )
     sizes = "-".join(map(str, FC_HEAVY_SIZES))
     return _classification(
-        "fc-heavy", data, lambda: models.fc_heavy(FC_HEAVY_SIZES),
+        "fc-heavy",
+        data,
+        lambda: models.fc_heavy(FC_HEAVY_SIZES),
         f"synthetic teacher task ({train_samples}+{test_samples} samples: a 16-d Gaussian latent "
         f"embedded in 1024-d with noise, labels from a random linear teacher); MLP {sizes}, for throughput",
         {"source": "generated from a seeded torch.Generator"},
-        batch_size=64, lr=0.01, momentum=0.9, epochs=5, target_accuracy=0.85)
+        batch_size=64,
+        lr=0.01,
+        momentum=0.9,
+        epochs=5,
+        target_accuracy=0.85,
+    )
 
 
 # ---------------------------------------------------------------------- from a data directory
 @_workload("mnist-mlp")
 def _mnist_mlp(data_dir, seed):
     return _classification(
-        "mnist-mlp", datasets.mnist(data_dir, "mnist-mlp"), lambda: models.mlp([784, 256, 128, 10]),
+        "mnist-mlp",
+        datasets.mnist(data_dir, "mnist-mlp"),
+        lambda: models.mlp([784, 256, 128, 10]),
         "MNIST (IDX files, 60000/10000); MLP 784-256-128-10",
         {"source": f"IDX files in {data_dir}", "expected_files": datasets.MNIST_FILES},
-        batch_size=64, lr=0.05, momentum=0.9, epochs=10, target_accuracy=0.97)
+        batch_size=64,
+        lr=0.05,
+        momentum=0.9,
+        epochs=10,
+        target_accuracy=0.97,
+    )
 
 
 @_workload("mnist-lenet5")
 def _mnist_lenet5(data_dir, seed):
     return _classification(
-        "mnist-lenet5", datasets.mnist(data_dir, "mnist-lenet5"), models.LeNet5,
+        "mnist-lenet5",
+        datasets.mnist(data_dir, "mnist-lenet5"),
+        models.LeNet5,
         "MNIST (IDX files, 60000/10000); LeNet-5 (ReLU, max-pool)",
         {"source": f"IDX files in {data_dir}", "expected_files": datasets.MNIST_FILES},
-        batch_size=64, lr=0.05, momentum=0.9, epochs=10, target_accuracy=0.98)
+        batch_size=64,
+        lr=0.05,
+        momentum=0.9,
+        epochs=10,
+        target_accuracy=0.98,
+    )
 
 
 @_workload("cifar10-resnet20")
 def _cifar10_resnet20(data_dir, seed):
     workload = _classification(
-        "cifar10-resnet20", datasets.cifar10(data_dir, "cifar10-resnet20"), models.resnet20,
+        "cifar10-resnet20",
+        datasets.cifar10(data_dir, "cifar10-resnet20"),
+        models.resnet20,
         "CIFAR-10 (python pickle batches, 50000/10000, per-channel normalisation, random crop "
         "4-pad + flip); ResNet-20 (He et al. 2016, option-A shortcuts)",
         {"source": f"pickle batches in {data_dir}", "expected_files": datasets.CIFAR_FILES},
-        batch_size=128, lr=0.1, momentum=0.9, epochs=200, target_accuracy=0.85,
-        weight_decay=1e-4, lr_milestones=(100, 150), lr_gamma=0.1)
+        batch_size=128,
+        lr=0.1,
+        momentum=0.9,
+        epochs=200,
+        target_accuracy=0.85,
+        weight_decay=1e-4,
+        lr_milestones=(100, 150),
+        lr_gamma=0.1,
+    )
     workload.augment = datasets.cifar_augment
     return workload
 
@@ -215,11 +296,27 @@ def _ptb_lstm(data_dir, seed, bptt=35):
     train, valid, test, vocabulary = datasets.ptb(data_dir, bptt, "ptb-lstm")
     vocab_size = len(vocabulary)
     return Workload(
-        name="ptb-lstm", train=train, test=test, valid=valid,
-        make_model=lambda: models.LSTMLanguageModel(vocab_size), loss="lm",
+        name="ptb-lstm",
+        train=train,
+        test=test,
+        valid=valid,
+        make_model=lambda: models.LSTMLanguageModel(vocab_size),
+        loss="lm",
         description=f"PTB-format text ({vocab_size} words, windows of {bptt} tokens); "
-                    "2-layer LSTM 200/200 (Zaremba et al. small, untied)",
-        batch_size=20, lr=1.0, momentum=0.0, epochs=13, target_accuracy=0.25,
-        lr_milestones=tuple(range(5, 13)), lr_gamma=0.5, grad_clip=5.0,
-        info={"source": f"text files in {data_dir}", "expected_files": datasets.PTB_FILES,
-              "vocab_size": vocab_size, "bptt": bptt, "vocabulary": vocabulary})
+        "2-layer LSTM 200/200 (Zaremba et al. small, untied)",
+        batch_size=20,
+        lr=1.0,
+        momentum=0.0,
+        epochs=13,
+        target_accuracy=0.25,
+        lr_milestones=tuple(range(5, 13)),
+        lr_gamma=0.5,
+        grad_clip=5.0,
+        info={
+            "source": f"text files in {data_dir}",
+            "expected_files": datasets.PTB_FILES,
+            "vocab_size": vocab_size,
+            "bptt": bptt,
+            "vocabulary": vocabulary,
+        },
+    )
