@@ -10,6 +10,8 @@ group of gradients takes the path together: each is compensated, compressed, rem
 decompressed on its own, and their payloads share each exchange.
 """
 
+from __future__ import annotations
+
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor

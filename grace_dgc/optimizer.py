@@ -5,6 +5,8 @@ It is a plain wrapper (no dynamically built subclass): it shares the wrapped opt
 ``param_groups`` and ``state`` objects, so LR schedulers and ``zero_grad`` act on it.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager

@@ -7,6 +7,8 @@ entry-point groups ``grace_dgc.compressors``, ``grace_dgc.memories`` and
 first time a registry is listed or asked for a name it does not know.
 """
 
+from __future__ import annotations
+
 import difflib
 import fnmatch
 import importlib.metadata

@@ -374,6 +374,29 @@ def test_report_on_fixture(tmp_path):
     assert cli.report_main([str(tmp_path / "missing")]) == 2
 
 
+def test_report_confidence_intervals_and_welch_tests(tmp_path):
+    """The seed-statistics table against closed forms: with 2 seeds each, the t quantile of 1
+    degree of freedom is tan(π·0.475), and Welch's test on equal variances has 2 degrees of
+    freedom, whose CDF is 1/2 + t / (2·sqrt(2 + t²))."""
+    import math
+
+    write_fixture(tmp_path)
+    text = open(report.write_report(str(tmp_path))).read()
+    s = math.sqrt(0.0002)  # sample std of (0.85, 0.87) and of (0.90, 0.92)
+    half = math.tan(math.pi * 0.475) * s / math.sqrt(2)
+    t = (0.86 - 0.91) / math.sqrt(s**2 / 2 + s**2 / 2)
+    p = 2 * (1 - (0.5 + abs(t) / (2 * math.sqrt(2 + t * t))))
+    row = next(line for line in text.splitlines() if line.startswith("| 1 | 2 | local | 2 | 0.8600 |"))
+    assert f"[{0.86 - half:.4f}, {0.86 + half:.4f}]" in row
+    assert f"| 100 (send all) | -0.0500 | {t:.2f} | {p:.3g} | no significant difference |" in row
+    assert "| 100 (send all) | 2 | local | 2 | 0.9100 |" in text and "(baseline)" in text
+    assert "| 0 (send none) | 2 | local | 1 | 0.1000 | n/a (1 seed) |" in text
+    assert "not testable (needs ≥ 2 seeds each)" in text
+    # a clear difference is called, with its direction
+    assert report.welch_test([0.5, 0.51, 0.52], [0.9, 0.91, 0.92])[1] < 0.05
+    assert report.welch_test([0.5], [0.9, 0.91]) is None
+
+
 # -- the projection model --------------------------------------------------------------------
 def test_cost_models_against_hand_computed_numbers():
     alpha, beta = 1e-4, 8 / 1e9  # 0.1 ms, 1 Gbit/s

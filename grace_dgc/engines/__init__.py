@@ -8,6 +8,8 @@ the environment says this process is one rank of several (``WORLD_SIZE`` > 1, a 
 or MPI launch): then it raises instead of training alone without a word.
 """
 
+from __future__ import annotations
+
 import os
 from collections.abc import Sequence
 from typing import Any

@@ -16,6 +16,8 @@ Differences from the torch engine, all on the wire, none in the results:
     buffer is what Horovod moves, so that is what ``bytes_sent`` counts.
 """
 
+from __future__ import annotations
+
 import math
 from collections.abc import Sequence
 from typing import Any

@@ -15,6 +15,9 @@ import os
 import statistics
 import sys
 
+import numpy as np
+from scipy import stats
+
 from ..errors import GraceConfigError
 from .results import CONFIG_JSON, latest_summaries, read_records
 from .units import human_bytes, human_seconds
@@ -84,6 +87,69 @@ def gather(records):
             tuning[r["tuning_key"]] = r
     failures = [r for r in records if r.get("type") == "error" and r["run_id"] not in latest]
     return list(groups.values()), list(tuning.values()), failures
+
+
+# -- statistics over seeds ----------------------------------------------------------------
+ALPHA = 0.05
+
+
+def confidence_interval(values, level=0.95):
+    """(mean, half-width) of the Student-t interval; half-width None below 2 values."""
+    values = np.asarray(values, dtype=np.float64)
+    mean = float(values.mean())
+    if len(values) < 2:
+        return mean, None
+    sem = float(values.std(ddof=1)) / np.sqrt(len(values))
+    return mean, float(stats.t.ppf(0.5 + level / 2, len(values) - 1)) * sem
+
+
+def welch_test(values, baseline):
+    """(t, p) of Welch's two-sided t-test (unequal variances); None below 2 values a side
+    or when both sides are constant."""
+    a, b = np.asarray(values, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
+    if len(a) < 2 or len(b) < 2 or (a.std() == 0 and b.std() == 0):
+        return None
+    result = stats.ttest_ind(a, b, equal_var=False)
+    return float(result.statistic), float(result.pvalue)
+
+
+def _baseline(group, groups):
+    peers = [g for g in groups if (g.workers, g.network) == (group.workers, group.network)]
+    dense = [g for g in peers if g.runs and g.runs[0].get("compressor") == "none"]
+    return (dense or peers)[0]
+
+
+def significance_table(groups, key="final_test_accuracy"):
+    lines = [
+        "| Method | Workers | Network | Seeds | Test acc | 95% CI | Baseline | Δ vs baseline | Welch t | p | Verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for g in groups:
+        values = g.values(key)
+        if not values:
+            continue
+        mean, half = confidence_interval(values)
+        interval = "n/a (1 seed)" if half is None else f"[{mean - half:.4f}, {mean + half:.4f}]"
+        base = _baseline(g, groups)
+        if base is g:
+            lines.append(
+                f"| {g.label} | {g.workers} | {g.network} | {len(values)} | {mean:.4f} | {interval} | "
+                f"(baseline) | — | — | — | — |"
+            )
+            continue
+        reference = base.values(key)
+        delta = mean - float(np.mean(reference)) if reference else float("nan")
+        test = welch_test(values, reference) if reference else None
+        if test is None:
+            t, p, verdict = "—", "—", "not testable (needs ≥ 2 seeds each)"
+        else:
+            t, p = f"{test[0]:.2f}", f"{test[1]:.3g}"
+            verdict = ("better" if delta > 0 else "worse") if test[1] < ALPHA else "no significant difference"
+        lines.append(
+            f"| {g.label} | {g.workers} | {g.network} | {len(values)} | {mean:.4f} | {interval} | "
+            f"{base.label} | {delta:+.4f} | {t} | {p} | {verdict} |"
+        )
+    return "\n".join(lines)
 
 
 # -- tables --------------------------------------------------------------------------------
@@ -331,6 +397,14 @@ def write_report(out_dir, report_dir=None):
         "## Results",
         "",
         general_table(groups),
+        "",
+        "## Do the seeds support the differences?",
+        "",
+        "Test accuracy: mean and 95% confidence interval over seeds (Student t, n−1 degrees of freedom); "
+        "Welch's t-test against the baseline of the same workers and network (the `none` compressor, else "
+        "the first method). A difference is called only at p < 0.05; one seed supports no claim.",
+        "",
+        significance_table(groups),
         "",
         f"## Time to accuracy (the seed001 format; target {first['target_accuracy'] * 100:g}%)",
         "",
