@@ -471,3 +471,57 @@ def test_cli_wiring(tmp_path, capsys):
     bad.write_text("workload = 'digits-mlp'\n[[methods]]\ncompressor = 'nope'\n")
     assert cli.survey_main(["--config", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "unknown compressor 'nope'" in capsys.readouterr().err
+
+
+def test_presets_are_named_by_what_they_reproduce_and_old_names_still_load():
+    for old, new in cfg.PRESET_ALIASES.items():
+        assert new in cfg.PRESETS
+        a, b = cfg.load_preset(old).cells(), cfg.load_preset(new).cells()
+        assert [c.cell_hash for c in a] == [c.cell_hash for c in b]
+        assert cfg.load_preset(old).name == new
+    with pytest.raises(GraceConfigError, match="earlier names seed000-kpercent"):
+        cfg.load_preset("seed002")
+
+
+def test_cells_are_dataclasses_and_rank_totals_name_every_metric():
+    from grace_dgc.survey.cell import Cell
+    from grace_dgc.survey.metrics import RankTotals, epoch_record
+
+    cell = cfg.SurveyConfig(TINY).cells()[0]
+    assert isinstance(cell, Cell) and cell["workers"] == cell.workers == 2
+    assert cell.cell_hash == cfg.cell_hash(cell.as_dict()) and cell.tuning_key == cfg.tuning_key(cell.as_dict())
+    totals = RankTotals(
+        loss=6.0,
+        hits=3,
+        count=4,
+        bytes_sent=100,
+        dense_bytes=400,
+        exchanges=8,
+        timed_steps=1,
+        train_time=2.0,
+        compute=0.5,
+        wait=0.25,
+    )
+    other = RankTotals.from_list(totals.as_list())
+    other.train_time, other.bytes_sent = 3.0, 300
+    record = epoch_record([totals, other], 1, 0.1, 2, 64, 10.0, 0.5, 0.75, {})
+    assert record["train_loss"] == 12 / 8 and record["epoch_time_s"] == 3.0 and record["elapsed_s"] == 13.0
+    assert record["bytes_per_step"] == 400 / 2 / 2 and record["compression_ratio"] == 400 / 800
+    assert record["compute_s"] == 0.5 and record["step_s"] == 0.75 and record["exchanges_per_step"] == 4
+
+
+def test_tensorboard_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = str(tmp_path / "run")
+    raw = dict(TINY, workers=1, tensorboard=True, methods=[TINY["methods"][0]])
+    summaries, failures = runner.run_grid(cfg.SurveyConfig(raw), out, progress=False, log=lambda *a: None)
+    assert failures == []
+    runs = os.listdir(os.path.join(out, "tensorboard"))
+    assert runs == ["dense_w1_s0"]
+    events = EventAccumulator(os.path.join(out, "tensorboard", runs[0]))
+    events.Reload()
+    assert len(events.Scalars("train/loss")) == summaries[0]["steps"]
+    assert events.Scalars("epoch/test_accuracy")[-1].value == pytest.approx(summaries[0]["final_test_accuracy"])
+    with pytest.raises(GraceConfigError, match="tensorboard = 1 must be a bool"):
+        cfg.SurveyConfig(dict(TINY, tensorboard=1))

@@ -60,47 +60,14 @@ def burst_bytes(bandwidth_bps):
 
 def shaping_commands(bandwidth_bps=None, latency_ms=0.0):
     """The ``ip``/``tc`` commands that shape the namespace's loopback."""
-    cmds = [["ip", "link", "set", "lo", "mtu", str(MTU), "up"]]
-    parent = ["root"]
+    cmds = [f"ip link set lo mtu {MTU} up".split()]
+    parent = "root"
     if latency_ms:
-        cmds.append(
-            [
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                "lo",
-                "root",
-                "handle",
-                "1:",
-                "netem",
-                "delay",
-                f"{latency_ms:g}ms",
-                "limit",
-                "1000000",
-            ]
-        )
-        parent = ["parent", "1:1"]
+        cmds.append(f"tc qdisc add dev lo root handle 1: netem delay {latency_ms:g}ms limit 1000000".split())
+        parent = "parent 1:1"
     if bandwidth_bps:
-        cmds.append(
-            [
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                "lo",
-                *parent,
-                "handle",
-                "10:",
-                "tbf",
-                "rate",
-                f"{int(bandwidth_bps)}bit",
-                "burst",
-                str(burst_bytes(bandwidth_bps)),
-                "latency",
-                "1s",
-            ]
-        )
+        rate, burst = int(bandwidth_bps), burst_bytes(bandwidth_bps)
+        cmds.append(f"tc qdisc add dev lo {parent} handle 10: tbf rate {rate}bit burst {burst} latency 1s".split())
     return cmds
 
 
