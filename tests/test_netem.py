@@ -25,42 +25,13 @@ needs_netns = pytest.mark.skipif(REASON is not None, reason=f"shaped network nam
 
 
 def test_shaping_commands():
+    # written out here as words, independently of how netem builds them
     assert netem.shaping_commands(10e6) == [
         ["ip", "link", "set", "lo", "mtu", "1500", "up"],
-        [
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            "lo",
-            "root",
-            "handle",
-            "10:",
-            "tbf",
-            "rate",
-            "10000000bit",
-            "burst",
-            "65536",
-            "latency",
-            "1s",
-        ],
+        "tc qdisc add dev lo root handle 10: tbf rate 10000000bit burst 65536 latency 1s".split(" "),
     ]
     cmds = netem.shaping_commands(1e9, latency_ms=0.1)
-    assert cmds[1] == [
-        "tc",
-        "qdisc",
-        "add",
-        "dev",
-        "lo",
-        "root",
-        "handle",
-        "1:",
-        "netem",
-        "delay",
-        "0.1ms",
-        "limit",
-        "1000000",
-    ]
+    assert cmds[1] == "tc qdisc add dev lo root handle 1: netem delay 0.1ms limit 1000000".split(" ")
     assert cmds[2][5:9] == ["parent", "1:1", "handle", "10:"]
     assert cmds[2][cmds[2].index("burst") + 1] == str(int(1e9 / 8 * 0.002))  # 2 ms of traffic
     assert netem.describe(1e9, 0.1) == "1gbit-0.1ms" and netem.describe() == "local"
