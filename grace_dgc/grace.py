@@ -72,6 +72,7 @@ class Grace:
         self._bound = False
         self._agreed: set[tuple] = set()  # group signatures the ranks agreed on (see handshake)
         self.params: dict[str, dict[str, Any]] = {}  # constructor parameters per part, as build() routed them
+        self.wire = compressor  # what compresses each gradient: the communicator's choice, set by bind
         # engine="auto" before any process group exists (a script that builds its parts
         # before init_process_group) waits for the first exchange to choose and bind
         if not isinstance(engine, AutoEngine) or engine.name in ("torch", "horovod"):
@@ -129,7 +130,7 @@ class Grace:
         if signature not in self._agreed:  # first exchange of this group: do ranks agree?
             handshake.agree(self, tensors, names)
             self._agreed.add(signature)
-        comp, memory = self.compressor, self.memory
+        comp, memory, comm = self.wire, self.memory, self.communicator
         # the averages land in the inputs when they are handed over (a non-contiguous one
         # through a temporary), else in new tensors
         outputs = [
@@ -138,7 +139,7 @@ class Grace:
         ]
         # Non-finite gradients: a NaN/Inf rides along in a plain sum to every rank; otherwise
         # the ranks learn of it before any state changes (one small allgather of flags)
-        rides = memory.identity and comp.rounds == 1 and self.communicator.reduces
+        rides = memory.identity and comp.rounds == 1 and comm.reduces
         if not rides:
             bad = self._nonfinite_ranks(tensors)
             if bad:
@@ -153,12 +154,25 @@ class Grace:
             if flat is not None:  # a bucket's flat buffer: compressed, reduced, decompressed at once
                 sources, outputs = [flat], [flat]
         keys = names if sources is tensors else [names[0] + "…"]
+        if comm.aggregates:  # hierarchical: the node's sum is what gets compressed
+            with self._timed("communicate"), self._counted():
+                sources = comm.prereduce(sources)
         with self._timed("compress"):
             compensated = [memory.compensate(t, n) for t, n in zip(sources, keys)]
             payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, keys))))
         if consume and not inplace:
             inputs = {t.untyped_storage().data_ptr() for t in tensors}
             consume = not any(p.untyped_storage().data_ptr() in inputs for payload in payloads for p in payload)
+        if comm.aggregates:  # the collective decompresses and aggregates (sparse sums, owners)
+            with self._timed("communicate"), self._counted():
+                sent = comm.aggregate_many(comp, payloads, ctxs, keys, outputs)
+            with self._timed("compress"):
+                for c, n, payload, ctx in zip(compensated, keys, sent, ctxs):
+                    memory.update(c, n, comp, payload, ctx)
+            if comp.average:
+                for out in outputs:
+                    out.div_(self.engine.size)
+            return self._finish(tensors, outputs, names, keys, inplace, rides)
         gathered = self._communicate(payloads, keys, consume)
         active, rounds = list(range(len(sources))), 1
         while comp.rounds > 1 and active:  # multi-round methods (PowerSGD: P, then Q) see each round's sum
@@ -184,12 +198,25 @@ class Grace:
                 memory.update(c, n, comp, payload, ctx)
         with self._timed("decompress"):
             for out, got, ctx in zip(outputs, gathered, ctxs):
-                if self.communicator.reduces:  # payloads were already summed on the wire
+                if comm.reduces:  # payloads were already summed on the wire
                     comp.decompress_into(got[0], ctx, out)
                 else:
                     comp.decompress_aggregate_into(got, ctx, out)
                 if comp.average:
                     out.div_(self.engine.size)
+        return self._finish(tensors, outputs, names, keys, inplace, rides)
+
+    def _finish(
+        self,
+        tensors: list[Tensor],
+        outputs: list[Tensor],
+        names: list[str],
+        keys: list[str],
+        inplace: bool,
+        rides: bool,
+    ) -> list[Tensor]:
+        """Count the group, catch a non-finite average, and hand the averages back."""
+        memory = self.memory
         for tensor, name in zip(tensors, names):
             self._stats["tensors"] += 1
             self._stats["dense_bytes"] += tensor.numel() * 4
@@ -200,11 +227,12 @@ class Grace:
             if not rides:  # the memory's update already saw the overflow: forget it
                 for key in keys:
                     memory.reset(key)
+                    self.communicator.reset(key)
             return self._skip(tensors, outputs, names, inplace, None)
         if not inplace:
             return outputs
         for tensor, out in zip(tensors, outputs):
-            if out is not tensor and sources is tensors:
+            if out is not tensor and len(outputs) == len(tensors):
                 tensor.copy_(out)
         return list(tensors)
 
@@ -234,14 +262,22 @@ class Grace:
             target.fill_(float("nan"))
         return list(tensors) if inplace else outputs
 
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        """Add the bytes the engine moved meanwhile to the stats."""
+        sent, received = self.engine.bytes_sent, self.engine.bytes_received
+        try:
+            yield
+        finally:
+            self._stats["bytes_sent"] += self.engine.bytes_sent - sent
+            self._stats["bytes_received"] += self.engine.bytes_received - received
+
     def _communicate(self, payloads: list[Payload], names: list[str], consume: bool = False) -> list[list[Payload]]:
-        with self._timed("communicate"):
-            sent_before = self.engine.bytes_sent
+        with self._timed("communicate"), self._counted():
             if consume and self.communicator.reduces_in_place:
                 gathered = self.communicator.exchange_many(payloads, names, consume=True)  # type: ignore[call-arg]
             else:
                 gathered = self.communicator.exchange_many(payloads, names)
-            self._stats["bytes_sent"] += self.engine.bytes_sent - sent_before
         return gathered
 
     def _sum_payloads(self, gathered: list[Payload]) -> Payload:
@@ -257,8 +293,10 @@ class Grace:
                 f"built for world_size={self.expected_world_size} but the {self.engine.name} "
                 f"engine has {self.engine.size} ranks"
             )
-        self.compressor.bind(self.engine)
-        self.memory.bind(self.engine)
+        parts_engine = self.communicator.setup()
+        self.wire = self.communicator.wire_compressor(self.compressor)
+        self.wire.bind(parts_engine)
+        self.memory.bind(parts_engine)
         self._bound = True
 
     @property
@@ -288,7 +326,13 @@ class Grace:
             self._stats[key + "_seconds"] += time.perf_counter() - start
 
     def reset_stats(self) -> None:
-        self._stats: dict[str, float] = {"tensors": 0, "bytes_sent": 0, "dense_bytes": 0, "skipped": 0}
+        self._stats: dict[str, float] = {
+            "tensors": 0,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "dense_bytes": 0,
+            "skipped": 0,
+        }
         self._stats.update({key + "_seconds": 0.0 for key in TIMERS})
         self._steps: dict[str, int] = {}
 
@@ -296,15 +340,18 @@ class Grace:
         """Counters since the last :meth:`reset_stats` (all measured, none assumed).
 
         steps: exchanges of the most-exchanged tensor name (= optimizer steps);
-        bytes_sent: bytes this rank handed to collectives, padding and size headers
-        included; dense_bytes: what an fp32 allreduce of the same tensors would hand over;
+        bytes_sent: bytes this rank handed to collectives as its own contribution, padding
+        and size headers included; bytes_received: bytes it got back from the other ranks
+        (allgather: every other rank's buffer, so it grows with the world size; see
+        :class:`~grace_dgc.engines.base.Engine`); dense_bytes: what an fp32 allreduce of the
+        same tensors would hand over;
         compression_ratio: bytes_sent / dense_bytes (0.001 = a thousandth is sent).
         """
         out: dict[str, Any] = dict(self._stats)
         out["steps"] = max(self._steps.values(), default=0)
         out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
         out["bytes_per_step"] = out["bytes_sent"] / out["steps"] if out["steps"] else 0.0
-        for part in (self.compressor, self.memory):  # method-specific figures, e.g. DGC's ratio
+        for part in (self.compressor, self.memory, self.communicator):  # e.g. DGC's ratio, auto's choices
             out.update(part.stats())
         return out
 
@@ -321,6 +368,7 @@ class Grace:
             "world_size": self.world_size,
             "compressor": self.compressor.state_dict(),
             "memory": self.memory.state_dict(),
+            "communicator": self.communicator.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -354,6 +402,7 @@ class Grace:
         try:
             self.compressor.load_state_dict(state["compressor"])
             self.memory.load_state_dict(state["memory"])
+            self.communicator.load_state_dict(state.get("communicator", {}))
         except (KeyError, TypeError, AttributeError) as error:
             raise GraceConfigError(
                 f"the state does not fit {_describe(self._methods())} ({type(error).__name__}: "
@@ -431,22 +480,24 @@ def build(
         ("communicator", COMMUNICATORS, names["communicator"]),
     ]
     routed = _route(params, parts)
-    comp_cls = COMPRESSORS.get(names["compressor"])
+    comp = COMPRESSORS.get(names["compressor"])(**routed["compressor"])
     comm_cls = COMMUNICATORS.get(names["communicator"])
-    if comm_cls.needs_summable and not comp_cls.summable:
-        fitting = [c for c in COMMUNICATORS.names() if not COMMUNICATORS.get(c).needs_summable]
-        raise GraceConfigError(
-            f"compressor {names['compressor']!r} sends payloads that cannot be summed, so "
-            f"communicator {names['communicator']!r} cannot carry it; use one of: {', '.join(fitting)}"
-        )
     engine_kwargs = {
         key: value for key, value in (("process_group", process_group), ("timeout", timeout)) if value is not None
     }
     eng = create_engine(engine, **engine_kwargs)
+    comm = comm_cls(eng, **routed["communicator"])
+    reason = comm.refuse(comp)
+    if reason:
+        fitting = [c for c in COMMUNICATORS.names() if COMMUNICATORS.get(c).fits(comp)]
+        raise GraceConfigError(
+            f"communicator {names['communicator']!r} cannot carry compressor {names['compressor']!r}: "
+            f"{reason}; communicators that can: {', '.join(fitting)}"
+        )
     grace = Grace(
-        comp_cls(**routed["compressor"]),
+        comp,
         MEMORIES.get(names["memory"])(**routed["memory"]),
-        comm_cls(eng, **routed["communicator"]),
+        comm,
         eng,
         nonfinite=nonfinite,
         world_size=world_size,

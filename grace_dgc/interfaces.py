@@ -36,6 +36,11 @@ class Compressor:
       elementwise: compress and decompress act element by element with a ctx that depends on
                 the dtype only (none, fp16, bf16), so Grace may compress a fusion bucket's flat
                 buffer as one tensor instead of its tensors one by one.
+      sparse:   the payload is ``[values, indices]`` (int32 indices into the flattened tensor,
+                each at most once) and ``decompress`` scatters the values into zeros, so
+                payloads can be summed index by index (``sparse_allreduce``).
+      chunkable: compressing the chunks of a tensor one by one is still the method (true of
+                quantizers, false of top-k selections): ``reduce_scatter`` needs it.
       rounds:   the most exchanges per tensor. With rounds > 1 (PowerSGD) Grace calls
                 ``next_round`` with each round's payload summed over ranks, the last round
                 included; it returns the next payload, or None once the tensor is done.
@@ -48,6 +53,8 @@ class Compressor:
     average = True
     rounds = 1
     elementwise = False
+    sparse = False  # the payload is [values, int32 flat indices] and decompress scatters them
+    chunkable = True  # compressing a tensor chunk by chunk is still this method (not top-k)
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         raise NotImplementedError
@@ -62,6 +69,17 @@ class Compressor:
         last sum lets a method keep state that must be equal on all ranks (PowerSGD's Q).
         """
         raise NotImplementedError
+
+    def requantize(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
+        """Compress an *aggregate* (``reduce_scatter``'s second hop: the owner of a chunk
+        re-compresses the ranks' average). Default: :meth:`compress`. A method whose compress
+        keeps per-step state (Signum's momentum) or whose aggregate does not fit its format
+        (the majority vote's ties) overrides it together with :meth:`dequantize_into`."""
+        return self.compress(tensor, name)
+
+    def dequantize_into(self, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
+        """Inverse of :meth:`requantize`, into ``out``. Default: :meth:`decompress_into`."""
+        return self.decompress_into(payload, ctx, out)
 
     def decompress_aggregate(self, payloads: Sequence[Payload], ctx: Any) -> Tensor:
         """``aggregate`` of every rank's decompressed payload. Sparse methods override it to
@@ -196,9 +214,64 @@ class Communicator:
     reduces = False
     needs_summable = False
     reduces_in_place = False  # exchange_many accepts consume=True (see Allreduce)
+    aggregates = False  # the collective itself aggregates: Grace calls aggregate_many instead
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+
+    def refuse(self, compressor: Compressor) -> str | None:
+        """Why this communicator cannot carry ``compressor``'s payloads, or None."""
+        return type(self).refusal(compressor)
+
+    @classmethod
+    def refusal(cls, compressor: Compressor) -> str | None:
+        """:meth:`refuse` with the communicator's default parameters."""
+        if cls.needs_summable and not compressor.summable:
+            return "its payloads cannot be summed"
+        if cls.aggregates and compressor.rounds > 1:
+            return "it exchanges several rounds per step (allgather, broadcast and allreduce carry those)"
+        return None
+
+    @classmethod
+    def fits(cls, compressor: Compressor) -> bool:
+        return cls.refusal(compressor) is None
+
+    def wire_compressor(self, compressor: Compressor) -> Compressor:
+        """The compressor Grace runs on each gradient (``reduce_scatter`` compresses chunk by
+        chunk); called by Grace when it binds."""
+        return compressor
+
+    def setup(self) -> Engine:
+        """Called by Grace when it binds, on every rank (it may run collectives: ``hierarchical``
+        forms its groups here); returns the engine the compressor and memory bind to."""
+        return self.engine
+
+    def prereduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Tensors to compress in place of the gradients (``hierarchical``: their sum over
+        the node). Default: the gradients themselves."""
+        return tensors
+
+    def aggregate_many(
+        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
+    ) -> list[Payload]:
+        """For ``aggregates = True``: write Σ over ranks of each decompressed payload (the
+        compressor's ``aggregate``, before Grace divides by the world size) into ``outs``, and
+        return, per tensor, the payload this rank's memory should count as sent (its own, or
+        the part of it the aggregate kept)."""
+        raise NotImplementedError
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget state kept for ``name`` (or all): e.g. ``reduce_scatter``'s owner-side errors."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        """Communicator-specific figures merged into ``Grace.stats()`` (``auto``'s choices)."""
+        return {}
 
     def set_epoch(self, epoch: int) -> None:
         """The current epoch, from ``Grace.set_epoch`` (no built-in communicator needs it)."""

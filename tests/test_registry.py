@@ -20,7 +20,15 @@ def test_lists_are_sorted_canonical_and_filtered():
     assert grace_dgc.list_compressors("*k") == [n for n in names if n.endswith("k")]
     assert grace_dgc.list_compressors("fp1?") == ["fp16"]
     assert grace_dgc.list_memories("res*") == ["residual"]
-    assert grace_dgc.list_communicators() == ["allgather", "allreduce", "broadcast"]
+    assert grace_dgc.list_communicators() == [
+        "allgather",
+        "allreduce",
+        "auto",
+        "broadcast",
+        "hierarchical",
+        "reduce_scatter",
+        "sparse_allreduce",
+    ]
 
 
 def test_aliases_resolve_to_canonical_names():

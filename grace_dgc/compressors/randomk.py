@@ -54,6 +54,7 @@ class RandomKCompressor(Compressor):
     """
 
     summable = True
+    chunkable = False  # the k indices are drawn over the whole tensor
 
     def __init__(self, compress_ratio=0.01, seed=0):
         self.compress_ratio = check_range("compress_ratio", compress_ratio, 0, 1, low_open=True)

@@ -67,3 +67,13 @@ class SignSGDCompressor(Compressor):
 
     def aggregate(self, tensors):
         return majority_vote(tensors)
+
+    def requantize(self, tensor, name):
+        """The vote sign(Σ_m s_m) ∈ {−1, 0, +1} exactly, in 2 bits per element (code v + 1),
+        for ``reduce_scatter``'s owners: one sign bit cannot say "tied"."""
+        codes = torch.sign(tensor).to(torch.int8).add_(1).view(torch.uint8)
+        return [wire.pack_bits(codes, 2, self.workspace)], (tensor.shape, tensor.dtype)
+
+    def dequantize_into(self, payload, ctx, out):
+        codes = wire.unpack_bits(payload[0], 2, out.numel(), self.workspace)
+        return out.copy_(codes.view(out.shape)).sub_(1)

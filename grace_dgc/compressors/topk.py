@@ -166,7 +166,11 @@ def exact_top_k(flat, k, workspace):
 class SparseCompressor(Compressor):
     """Base of the sparsifiers whose payload is :func:`sparse_payload` and ctx
     ``(shape, dtype)``: decompression, the one-scatter aggregate, the in-place residual and
-    the exact sent set, shared."""
+    the exact sent set, shared. Their payloads can be summed index by index
+    (``sparse_allreduce``), not chunk by chunk (the selection spans the whole tensor)."""
+
+    sparse = True
+    chunkable = False
 
     def decompress(self, payload, ctx):
         return scatter_dense(payload, *ctx[:2])

@@ -91,6 +91,8 @@ class AutoEngine(Engine):
     backend = property(lambda self: self.resolve().backend)
     local_rank = property(lambda self: self.resolve().local_rank)
     bytes_sent = property(lambda self: 0 if self._engine is None else self._engine.bytes_sent)
+    bytes_received = property(lambda self: 0 if self._engine is None else self._engine.bytes_received)
+    traffic = property(lambda self: self.resolve().traffic)
 
     def allreduce(self, tensor: Tensor) -> Tensor:
         return self.resolve().allreduce(tensor)
@@ -103,6 +105,12 @@ class AutoEngine(Engine):
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return self.resolve().broadcast_object(obj, root)
+
+    def all_to_all(self, tensor: Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int]) -> Tensor:
+        return self.resolve().all_to_all(tensor, send_sizes, recv_sizes)
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Engine | None:
+        return self.resolve().split(groups)
 
     def barrier(self) -> None:
         return self.resolve().barrier()

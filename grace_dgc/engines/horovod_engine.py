@@ -72,6 +72,17 @@ class HorovodEngine(Engine):
         self.size = hvd.size()
         self._local_rank = hvd.local_rank()
         self._issued = 0  # collectives issued by this engine: the n of their names
+        self.process_set = hvd.global_process_set
+        self._prefix = "grace"
+
+    def _subset(self, process_set: Any, index: int) -> HorovodEngine:
+        """This engine restricted to a Horovod process set (see :meth:`split`)."""
+        engine = object.__new__(HorovodEngine)
+        engine.__dict__.update(self.__dict__)
+        engine.process_set, engine._issued = process_set, 0
+        engine.rank, engine.size = process_set.ranks.index(hvd.rank()), len(process_set.ranks)
+        engine._prefix = f"{self._prefix}.set{index}"
+        return engine
 
     @property
     def local_rank(self) -> int:
@@ -79,7 +90,7 @@ class HorovodEngine(Engine):
 
     def _name(self, kind: str) -> str:
         self._issued += 1
-        return f"grace.{kind}.{self._issued - 1}"
+        return f"{self._prefix}.{kind}.{self._issued - 1}"
 
     def allreduce(self, tensor: Tensor) -> Tensor:
         if tensor.dtype not in SUMMABLE and tensor.dtype not in WIDER:
@@ -89,7 +100,9 @@ class HorovodEngine(Engine):
             )
         wire = tensor.to(WIDER.get(tensor.dtype, tensor.dtype)).contiguous()  # no copy if fit
         self._count(wire)
-        hvd.synchronize(hvd.allreduce_async_(wire, name=self._name("allreduce"), op=hvd.Sum))
+        hvd.synchronize(
+            hvd.allreduce_async_(wire, name=self._name("allreduce"), op=hvd.Sum, process_set=self.process_set)
+        )
         if wire is not tensor:  # widened or made contiguous: write the sum back in place
             tensor.copy_(wire.to(tensor.dtype) if tensor.dtype != torch.bool else wire != 0)
         return tensor
@@ -108,8 +121,12 @@ class HorovodEngine(Engine):
             if not any(sizes):  # every rank is empty: no collective, as on the torch engine
                 return [tensor.new_empty(0) for _ in range(self.size)]
         wire = rows if rows.dtype in MOVABLE else _as_byte_rows(rows)
-        self._count(wire)  # this rank's tensor as it is: Horovod does not pad
-        gathered = hvd.synchronize(hvd.allgather_async(wire, name=self._name("allgather")))
+        others = (sum(sizes) - rows.shape[0]) if sizes is not None else rows.shape[0] * (self.size - 1)
+        # this rank's tensor as it is: Horovod does not pad
+        self._count(wire, received=others * (wire.numel() // max(rows.shape[0], 1)))
+        gathered = hvd.synchronize(
+            hvd.allgather_async(wire, name=self._name("allgather"), process_set=self.process_set)
+        )
         if wire is not rows:
             gathered = gathered.view(tensor.dtype).reshape(-1, *rows.shape[1:])
         if sizes is None:  # equal sizes were promised: check, then split evenly
@@ -127,18 +144,53 @@ class HorovodEngine(Engine):
             raise GraceConfigError(f"broadcast root={root} is out of range; accepted: 0..{self.size - 1}")
         rows = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
         wire = rows if rows.dtype in MOVABLE else rows.view(torch.uint8)  # a view: in place
-        if root == self.rank:
-            self._count(wire)
-        hvd.synchronize(hvd.broadcast_async_(wire, root, name=self._name("broadcast")))
+        self._count(wire if root == self.rank else wire[:0], received=0 if root == self.rank else wire.numel())
+        root_rank = root if self.process_set is hvd.global_process_set else self.process_set.ranks[root]
+        hvd.synchronize(
+            hvd.broadcast_async_(wire, root_rank, name=self._name("broadcast"), process_set=self.process_set)
+        )
         if not tensor.is_contiguous():  # rows was a copy
             tensor.copy_(rows.view(tensor.shape))
         return tensor
 
+    def all_to_all(self, tensor: Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int]) -> Tensor:
+        self._check_splits(tensor, send_sizes, recv_sizes)
+        send, recv = [int(n) for n in send_sizes], [int(n) for n in recv_sizes]
+        rows = tensor.contiguous()
+        wire = rows if rows.dtype in MOVABLE else rows.view(torch.uint8)
+        width = wire.numel() // max(rows.numel(), 1) if rows.numel() else wire.element_size() // rows.element_size()
+        self._count(wire[: wire.numel() - send[self.rank] * width], received=(sum(recv) - recv[self.rank]) * width)
+        if not any(send) and not any(recv):
+            return tensor.new_empty(0)
+        splits = torch.tensor([n * width for n in send], dtype=torch.int32)
+        handle = hvd.alltoall_async(wire, splits=splits, name=self._name("all_to_all"), process_set=self.process_set)
+        out, _ = hvd.synchronize(handle)
+        return out if wire is rows else out.view(tensor.dtype)
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Engine | None:
+        mine = None
+        for index, ranks in enumerate(groups):
+            members = [self.process_set.ranks[r] if self.process_set.ranks else r for r in ranks]
+            try:
+                process_set = hvd.add_process_set(members)
+            except Exception as error:  # static process sets only, or a duplicate
+                raise GraceConfigError(
+                    f"engine='horovod' could not form the process set {members} ({type(error).__name__}: "
+                    f"{error}); subgroups (communicator 'hierarchical') need dynamic process sets: run "
+                    "with HOROVOD_DYNAMIC_PROCESS_SETS=1 (or hvd.init(process_sets='dynamic'))"
+                ) from error
+            if self.rank in ranks:
+                mine = self._subset(process_set, index)
+        return mine
+
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        return hvd.broadcast_object(obj, root_rank=root, name=self._name("broadcast_object"))
+        root_rank = root if self.process_set is hvd.global_process_set else self.process_set.ranks[root]
+        return hvd.broadcast_object(
+            obj, root_rank=root_rank, name=self._name("broadcast_object"), process_set=self.process_set
+        )
 
     def barrier(self) -> None:
-        hvd.barrier()
+        hvd.barrier(process_set=self.process_set)
 
 
 def _as_byte_rows(rows: Tensor) -> Tensor:

@@ -16,16 +16,23 @@ class LocalEngine(Engine):
     name = "local"
 
     def allreduce(self, tensor: Tensor) -> Tensor:
-        self._count(tensor)
+        self._count(tensor, received=0)
         return tensor
 
     def allgather(self, tensor: Tensor, sizes: Sequence[int] | None = None) -> list[Tensor]:
-        self._count(tensor)
+        self._count(tensor, received=0)
         return [tensor]
 
     def broadcast(self, tensor: Tensor, root: int) -> Tensor:
-        self._count(tensor)
+        self._count(tensor, received=0)
         return tensor
+
+    def all_to_all(self, tensor: Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int]) -> Tensor:
+        self._check_splits(tensor, send_sizes, recv_sizes)
+        return tensor  # to itself: nothing crosses a wire
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Engine | None:
+        return self if any(0 in ranks for ranks in groups) else None
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return copy.deepcopy(obj)

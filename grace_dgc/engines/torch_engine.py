@@ -107,16 +107,43 @@ class TorchEngine(Engine):
         if longest == 0:  # every rank is empty: nothing to move, and no rank waits
             return [tensor.new_empty(0) for _ in range(self.size)]
         padded = pad_to(tensor, longest)
-        self._count(padded)
+        self._count(padded, received=longest * (self.size - 1))
         out = [torch.empty_like(padded) for _ in range(self.size)]
         self._run("allgather", lambda: dist.all_gather(out, padded, group=self.group, async_op=True))
         return out if sizes is None else [o[:n] for o, n in zip(out, sizes)]
 
     def broadcast(self, tensor: Tensor, root: int) -> Tensor:
         if root == self.rank:
-            self._count(tensor)
+            self._count(tensor, received=0)
+        else:
+            self._count(tensor[:0], received=tensor.numel())
         self._run("broadcast", lambda: dist.broadcast(tensor, src=self._global(root), group=self.group, async_op=True))
         return tensor
+
+    def all_to_all(self, tensor: Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int]) -> Tensor:
+        self._check_splits(tensor, send_sizes, recv_sizes)
+        send, recv = [int(n) for n in send_sizes], [int(n) for n in recv_sizes]
+        out = tensor.new_empty(sum(recv))
+        self._count(tensor[: tensor.numel() - send[self.rank]], received=sum(recv) - recv[self.rank])
+        if not any(send) and not any(recv):  # nothing for anyone: the sizes agree, so nobody waits
+            return out
+        self._run(
+            "all_to_all",
+            lambda: dist.all_to_all_single(out, tensor.contiguous(), recv, send, group=self.group, async_op=True),
+        )
+        return out
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Engine | None:
+        mine = None
+        for ranks in groups:  # new_group is collective over the whole default group, in order
+            group = dist.new_group([self._global(r) for r in ranks])
+            if self.rank in ranks:
+                mine = group
+        if mine is None:
+            return None
+        engine = TorchEngine(mine, timeout=self.timeout)
+        engine.traffic = self.traffic  # a subgroup's bytes are this rank's bytes
+        return engine
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         box = [obj if self.rank == root else None]

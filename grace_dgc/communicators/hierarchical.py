@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..engines.base import Engine
+from ..errors import GraceConfigError, check_range
+from ..interfaces import Communicator, Compressor, Payload
+from ..registry import COMMUNICATORS, register_communicator
+
+
+@register_communicator("hierarchical")
+class Hierarchical(Communicator):
+    """Dense inside a node, compressed between nodes (ByteGrad in Bagua; the DGC paper's
+    "future work"): ``hierarchical`` with ``outer=`` any other communicator.
+
+    Ranks form nodes of ``group_size`` consecutive ranks (default: torchrun's
+    ``LOCAL_WORLD_SIZE``, so one node per machine; ``group_size=2`` lets one machine
+    emulate nodes of 2). Rank 0 of each node is its leader. Per fusion group:
+
+    1. node sum: s_n = Σ_{r ∈ node n} g_r  (a dense allreduce inside the node: NVLink or
+       shared memory, where compressing costs more than it saves);
+    2. every rank of the node runs the memory and compressor on s_n (all compute the same
+       thing with the node's random stream, so it costs no wall time and a node's ranks keep
+       equal state); only the leaders exchange, with ``outer`` over the M nodes:
+       ĝ = agg_n D(C(s_n + e_n))  (the sum for averaging methods, the vote of the nodes for
+       majority-vote ones); the compressor and memory see a world of M ranks;
+    3. the leader broadcasts ĝ inside its node, and Grace divides by the world size N.
+
+    Traffic between nodes is that of ``outer`` among M leaders: compression pays once per
+    node instead of once per GPU. Needs subgroups: torch.distributed (new_group) or Horovod
+    with dynamic process sets.
+    """
+
+    aggregates = True
+
+    def __init__(self, engine: Engine, outer: str = "allgather", group_size: int | None = None) -> None:
+        super().__init__(engine)
+        self.outer_name = COMMUNICATORS.canonical(outer)
+        if self.outer_name == "hierarchical":
+            raise GraceConfigError("hierarchical(outer='hierarchical') nests itself; pick a flat outer communicator")
+        if group_size is not None:
+            check_range("group_size", group_size, 1, kind=int)
+        self.group_size = group_size
+        self.outer: Communicator | None = None  # made by setup, over the leaders
+
+    def refuse(self, compressor: Compressor) -> str | None:
+        reason = COMMUNICATORS.get(self.outer_name).refusal(compressor)
+        return f"its outer communicator {self.outer_name!r} refuses it ({reason})" if reason else None
+
+    def setup(self) -> Engine:
+        engine = self.engine
+        size = self.group_size or int(os.environ.get("LOCAL_WORLD_SIZE", engine.size))
+        if engine.size % size:
+            raise GraceConfigError(
+                f"hierarchical: {engine.size} ranks do not form nodes of group_size={size}; "
+                f"pass a group_size that divides {engine.size}"
+            )
+        nodes = engine.size // size
+        node = engine.split([list(range(n * size, (n + 1) * size)) for n in range(nodes)])
+        assert node is not None  # every rank is in one node
+        self.node = node
+        cross = engine.split([[n * size for n in range(nodes)]])
+        self.leader = cross is not None
+        self.nodes_view = NodesView(engine.rank // size, nodes, engine.name)
+        self.outer = COMMUNICATORS.get(self.outer_name)(cross if cross is not None else self.nodes_view)
+        return self.nodes_view
+
+    def wire_compressor(self, compressor: Compressor) -> Compressor:
+        assert self.outer is not None
+        return self.outer.wire_compressor(compressor)
+
+    def prereduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        sums: list[Tensor] = [t for t in tensors]
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            flat = self.node.allreduce(torch.cat([tensors[i].reshape(-1) for i in members]))
+            for i, part in zip(members, flat.split([tensors[i].numel() for i in members])):
+                sums[i] = part.view(tensors[i].shape)
+        return sums
+
+    def aggregate_many(
+        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
+    ) -> list[Payload]:
+        outer, sent = self.outer, payloads
+        assert outer is not None
+        if self.leader:
+            if outer.aggregates:
+                sent = outer.aggregate_many(compressor, payloads, ctxs, names, outs)
+            else:
+                for out, got, ctx in zip(outs, outer.exchange_many(payloads, names), ctxs):
+                    if outer.reduces:
+                        compressor.decompress_into(got[0], ctx, out)
+                    else:
+                        compressor.decompress_aggregate_into(got, ctx, out)
+        for dtype in dict.fromkeys(o.dtype for o in outs):  # 3. the leader's result to its node
+            members = [i for i, o in enumerate(outs) if o.dtype == dtype]
+            flat = torch.cat([outs[i].reshape(-1) for i in members])
+            self.node.broadcast(flat, 0)
+            for i, part in zip(members, flat.split([outs[i].numel() for i in members])):
+                outs[i].view(-1).copy_(part)
+        return sent
+
+    def reset(self, name: str | None = None) -> None:
+        if self.outer is not None:
+            self.outer.reset(name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.outer is None else self.outer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.outer is not None:
+            self.outer.load_state_dict(state)
+
+
+class NodesView(Engine):
+    """The world as the compressor and memory see it under ``hierarchical``: one rank per
+    node (``rank`` = the node's index), no collectives of its own."""
+
+    def __init__(self, rank: int, size: int, name: str) -> None:
+        super().__init__()
+        self.rank, self.size, self.name = rank, size, name
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise GraceConfigError("only a node's leader exchanges between nodes")
+
+    allreduce = allgather = broadcast = all_to_all = broadcast_object = _refuse

@@ -1,0 +1,211 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import wire
+from ..interfaces import Communicator, Compressor, Payload
+from ..registry import register_communicator
+
+
+@register_communicator("reduce_scatter", aliases=("reducescatter", "sra"))
+class ReduceScatter(Communicator):
+    """Compressed reduce-scatter + allgather (CGX, Markov et al. 2022; the scatter-reduce-
+    allgather of Horovod's compressed ops), for quantizers (qsgd, terngrad, natural, twobit,
+    onebit, efsignsgd, signsgd/signum with their majority vote): any compressor that can
+    compress a tensor chunk by chunk (``chunkable``, not ``sparse``, one round).
+
+    With N ranks, each tensor x is cut into N chunks x[j] (equal up to one element); rank j
+    owns chunk j. C is the compressor, D its decompression, C'/D' its ``requantize`` /
+    ``dequantize_into`` (C/D themselves except for the majority vote, sent exactly in 2 bits):
+
+    1. every rank compresses each chunk, c_r[j] = C(x_r[j]) (Grace's memory keeps each
+       rank's own error, e_r ← x_r − D(c_r), as with any communicator), and sends c_r[j]
+       to rank j (all_to_all);
+    2. owner j aggregates, a_j = (1/N) Σ_r D(c_r[j])  (the vote sign(Σ_r D(c_r[j])) for
+       majority-vote methods), adds its carried error and requantizes:
+            q_j = a_j + ε_j,   c_j = C'(q_j),   ε_j ← q_j − D'(c_j)
+       (error feedback on the owner, as in CGX and EF21: the second quantization's error is
+       sent later, never lost; ``error_feedback=False`` drops it, as GRACE's alltoall did);
+    3. every rank gathers the c_j (allgather) and the aggregate is D'(c_j) on chunk j
+       (times N before Grace's division by N, for averaging methods).
+
+    Bytes per rank: (N−1)/N of one compressed tensor out in step 1 and (N−1)·|c_j| ≈
+    (N−1)/N of one compressed tensor in through step 3: ≈ 2·(N−1)/N, like a ring allreduce,
+    where allgather moves (N−1) whole compressed tensors in. Every rank receives the same
+    c_j, so all ranks hold identical results. Chunking changes per-tensor statistics (QSGD's
+    last bucket, TernGrad's scale, 1-bit's means are per chunk).
+    """
+
+    aggregates = True
+
+    def __init__(self, engine: Any, error_feedback: bool = True) -> None:
+        super().__init__(engine)
+        self.error_feedback = bool(error_feedback)
+        self.errors: dict[str, Tensor] = {}  # tensor name -> ε of the chunk this rank owns
+
+    @classmethod
+    def refusal(cls, compressor: Compressor) -> str | None:
+        if compressor.sparse or not compressor.chunkable:
+            return (
+                "it selects elements across the whole tensor, so it cannot be compressed chunk by chunk "
+                "(sparse payloads go by sparse_allreduce)"
+            )
+        return super().refusal(compressor)
+
+    def wire_compressor(self, compressor: Compressor) -> Compressor:
+        return Chunked(compressor, self.engine.size)
+
+    def aggregate_many(
+        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
+    ) -> list[Payload]:
+        assert isinstance(compressor, Chunked)
+        engine, inner, n, me = self.engine, compressor.inner, self.engine.size, self.engine.rank
+        parts = [compressor.split(p, c) for p, c in zip(payloads, ctxs)]  # parts[i][j]: tensor i, chunk j
+        # 1. chunk j of every tensor to rank j: per-tensor byte lengths first, then the bytes
+        blocks, heads = zip(*(wire.encode([t for chunks in parts for t in chunks[j]]) for j in range(n)))
+        mine = [t for chunks in parts for t in chunks[me]]  # the template of what owner me receives
+        got_heads = engine.all_to_all(torch.cat(heads), [h.numel() for h in heads], [len(mine)] * n).view(n, -1)
+        lengths = got_heads.sum(dim=1).tolist()
+        got = engine.all_to_all(torch.cat(blocks), [b.numel() for b in blocks], lengths)
+        received = [wire.decode(b, h, mine) for b, h in zip(got.split(lengths), got_heads)]
+        # 2. the owner aggregates its chunk, adds its carried error and requantizes
+        requantized = []
+        for i, name in enumerate(names):
+            start, stop = ctxs[i].bounds[me], ctxs[i].bounds[me + 1]
+            first = sum(len(chunks[me]) for chunks in parts[:i])
+            own = [tensors[first : first + len(parts[i][me])] for tensors in received]
+            total = torch.empty(stop - start, dtype=outs[i].dtype, device=outs[i].device)
+            inner.decompress_aggregate_into(own, ctxs[i].parts[me], total)
+            if inner.average:
+                total.div_(n)
+            carried = self.errors.get(name)
+            if carried is not None:
+                total.add_(carried)
+            payload, ctx = inner.requantize(total, f"{name}#{me}/aggregate")
+            if self.error_feedback:
+                self.errors[name] = total.sub_(inner.dequantize_into(payload, ctx, torch.empty_like(total)))
+            requantized.append(payload)
+        # 3. everyone gathers every owner's requantized chunk
+        buffer, header = wire.encode([t for p in requantized for t in p])
+        template = [t for p in requantized for t in p]
+        gathered_heads = engine.allgather(header)
+        buffers = engine.allgather(buffer, sizes=[int(h.sum()) for h in gathered_heads])
+        for j, (data, head) in enumerate(zip(buffers, gathered_heads)):
+            tensors, first = wire.decode(data, head, template), 0
+            for i, out in enumerate(outs):
+                width = len(requantized[i])
+                start, stop = ctxs[i].bounds[j], ctxs[i].bounds[j + 1]
+                chunk = out.view(-1)[start:stop]
+                inner.dequantize_into(tensors[first : first + width], ctxs[i].parts[j], chunk)
+                if inner.average:
+                    chunk.mul_(n)
+                first += width
+        return payloads
+
+    def reset(self, name: str | None = None) -> None:
+        if name is None:
+            self.errors.clear()
+        else:
+            self.errors.pop(name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"errors": {name: e.clone() for name, e in self.errors.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.errors = {name: e.clone() for name, e in state.get("errors", {}).items()}
+
+
+@dataclass
+class ChunkedContext:
+    """What :class:`Chunked` needs to undo its compression: the tensor's shape and dtype,
+    the chunk bounds, and each chunk's ctx and payload length."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    bounds: list[int]
+    parts: list[Any]
+    widths: list[int]
+
+
+class Chunked(Compressor):
+    """``inner`` applied to ``parts`` consecutive chunks of the flattened tensor (chunk j of
+    ``name`` is compressed as ``name#j``); its payload is the chunks' payloads in order. The
+    memory contract (``decompress``, ``subtract_sent_``, ``sent_mask``) acts chunk by
+    chunk, so any memory keeps a rank's own error exactly."""
+
+    def __init__(self, inner: Compressor, parts: int) -> None:
+        self.inner, self.parts = inner, parts
+        self.summable, self.average = inner.summable, inner.average
+
+    @property
+    def workspace(self) -> Any:
+        return self.inner.workspace
+
+    def bounds(self, numel: int) -> list[int]:
+        return [numel * j // self.parts for j in range(self.parts + 1)]
+
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
+        flat, bounds = tensor.reshape(-1), self.bounds(tensor.numel())
+        payload: Payload = []
+        ctxs, widths = [], []
+        for j in range(self.parts):
+            part, ctx = self.inner.compress(flat[bounds[j] : bounds[j + 1]], f"{name}#{j}")
+            payload += part
+            ctxs.append(ctx)
+            widths.append(len(part))
+        return payload, ChunkedContext(tensor.shape, tensor.dtype, bounds, ctxs, widths)
+
+    def split(self, payload: Payload, ctx: ChunkedContext) -> list[Payload]:
+        """The payload of each chunk."""
+        out, first = [], 0
+        for width in ctx.widths:
+            out.append(payload[first : first + width])
+            first += width
+        return out
+
+    def _chunks(self, tensor: Tensor, payload: Payload, ctx: ChunkedContext) -> Any:
+        flat = tensor.view(-1)
+        for j, part in enumerate(self.split(payload, ctx)):
+            yield flat[ctx.bounds[j] : ctx.bounds[j + 1]], part, ctx.parts[j]
+
+    def decompress(self, payload: Payload, ctx: ChunkedContext) -> Tensor:
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=payload[0].device if payload else None)
+        return self.decompress_into(payload, ctx, out)
+
+    def decompress_into(self, payload: Payload, ctx: ChunkedContext, out: Tensor) -> Tensor:
+        for chunk, part, part_ctx in self._chunks(out, payload, ctx):
+            self.inner.decompress_into(part, part_ctx, chunk)
+        return out
+
+    def subtract_sent_(self, tensor: Tensor, payload: Payload, ctx: ChunkedContext) -> Tensor:
+        for chunk, part, part_ctx in self._chunks(tensor, payload, ctx):
+            self.inner.subtract_sent_(chunk, part, part_ctx)
+        return tensor
+
+    def mask_sent_(self, tensor: Tensor, payload: Payload, ctx: ChunkedContext) -> Tensor:
+        for chunk, part, part_ctx in self._chunks(tensor, payload, ctx):
+            self.inner.mask_sent_(chunk, part, part_ctx)
+        return tensor
+
+    def sent_mask(self, payload: Payload, ctx: ChunkedContext) -> Tensor:
+        masks = [self.inner.sent_mask(part, c).reshape(-1) for part, c in zip(self.split(payload, ctx), ctx.parts)]
+        return torch.cat(masks).view(ctx.shape)
+
+    def bind(self, engine: Any) -> None:
+        self.inner.bind(engine)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def stats(self) -> dict[str, Any]:
+        return self.inner.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
