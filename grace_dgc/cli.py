@@ -34,7 +34,9 @@ def registry_table(markdown=False):
             aliases = sorted(a for a, n in reg._aliases.items() if n == name and a != name)
             extra = ""
             if kind == "compressor":
-                extra = "allreduce, allgather, broadcast" if cls.summable else "allgather, broadcast"
+                method = cls()  # defaults: which communicators fit depends on the class only
+                fitting = [c for c in registry.COMMUNICATORS.names() if registry.COMMUNICATORS.get(c).fits(method)]
+                extra = ", ".join(fitting)
             rows.append((kind, name, ", ".join(aliases), _params(cls), extra, _summary(cls)))
     header = ("kind", "name", "aliases", "parameters (defaults)", "communicators", "what it is")
     if markdown:

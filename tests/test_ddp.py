@@ -227,6 +227,7 @@ def test_bad_input_and_pickling():
             "world_size": 1,
             "compressor": {},
             "memory": {},
+            "communicator": {},  # issue 9: reduce_scatter's owner-side errors live here
         }
     }
 

@@ -14,8 +14,9 @@ from ..registry import COMMUNICATORS, register_communicator
 
 @register_communicator("hierarchical")
 class Hierarchical(Communicator):
-    """Dense inside a node, compressed between nodes (ByteGrad in Bagua; the DGC paper's
-    "future work"): ``hierarchical`` with ``outer=`` any other communicator.
+    """Dense reduction inside a node, compressed exchange between nodes (outer=), result broadcast in the node
+
+    ByteGrad in Bagua; the DGC paper's "future work". ``outer`` is any flat communicator.
 
     Ranks form nodes of ``group_size`` consecutive ranks (default: torchrun's
     ``LOCAL_WORLD_SIZE``, so one node per machine; ``group_size=2`` lets one machine

@@ -13,10 +13,11 @@ from ..registry import register_communicator
 
 @register_communicator("reduce_scatter", aliases=("reducescatter", "sra"))
 class ReduceScatter(Communicator):
-    """Compressed reduce-scatter + allgather (CGX, Markov et al. 2022; the scatter-reduce-
-    allgather of Horovod's compressed ops), for quantizers (qsgd, terngrad, natural, twobit,
-    onebit, efsignsgd, signsgd/signum with their majority vote): any compressor that can
-    compress a tensor chunk by chunk (``chunkable``, not ``sparse``, one round).
+    """Compressed reduce-scatter + allgather of quantized chunks, with error feedback on each chunk's owner
+
+    CGX (Markov et al. 2022). For quantizers (qsgd, terngrad, natural, twobit, onebit,
+    efsignsgd, signsgd/signum with their majority vote): any compressor that can compress a
+    tensor chunk by chunk (``chunkable``, not ``sparse``, one round).
 
     With N ranks, each tensor x is cut into N chunks x[j] (equal up to one element); rank j
     owns chunk j. C is the compressor, D its decompression, C'/D' its ``requantize`` /

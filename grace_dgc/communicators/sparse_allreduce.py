@@ -15,9 +15,11 @@ SPARSE, DENSE = 0, 1  # how an owner sends its summed region back
 
 @register_communicator("sparse_allreduce", aliases=("sparcml",))
 class SparseAllreduce(Communicator):
-    """Sum sparse payloads with O(k) traffic per rank (SparCML, Renggli et al. 2019; the
-    owner split of Ok-Topk, Li & Hoefler 2022), for compressors with ``sparse = True``
-    (topk, dgc, threshold, plugins that send ``[values, int32 indices]``).
+    """Sparse payloads summed by the owners of index regions, sent back sparse or dense (optionally gTop-k)
+
+    SparCML (Renggli et al. 2019); the owner split of Ok-Topk (Li & Hoefler 2022). For
+    compressors with ``sparse = True`` (topk, dgc, threshold, plugins that send
+    ``[values, int32 indices]``).
 
     A fusion group's tensors form one index space of T elements, split into N regions
     R_j = [⌊jT/N⌋, ⌊(j+1)T/N⌋); rank j owns R_j.

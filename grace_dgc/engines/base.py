@@ -108,6 +108,7 @@ class Traffic:
     def __init__(self) -> None:
         self.sent = 0
         self.received = 0
+        self.seconds = 0.0  # spent waiting in collectives (torch engine): the rest is local compute
 
 
 def pad_to(tensor: Tensor, length: int) -> Tensor:

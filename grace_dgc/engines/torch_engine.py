@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -58,10 +59,13 @@ class TorchEngine(Engine):
         """Run one collective (``launch()`` starts it asynchronously), waiting at most
         ``timeout``; a failure becomes an error naming the ranks that did not answer."""
         self._calls += 1
+        start = time.perf_counter()
         try:
             launch().wait(timeout=timedelta(seconds=self.timeout))
         except Exception as error:
             raise GraceCommError(self._diagnose(kind, error)) from error
+        finally:
+            self.traffic.seconds += time.perf_counter() - start
 
     def _diagnose(self, kind: str, error: BaseException) -> str:
         """Meet the other ranks in the store: each survivor sets a key for this collective

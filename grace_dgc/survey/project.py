@@ -21,6 +21,22 @@ per exchange (PowerSGD: 2):
     decompress     d for allreduce (one summed payload); d·N/W otherwise (one per rank)
     step time      T(N) = c + s + decompress + communication    (no overlap assumed)
 
+The communicators that aggregate in the collective (b = one rank's payload per step, D its
+dense fp32 bytes; four collectives per exchange: sizes, then data, both ways):
+
+    sparse_allreduce  4m·(N−1)·α + (N−1)/N · (b + min(N·b, D))·β   (pairs to the owners;
+                      the summed regions back, sparse, or dense when that is smaller; the
+                      union of N payloads taken as disjoint: an upper bound)
+    reduce_scatter    4m·(N−1)·α + 2(N−1)/N · b·β                 (chunks to the owners,
+                      the requantized chunks back)
+    hierarchical:C    the outer communicator C among N nodes, plus a dense ring allreduce and
+                      a broadcast inside each node of ``--group-size`` ranks at
+                      ``--node-bandwidth`` (default 100 Gbit/s, latency ignored)
+    decompress        d (one aggregate, not one payload per rank)
+
+``--communicators sparse_allreduce,reduce_scatter`` projects each method also with those
+communicators (where they can carry its compressor), labelled ``method @ communicator``.
+
 Dense baseline: the survey's ``none``/allreduce run projected by the same formula (its
 measured c, s, d and bytes B); without one, T_dense(N) = c + e·2(N−1)·α + 2(N−1)/N · B·β
 with the method's own compute and B its measured fp32 bytes per step (one allreduce per
@@ -59,29 +75,107 @@ def broadcast_each(nodes, nbytes, alpha, beta, messages=1):
     return messages * nodes * math.ceil(math.log2(nodes)) * alpha + nodes * nbytes * beta
 
 
-def communication_time(communicator, nodes, nbytes, exchanges, alpha, beta):
+AGGREGATING = ("sparse_allreduce", "reduce_scatter")
+MODELLED = ("allreduce", "allgather", "broadcast", *AGGREGATING)
+
+
+def collective_steps(communicator, nodes):
+    """Latency steps (α) of one exchange in the model."""
+    if nodes <= 1:
+        return 0
+    if communicator == "allreduce":
+        return 2 * (nodes - 1)
+    if communicator == "allgather":
+        return 2 * (nodes - 1)
+    if communicator == "broadcast":
+        return (nodes - 1) + nodes * math.ceil(math.log2(nodes))
+    if communicator in AGGREGATING:
+        return 4 * (nodes - 1)
+    raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
+
+
+def wire_bytes(communicator, nodes, nbytes, dense_bytes):
+    """Bytes on one rank's busiest link direction for one step's payload of ``nbytes``."""
+    if nodes <= 1:
+        return 0.0
+    share = (nodes - 1) / nodes
+    if communicator == "allreduce":
+        return 2 * share * nbytes
+    if communicator == "allgather":
+        return (nodes - 1) * nbytes
+    if communicator == "broadcast":
+        return nodes * nbytes
+    if communicator == "sparse_allreduce":
+        return share * (nbytes + min(nodes * nbytes, dense_bytes))
+    if communicator == "reduce_scatter":
+        return 2 * share * nbytes
+    raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
+
+
+def counted_bytes(communicator, nodes, nbytes, dense_bytes):
+    """``(bytes_sent, bytes_received)`` the engine counts on one rank for one exchange of a
+    payload of ``nbytes`` (size headers aside): what a test compares with ``grace.stats()``."""
+    share = (nodes - 1) / nodes
+    if communicator == "allreduce":
+        return nbytes, nbytes
+    if communicator == "allgather":
+        return nbytes, (nodes - 1) * nbytes
+    if communicator == "sparse_allreduce":  # own pairs out; an owner's summed region, gathered
+        region = min(nodes * nbytes, dense_bytes) / nodes
+        return share * nbytes + region, share * nbytes + (nodes - 1) * region
+    if communicator == "reduce_scatter":  # own chunks out; the owner's requantized chunk, gathered
+        return share * nbytes + nbytes / nodes, share * nbytes + (nodes - 1) * nbytes / nodes
+    raise GraceConfigError(f"no byte count for communicator {communicator!r}")
+
+
+def communication_time(communicator, nodes, nbytes, exchanges, alpha, beta, dense_bytes=math.inf, node=None):
     """Seconds per step to move ``nbytes`` (this rank's payload, per step) in ``exchanges``
-    exchanges with ``communicator`` among ``nodes`` ranks."""
+    exchanges with ``communicator`` among ``nodes`` ranks. ``hierarchical:C`` adds the dense
+    reduce and broadcast inside nodes of ``node = (ranks, β inside)``."""
+    if communicator.startswith("hierarchical:"):
+        ranks, node_beta = node or (1, 0.0)
+        inside = ring_allreduce(ranks, dense_bytes, 0.0, node_beta) + dense_bytes * node_beta * (ranks > 1)
+        outer = communicator.split(":", 1)[1]
+        return inside + communication_time(outer, nodes, nbytes, exchanges, alpha, beta, dense_bytes)
+    if communicator in AGGREGATING:
+        return (
+            exchanges * collective_steps(communicator, nodes) * alpha
+            + wire_bytes(communicator, nodes, nbytes, dense_bytes) * beta
+        )
     if communicator == "allreduce":
         return ring_allreduce(nodes, nbytes, alpha, beta, exchanges)
     if communicator == "allgather":  # the size-header allgather, then the data
         return allgather(nodes, nbytes, alpha, beta, 2 * exchanges)
     if communicator == "broadcast":  # the header allgather, then N broadcasts
         return allgather(nodes, 0, alpha, beta, exchanges) + broadcast_each(nodes, nbytes, alpha, beta, exchanges)
-    raise GraceConfigError(
-        f"no cost model for communicator {communicator!r}; accepted: allreduce, allgather, broadcast"
-    )
+    raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
 
 
-def project_step(method, nodes, alpha, beta):
+def project_step(method, nodes, alpha, beta, node=None):
     """Projected seconds per step of one measured method (a dict of the summary's
     per-step figures: compute_s, compress_s, decompress_s, bytes_per_step,
     exchanges_per_step, rounds, communicator, workers)."""
     exchanges = method["exchanges_per_step"] * method.get("rounds", 1)
-    comm = communication_time(method["communicator"], nodes, method["bytes_per_step"], exchanges, alpha, beta)
-    decompress = method["decompress_s"]
-    if method["communicator"] != "allreduce":
-        decompress = decompress * nodes / method["workers"]
+    communicator = method["communicator"]
+    comm = communication_time(
+        communicator,
+        nodes,
+        method["bytes_per_step"],
+        exchanges,
+        alpha,
+        beta,
+        method.get("dense_bytes_per_step", math.inf),
+        node,
+    )
+
+    def per_rank(name):  # one decompression per rank's payload
+        return name.split(":", 1)[-1] in ("allgather", "broadcast")
+
+    decompress = method["decompress_s"]  # measured at W workers: W payloads if per rank
+    if per_rank(method.get("measured_communicator", communicator)):
+        decompress = decompress / method["workers"]
+    if per_rank(communicator):
+        decompress = decompress * nodes
     return method["compute_s"] + method["compress_s"] + decompress + comm, comm
 
 
@@ -135,18 +229,52 @@ def measured_methods(records):
     return methods
 
 
-def project(methods, nodes_list, bandwidths_bps, latency_ms):
-    """Rows: (label, nodes, bandwidth, step time, communication, dense step time, speedup, samples/s)."""
+def with_communicators(methods, communicators):
+    """``methods`` plus, for each method and each of ``communicators`` that can carry its
+    compressor, the same measured method projected with that communicator."""
+    from ..registry import COMMUNICATORS, COMPRESSORS
+
+    out = list(methods)
+    for method in methods:
+        if method["compressor"] == "none" and method["communicator"] == "allreduce":
+            continue  # the dense baseline stays what it is
+        for name in communicators:
+            flat = name.split(":", 1)[-1]
+            if flat not in MODELLED:
+                raise GraceConfigError(f"no cost model for communicator {name!r}; accepted: {', '.join(MODELLED)}")
+            try:
+                fits = COMMUNICATORS.get(flat).fits(COMPRESSORS.get(method["compressor"])())
+            except GraceConfigError:
+                fits = False
+            if fits and name != method["communicator"]:
+                out.append(
+                    dict(
+                        method,
+                        label=f"{method['label']} @ {name}",
+                        communicator=name,
+                        measured_communicator=method["communicator"],
+                    )
+                )
+    return out
+
+
+def project(methods, nodes_list, bandwidths_bps, latency_ms, node=None):
+    """Rows: (label, nodes, bandwidth, step time, communication, dense step time, speedup,
+    samples/s). ``node = (ranks per node, bandwidth inside)`` models ``hierarchical:C``
+    communicators, and the dense baseline as a hierarchical dense allreduce."""
     dense = next((m for m in methods if m["compressor"] == "none" and m["communicator"] == "allreduce"), None)
+    if dense is not None and node is not None and node[0] > 1:
+        dense = dict(dense, communicator="hierarchical:allreduce", measured_communicator="allreduce")
+    node_model = None if node is None else (node[0], 8 / node[1])
     alpha = latency_ms / 1000
     rows = []
     for bandwidth in bandwidths_bps:
         beta = 8 / bandwidth
         for nodes in nodes_list:
             for method in methods:
-                step, comm = project_step(method, nodes, alpha, beta)
+                step, comm = project_step(method, nodes, alpha, beta, node_model)
                 if dense is not None:  # the measured dense run, through the same model
-                    dense_time = project_step(dense, nodes, alpha, beta)[0]
+                    dense_time = project_step(dense, nodes, alpha, beta, node_model)[0]
                 else:
                     dense_time = dense_step(
                         method["compute_s"],
@@ -215,6 +343,14 @@ def add_project_args(parser):
     parser.add_argument("--nodes", default="8,16,64", help="comma-separated node counts (default 8,16,64)")
     parser.add_argument("--bandwidth", default="1gbit,10gbit", help="comma-separated rates (default 1gbit,10gbit)")
     parser.add_argument("--latency", default="0.1", help="per-message latency α in ms (default 0.1)")
+    parser.add_argument(
+        "--communicators",
+        default="",
+        help="also project each method with these communicators, comma-separated "
+        "(sparse_allreduce, reduce_scatter, allgather, hierarchical:<outer>, …)",
+    )
+    parser.add_argument("--group-size", type=int, default=1, help="ranks per node for hierarchical:<outer> (default 1)")
+    parser.add_argument("--node-bandwidth", default="100gbit", help="bandwidth inside a node (default 100gbit)")
     parser.add_argument("--out", help="where to write projection.{md,csv,png} (default: DIR)")
     return parser
 
@@ -232,7 +368,15 @@ def run_project(args):
         raise GraceConfigError(f"--nodes {args.nodes!r} must be integers >= 1")
     bandwidths = [parse_rate(b) for b in str(args.bandwidth).split(",") if b.strip()]
     latency = parse_latency(args.latency)
-    rows = project(measured_methods(read_records(args.dir)), nodes, bandwidths, latency)
+    methods = measured_methods(read_records(args.dir))
+    extra = [c.strip() for c in str(getattr(args, "communicators", "") or "").split(",") if c.strip()]
+    if extra:
+        methods = with_communicators(methods, extra)
+    group = getattr(args, "group_size", 1) or 1
+    if group < 1:
+        raise GraceConfigError(f"--group-size {group} must be >= 1")
+    node = (group, parse_rate(getattr(args, "node_bandwidth", "100gbit")))
+    rows = project(methods, nodes, bandwidths, latency, node)
     out = args.out or args.dir
     os.makedirs(out, exist_ok=True)
     table = format_table(rows)

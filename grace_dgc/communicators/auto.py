@@ -1,0 +1,203 @@
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import check_range
+from ..interfaces import Communicator, Compressor, Payload
+from ..registry import COMMUNICATORS, register_communicator
+from .reduce_scatter import Chunked, ChunkedContext
+
+CANDIDATES = ("allreduce", "allgather", "sparse_allreduce", "reduce_scatter")
+
+
+def predict(name: str, n: int, payload: float, dense: float, alpha: float, beta: float) -> float:
+    """Seconds the α-β model gives one bucket's exchange on ``n`` ranks (wire time only):
+    α per collective step, β per byte on this rank's busiest direction. ``payload`` is one
+    rank's compressed bytes, ``dense`` the bucket's fp32 bytes. The formulas are those of
+    :func:`grace_dgc.survey.project.wire_bytes`, with the steps a ring needs."""
+    from ..survey.project import collective_steps, wire_bytes
+
+    return alpha * collective_steps(name, n) + beta * wire_bytes(name, n, payload, dense)
+
+
+@register_communicator("auto")
+class Auto(Communicator):
+    """Per fusion bucket, the cheapest communicator under the α-β cost model, re-decided as it runs
+
+    As Espresso (Wang et al. 2023) chooses per tensor: among those that can carry the
+    compressor (allreduce, allgather, sparse_allreduce, reduce_scatter).
+
+    For bucket b with payload p_b bytes per rank (measured), dense size d_b, on N ranks:
+
+        T_c(b) = α·steps_c(N) + β·bytes_c(N, p_b, d_b) + (measured seconds of b under c
+                 outside collectives: compress, decompress, sums)
+
+    ``bandwidth`` (bytes/s) and ``latency`` (s) are given, or measured once at set-up
+    (a small and a 4 MiB allreduce, three times each, the minimum). The first ``probe``
+    steps of a bucket try each candidate in turn (measuring payload and compute), then rank
+    0 decides for every rank (a broadcast, so all run the same collective), and decides
+    again every ``interval`` steps from the running figures. ``grace.stats()["auto"]`` shows
+    each bucket's choice and predicted seconds.
+    """
+
+    aggregates = True
+
+    def __init__(
+        self, engine: Any, bandwidth: float | None = None, latency: float | None = None, interval: int = 200
+    ) -> None:
+        super().__init__(engine)
+        self.bandwidth = None if bandwidth is None else check_range("bandwidth", bandwidth, 0, low_open=True)
+        self.latency = None if latency is None else check_range("latency", latency, 0)
+        self.interval = check_range("interval", interval, 1, kind=int)
+        self.choice: dict[str, str] = {}  # tensor name -> communicator of its bucket
+        self.buckets: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    @classmethod
+    def refusal(cls, compressor: Compressor) -> str | None:
+        if compressor.rounds > 1:
+            return super().refusal(compressor)
+        return None  # allgather carries every single-round compressor
+
+    def setup(self) -> Any:
+        self.members = {}
+        for name in CANDIDATES:
+            self.members[name] = COMMUNICATORS.get(name)(self.engine)
+        if self.bandwidth is None or self.latency is None:
+            self._measure_link()
+        return self.engine
+
+    def _measure_link(self) -> None:
+        def timed(numel: int) -> float:
+            buffer = torch.zeros(numel)
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                self.engine.allreduce(buffer)
+                best = min(best, time.perf_counter() - start)
+            return best
+
+        traffic = (self.engine.traffic.sent, self.engine.traffic.received)
+        small, large = timed(1), timed(1 << 20)
+        self.engine.traffic.sent, self.engine.traffic.received = traffic  # set-up is not training traffic
+        n = max(self.engine.size, 2)
+        measured = torch.tensor([small, max(large - small, 1e-9) / (2 * (n - 1) / n * 4 * (1 << 20))])
+        measured = self.engine.broadcast(measured, 0)  # rank 0's figures, so all decide alike
+        self.latency = float(measured[0]) / max(2 * (n - 1), 1) if self.latency is None else self.latency
+        self.bandwidth = 1 / float(measured[1]) if self.bandwidth is None else self.bandwidth
+
+    def wire_compressor(self, compressor: Compressor) -> Compressor:
+        self.plain = compressor
+        self.chunked = Chunked(compressor, self.engine.size)
+        self.fitting = [c for c in CANDIDATES if COMMUNICATORS.get(c).fits(compressor)]
+        return Switch(self)
+
+    def aggregate_many(
+        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
+    ) -> list[Payload]:
+        key = tuple(names)
+        bucket = self.buckets.setdefault(key, {"steps": 0, "seen": {}, "chosen": None})
+        chosen = self.choice.get(names[0], self._default())
+        member = self.members[chosen]
+        start, waited = time.perf_counter(), self.engine.traffic.seconds
+        inner = self.chunked if chosen == "reduce_scatter" else self.plain
+        unwrapped = [c[1] for c in ctxs]
+        if member.aggregates:
+            sent = member.aggregate_many(inner, payloads, unwrapped, names, outs)
+        else:
+            for out, got, ctx in zip(outs, member.exchange_many(payloads, names), unwrapped):
+                if member.reduces:
+                    inner.decompress_into(got[0], ctx, out)
+                else:
+                    inner.decompress_aggregate_into(got, ctx, out)
+            sent = payloads
+        # local compute: compress, and the exchange's time outside collectives (decompress, sums)
+        waited = self.engine.traffic.seconds - waited
+        seconds = time.perf_counter() - start - waited + sum(c[2] for c in ctxs)
+        payload_bytes = sum(t.numel() * t.element_size() for p in payloads for t in p)
+        bucket["seen"][chosen] = (payload_bytes, seconds, sum(o.numel() * 4 for o in outs))
+        bucket["steps"] += 1
+        self._decide(key, bucket)
+        return sent
+
+    def _default(self) -> str:
+        return "allreduce" if "allreduce" in self.fitting else "allgather"
+
+    def _decide(self, key: tuple[str, ...], bucket: dict[str, Any]) -> None:
+        """After each candidate ran once, then every ``interval`` steps: rank 0 picks."""
+        untried = [c for c in self.fitting if c not in bucket["seen"]]
+        if untried and bucket["chosen"] is None:
+            pick = untried[0]
+        elif bucket["chosen"] is None or bucket["steps"] % self.interval == 0:
+            code = torch.tensor([self.fitting.index(self._cheapest(bucket))])
+            pick = self.fitting[int(self.engine.broadcast(code, 0)[0])]
+            bucket["chosen"] = pick
+        else:
+            return
+        for name in key:
+            self.choice[name] = pick
+
+    def _cheapest(self, bucket: dict[str, Any]) -> str:
+        assert self.bandwidth is not None and self.latency is not None
+        n = self.engine.size
+        costs = {}
+        for name, (payload, seconds, dense) in bucket["seen"].items():
+            wire = predict(name, n, payload, dense, self.latency, 1 / self.bandwidth)
+            costs[name] = wire + seconds
+        bucket["predicted"] = costs
+        return min(costs, key=costs.__getitem__)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "auto": {
+                ",".join(key): {"choice": b["chosen"], "predicted_seconds": b.get("predicted", {})}
+                for key, b in self.buckets.items()
+            }
+        }
+
+    def reset(self, name: str | None = None) -> None:
+        for member in getattr(self, "members", {}).values():
+            member.reset(name)
+
+
+class Switch(Compressor):
+    """The compressor under ``auto``: the plain one, or chunk by chunk while the tensor's
+    bucket goes by reduce_scatter; ctx = (kind, ctx, compress seconds)."""
+
+    def __init__(self, auto: Auto) -> None:
+        self.auto = auto
+        self.summable, self.average = auto.plain.summable, auto.plain.average
+
+    def _part(self, ctx: Any) -> Compressor:
+        return self.auto.chunked if isinstance(ctx[1], ChunkedContext) else self.auto.plain
+
+    @property
+    def workspace(self) -> Any:
+        return self.auto.plain.workspace
+
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
+        part = self.auto.chunked if self.auto.choice.get(name) == "reduce_scatter" else self.auto.plain
+        start = time.perf_counter()
+        payload, ctx = part.compress(tensor, name)
+        return payload, ("chunked" if part is self.auto.chunked else "plain", ctx, time.perf_counter() - start)
+
+    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
+        return self._part(ctx).decompress(payload, ctx[1])
+
+    def decompress_into(self, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
+        return self._part(ctx).decompress_into(payload, ctx[1], out)
+
+    def subtract_sent_(self, tensor: Tensor, payload: Payload, ctx: Any) -> Tensor:
+        return self._part(ctx).subtract_sent_(tensor, payload, ctx[1])
+
+    def mask_sent_(self, tensor: Tensor, payload: Payload, ctx: Any) -> Tensor:
+        return self._part(ctx).mask_sent_(tensor, payload, ctx[1])
+
+    def sent_mask(self, payload: Payload, ctx: Any) -> Tensor:
+        return self._part(ctx).sent_mask(payload, ctx[1])
+
+    def bind(self, engine: Any) -> None:
+        self.auto.plain.bind(engine)

@@ -1,0 +1,299 @@
+"""The communicators that aggregate in the collective (sparse_allreduce, reduce_scatter,
+hierarchical, auto) on real gloo process groups of 2, 3 and 4 ranks: results against
+allgather or against references computed here, ranks bitwise equal, no lost gradient mass,
+empty payloads, and the byte counts of the projection model."""
+
+import copy
+
+import pytest
+import torch
+
+import grace_dgc
+from grace_dgc.communicators.reduce_scatter import Chunked
+from grace_dgc.errors import GraceConfigError
+from grace_dgc.launch import run_local
+from grace_dgc.registry import COMMUNICATORS, COMPRESSORS
+from grace_dgc.survey.project import counted_bytes
+
+SPARSE = {
+    "topk": {"compress_ratio": 0.2},
+    "threshold": {"threshold": 1.0},
+    "dgc": {"compress_ratio": 0.2, "min_compress_size": 8},  # the 5-element tensor goes dense
+}
+QUANTIZERS = ["qsgd", "terngrad", "natural", "twobit", "signsgd", "signum", "onebit", "efsignsgd", "fp16"]
+
+
+def grads(rank, step=0):
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    out = [torch.randn(13, 9, generator=gen), torch.randn(5, generator=gen) * (rank + 1), torch.randn(1, generator=gen)]
+    if rank == 1:
+        out[0][::2] = 0.0  # different payload sizes per rank
+    return out
+
+
+def sparse_job(rank, world):
+    out = {}
+    for comp, params in SPARSE.items():
+        for mode in (False, True):
+            ref = grace_dgc.build(comp, "none", "allgather", **params)
+            new = grace_dgc.build(comp, "none", "sparse_allreduce", global_topk=mode, **params)
+            x = grads(rank)
+            local = copy.deepcopy(new.compressor)
+            payloads = [local.compress(t.clone(), n)[0] for t, n in zip(x, "wbs")]
+            out[(comp, mode)] = {
+                "ref": ref.step_group_async(x, list("wbs")).result(),
+                "got": new.step_group_async(x, list("wbs")).result(),
+                "payloads": payloads,
+            }
+    # an empty payload on rank 0 (threshold sends nothing), twice
+    grace = grace_dgc.build("threshold", "none", "sparse_allreduce", threshold=0.5)
+    empty = torch.zeros(10) if rank == 0 else torch.full((10,), float(rank))
+    out["empty"] = [grace.step(empty, "e") for _ in range(2)]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_allreduce_equals_allgather_and_gtopk_keeps_the_largest_of_the_sum(world):
+    outs = run_local(sparse_job, world)
+    for comp in SPARSE:
+        plain = outs[0][(comp, False)]
+        for ref, got in zip(plain["ref"], plain["got"]):
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        for mode in (False, True):
+            for rank in range(1, world):  # every rank holds the same bits
+                for a, b in zip(outs[rank][(comp, mode)]["got"], outs[0][(comp, mode)]["got"]):
+                    assert torch.equal(a, b)
+        # gTop-k: the K largest |sum| of each sparse tensor, K = the largest k any rank sent
+        gtopk = outs[0][(comp, True)]["got"]
+        for t, (full, kept) in enumerate(zip(plain["ref"], gtopk)):
+            sizes = [len(outs[r][(comp, True)]["payloads"][t]) for r in range(world)]
+            if 1 in sizes:  # DGC's dense tensor: summed whole
+                torch.testing.assert_close(kept, full)
+                continue
+            k = max(outs[r][(comp, True)]["payloads"][t][1].numel() for r in range(world))
+            summed = full.reshape(-1) * world
+            order = torch.argsort(summed.abs(), descending=True, stable=True)[:k]
+            expected = torch.zeros_like(summed)
+            expected[order] = summed[order]
+            torch.testing.assert_close(kept.reshape(-1) * world, expected, rtol=1e-5, atol=1e-5)
+    expected = sum(float(r) for r in range(world)) / world
+    for rank in range(world):
+        for step in outs[rank]["empty"]:
+            torch.testing.assert_close(step, torch.full((10,), expected))
+
+
+def gtopk_memory_job(rank, world):
+    """gTop-k with residual memory: what the aggregate dropped stays in each rank's memory."""
+    grace = grace_dgc.build("topk", "residual", "sparse_allreduce", compress_ratio=0.1, global_topk=True)
+    total_in, total_out = torch.zeros(40), torch.zeros(40)
+    for step in range(4):
+        g = torch.randn(40, generator=torch.Generator().manual_seed(10 * rank + step))
+        total_in += g
+        total_out += grace.step(g, "g")
+    return total_in, total_out, grace.memory.residuals["g"]
+
+
+def test_gtopk_loses_no_gradient_mass():
+    outs = run_local(gtopk_memory_job, 2)
+    sent = outs[0][1] * 2  # Σ_steps Σ_ranks sent = N · Σ averages
+    assert torch.equal(outs[0][1], outs[1][1])
+    torch.testing.assert_close(sent + outs[0][2] + outs[1][2], outs[0][0] + outs[1][0], rtol=1e-5, atol=1e-5)
+
+
+def reduce_scatter_job(rank, world):
+    out = {}
+    for comp in QUANTIZERS:
+        params = {"threshold": 0.5} if comp == "twobit" else {}
+        memory = "efsignsgd" if comp == "efsignsgd" else "residual"
+        ref = grace_dgc.build(comp, "none", "allgather", **params)
+        new = grace_dgc.build(comp, memory, "reduce_scatter", **params)
+        local = Chunked(copy.deepcopy(new.compressor), world)
+        local.inner.bind(new.engine)
+        steps, sums = [], [torch.zeros_like(t) for t in grads(rank)]
+        mine = [local.compress(t.clone(), n) for t, n in zip(grads(rank, 0), "wbs")]
+        for step in range(3):
+            x = grads(rank, step)
+            steps.append(new.step_group_async(x, list("wbs")).result())
+            sums = [s + t for s, t in zip(sums, x)]
+        out[comp] = {
+            "ref": ref.step_group_async(grads(rank), list("wbs")).result(),
+            "steps": steps,
+            "sums": sums,
+            "mine": mine,
+            "memory": copy.deepcopy(getattr(new.memory, "residuals", {})),
+            "owner": copy.deepcopy(new.communicator.errors),
+        }
+    grace = grace_dgc.build("qsgd", "none", "reduce_scatter")
+    out["tiny"] = grace.step(torch.tensor([float(rank)]), "t")  # fewer elements than ranks: empty chunks
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter(world):
+    outs = run_local(reduce_scatter_job, world)
+    for comp in QUANTIZERS:
+        for rank in range(1, world):
+            for a, b in zip(outs[rank][comp]["steps"], outs[0][comp]["steps"]):
+                for x, y in zip(a, b):
+                    assert torch.equal(x, y), comp
+        if comp in ("signsgd", "signum"):  # the majority vote travels exactly: allgather's result
+            for x, y in zip(outs[0][comp]["steps"][0], outs[0][comp]["ref"]):
+                assert torch.equal(x, y)
+            continue
+        # no gradient mass lost: Σ_t N·avg_t + Σ_r e_r + N·Σ_owners ε = Σ_t Σ_r g_r,t (ε is in
+        # units of the average)
+        grads_total = [sum(outs[r][comp]["sums"][t] for r in range(world)) for t in range(3)]
+        sent = [world * sum(step[t] for step in outs[0][comp]["steps"]) for t in range(3)]
+        for t, name in enumerate("wbs"):
+            memories = sum(outs[r][comp]["memory"][name] for r in range(world))  # efsignsgd: lr = 1
+            owners = torch.cat([outs[r][comp]["owner"][name].reshape(-1) for r in range(world)])
+            torch.testing.assert_close(
+                sent[t] + memories + world * owners.view(sent[t].shape), grads_total[t], rtol=1e-4, atol=1e-4
+            )
+    # the first step of a deterministic quantizer, recomputed here: owner j averages the
+    # decompressed chunk j of every rank and requantizes it (no carried error yet)
+    for comp in ("onebit", "twobit"):
+        expected = []
+        for t in range(3):
+            local = Chunked(COMPRESSORS.get(comp)(**({"threshold": 0.5} if comp == "twobit" else {})), world)
+            payload_ctx = [outs[r][comp]["mine"][t] for r in range(world)]
+            chunks = []
+            for j in range(world):
+                parts = [local.split(p, c)[j] for p, c in payload_ctx]
+                ctx = payload_ctx[0][1].parts[j]
+                average = local.inner.decompress_aggregate(parts, ctx) / world
+                requant, rctx = local.inner.compress(average, "x")
+                chunks.append(local.inner.decompress(requant, rctx).reshape(-1))
+            expected.append(torch.cat(chunks).view(outs[0][comp]["steps"][0][t].shape))
+        for got, want in zip(outs[0][comp]["steps"][0], expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for rank in range(world):
+        assert outs[rank]["tiny"].shape == (1,)
+
+
+def hierarchical_job(rank, world):
+    out = {}
+    for outer, comp, params in [
+        ("allgather", "topk", {"compress_ratio": 0.3}),
+        ("sparse_allreduce", "topk", {"compress_ratio": 0.3}),
+        ("allreduce", "none", {}),
+        ("reduce_scatter", "signsgd", {}),
+    ]:
+        grace = grace_dgc.build(comp, "none", "hierarchical", outer=outer, group_size=2, **params)
+        out[outer] = grace.step_group_async(grads(rank), list("wbs")).result()
+    return out
+
+
+def test_hierarchical_on_two_emulated_nodes_of_two():
+    world = 4
+    outs = run_local(hierarchical_job, world)
+    x = [grads(r) for r in range(world)]
+    nodes = [[a + b for a, b in zip(x[0], x[1])], [a + b for a, b in zip(x[2], x[3])]]
+    for outer in outs[0]:
+        for rank in range(1, world):
+            for a, b in zip(outs[rank][outer], outs[0][outer]):
+                assert torch.equal(a, b), outer
+    # reference: each node's sum compressed once, aggregated over the 2 nodes, / 4 ranks
+    for t in range(3):
+        dense = (nodes[0][t] + nodes[1][t]) / world
+        torch.testing.assert_close(outs[0]["allreduce"][t], dense)
+        topk = COMPRESSORS.get("topk")(compress_ratio=0.3)
+        sparse = sum(topk.decompress(*topk.compress(node[t], "w")) for node in nodes) / world
+        torch.testing.assert_close(outs[0]["allgather"][t], sparse)
+        torch.testing.assert_close(outs[0]["sparse_allreduce"][t], sparse)
+        vote = torch.sign(torch.sign(nodes[0][t]) + torch.sign(nodes[1][t]))  # ties (0 in 2 nodes) → 0
+        signs = [torch.where(node[t] >= 0, 1.0, -1.0) for node in nodes]
+        torch.testing.assert_close(outs[0]["reduce_scatter"][t], torch.sign(signs[0] + signs[1]))
+        assert vote.shape == outs[0]["reduce_scatter"][t].shape
+
+
+def bytes_job(rank, world, cases):
+    out = {}
+    for comp, comm, params in cases:
+        grace = grace_dgc.build(comp, "none", comm, **params)
+        g = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(rank))
+        payload = grace.wire.compress(g.clone(), "probe")[0]
+        grace.reset_stats()
+        grace.step(g, "g")
+        stats = grace.stats()
+        out[(comp, comm)] = (
+            sum(t.numel() * t.element_size() for t in payload),
+            stats["bytes_sent"],
+            stats["bytes_received"],
+        )
+    return out
+
+
+CASES = [
+    ("topk", "allgather", {"compress_ratio": 0.01}),
+    ("topk", "sparse_allreduce", {"compress_ratio": 0.01}),
+    ("qsgd", "allgather", {}),
+    ("qsgd", "reduce_scatter", {}),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_projection_byte_counts_match_the_engine(world):
+    outs = run_local(bytes_job, world, args=(CASES,))
+    for comp, comm, _ in CASES:
+        for rank in range(world):
+            payload, sent, received = outs[rank][(comp, comm)]
+            model_sent, model_received = counted_bytes(comm, world, payload, 4_000_000)
+            # size headers and uneven regions aside, the model is the engine's count
+            assert sent == pytest.approx(model_sent, rel=0.05, abs=256), (comp, comm, rank)
+            assert received == pytest.approx(model_received, rel=0.05, abs=256 * world), (comp, comm, rank)
+
+
+def auto_job(rank, world):
+    out = {}
+    for comp, params in [("topk", {"compress_ratio": 0.01}), ("qsgd", {}), ("none", {})]:
+        grace = grace_dgc.build(comp, "none", "auto", interval=3, bandwidth=1e8, latency=1e-4, **params)
+        results = []
+        for step in range(8):
+            g = torch.randn(200, 200, generator=torch.Generator().manual_seed(10 * rank + step))
+            results.append(grace.step(g, "g"))
+        out[comp] = (results, grace.stats()["auto"])
+    return out
+
+
+def test_auto_tries_each_fitting_communicator_then_all_ranks_agree():
+    outs = run_local(auto_job, 2)
+    for comp, expected in [
+        ("topk", {"allgather", "sparse_allreduce"}),
+        ("qsgd", {"allgather", "reduce_scatter"}),
+        ("none", {"allreduce", "allgather", "reduce_scatter"}),
+    ]:
+        results, chosen = outs[0][comp]
+        assert set(chosen["g"]["predicted_seconds"]) == expected
+        assert chosen["g"]["choice"] in expected
+        assert chosen["g"]["choice"] == outs[1][comp][1]["g"]["choice"]  # rank 0 decides for all
+        for a, b in zip(results, outs[1][comp][0]):
+            assert torch.equal(a, b)
+
+
+def test_refusals_name_the_reason_and_what_fits():
+    with pytest.raises(GraceConfigError, match="not sparse.*communicators that can"):
+        grace_dgc.build("qsgd", "none", "sparse_allreduce", engine="local")
+    with pytest.raises(GraceConfigError, match="chunk by chunk"):
+        grace_dgc.build("topk", "none", "reduce_scatter", engine="local")
+    with pytest.raises(GraceConfigError, match="several rounds"):
+        grace_dgc.build("powersgd", "powersgd", "reduce_scatter", engine="local")
+    with pytest.raises(GraceConfigError, match="outer communicator 'allreduce'"):
+        grace_dgc.build("topk", "none", "hierarchical", outer="allreduce", engine="local")
+    with pytest.raises(GraceConfigError, match="group_size"):
+        grace_dgc.build("topk", "none", "hierarchical", group_size=0, engine="local")
+    assert COMMUNICATORS.get("sparse_allreduce").fits(COMPRESSORS.get("dgc")())
+
+
+def test_single_process_engine_runs_every_new_communicator():
+    x = torch.randn(50)
+    for comm, comp, params in [
+        ("sparse_allreduce", "topk", {"compress_ratio": 0.1}),
+        ("reduce_scatter", "signsgd", {}),  # deterministic: the same signs chunk by chunk
+        ("hierarchical", "none", {}),
+        ("auto", "topk", {"bandwidth": 1e9, "latency": 1e-5}),
+    ]:
+        grace = grace_dgc.build(comp, "none", comm, engine="local", **params)
+        plain = {k: v for k, v in params.items() if k not in ("bandwidth", "latency")}
+        ref = grace_dgc.build(comp, "none", "allgather", engine="local", **plain)
+        torch.testing.assert_close(grace.step(x, "x"), ref.step(x, "x"))
