@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import wire
+from ..errors import check_bool
 from ..interfaces import Communicator, Compressor, Payload
 from ..registry import register_communicator
 
@@ -45,7 +46,7 @@ class ReduceScatter(Communicator):
 
     def __init__(self, engine: Any, error_feedback: bool = True) -> None:
         super().__init__(engine)
-        self.error_feedback = bool(error_feedback)
+        self.error_feedback = check_bool("error_feedback", error_feedback)
         self.errors: dict[str, Tensor] = {}  # tensor name -> ε of the chunk this rank owns
 
     @classmethod

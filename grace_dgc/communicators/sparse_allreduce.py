@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..compressors.topk import exact_top_k
+from ..errors import check_bool
 from ..interfaces import Communicator, Compressor, Payload
 from ..registry import register_communicator
 from ..workspace import Workspace
@@ -53,7 +54,7 @@ class SparseAllreduce(Communicator):
 
     def __init__(self, engine: Any, global_topk: bool = False) -> None:
         super().__init__(engine)
-        self.global_topk = bool(global_topk)
+        self.global_topk = check_bool("global_topk", global_topk)
         self.workspace = Workspace()
 
     @classmethod
