@@ -73,6 +73,7 @@ class Grace:
         self._agreed: set[tuple] = set()  # group signatures the ranks agreed on (see handshake)
         self.params: dict[str, dict[str, Any]] = {}  # constructor parameters per part, as build() routed them
         self.wire = compressor  # what compresses each gradient: the communicator's choice, set by bind
+        self._wire_of = compressor
         # engine="auto" before any process group exists (a script that builds its parts
         # before init_process_group) waits for the first exchange to choose and bind
         if not isinstance(engine, AutoEngine) or engine.name in ("torch", "horovod"):
@@ -130,6 +131,8 @@ class Grace:
         if signature not in self._agreed:  # first exchange of this group: do ranks agree?
             handshake.agree(self, tensors, names)
             self._agreed.add(signature)
+        if self._wire_of is not self.compressor:  # a compressor assigned after binding
+            self.wire, self._wire_of = self.communicator.wire_compressor(self.compressor), self.compressor
         comp, memory, comm = self.wire, self.memory, self.communicator
         # the averages land in the inputs when they are handed over (a non-contiguous one
         # through a temporary), else in new tensors
@@ -295,6 +298,7 @@ class Grace:
             )
         parts_engine = self.communicator.setup()
         self.wire = self.communicator.wire_compressor(self.compressor)
+        self._wire_of = self.compressor
         self.wire.bind(parts_engine)
         self.memory.bind(parts_engine)
         self._bound = True

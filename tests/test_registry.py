@@ -80,7 +80,7 @@ def test_unknown_parameter_names_what_each_part_accepts():
 def test_non_summable_with_allreduce_is_refused_at_build():
     with pytest.raises(GraceConfigError) as err:
         grace_dgc.build("topk", communicator="allreduce")
-    assert "cannot be summed" in str(err.value) and "allgather, broadcast" in str(err.value)
+    assert "cannot be summed" in str(err.value) and "allgather, auto, broadcast" in str(err.value)
 
 
 def test_parameters_are_routed_to_the_parts_that_accept_them():
