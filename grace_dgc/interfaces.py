@@ -263,6 +263,21 @@ class Communicator:
     def reset(self, name: str | None = None) -> None:
         """Forget state kept for ``name`` (or all): e.g. ``reduce_scatter``'s owner-side errors."""
 
+    def aggregate_into(
+        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
+    ) -> list[Payload]:
+        """:meth:`aggregate_many` for any single-round communicator: an aggregating one does it
+        itself; the others exchange, then decompress the sum (or each rank's payload) into
+        ``outs``. Used where one communicator runs inside another (``hierarchical``, ``auto``)."""
+        if self.aggregates:
+            return self.aggregate_many(compressor, payloads, ctxs, names, outs)
+        for out, got, ctx in zip(outs, self.exchange_many(payloads, names), ctxs):
+            if self.reduces:
+                compressor.decompress_into(got[0], ctx, out)
+            else:
+                compressor.decompress_aggregate_into(got, ctx, out)
+        return payloads
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -282,6 +282,8 @@ def test_refusals_name_the_reason_and_what_fits():
         grace_dgc.build("topk", "none", "hierarchical", outer="allreduce", engine="local")
     with pytest.raises(GraceConfigError, match="group_size"):
         grace_dgc.build("topk", "none", "hierarchical", group_size=0, engine="local")
+    with pytest.raises(GraceConfigError, match="do not form nodes of group_size=2"):  # at bind, before collectives
+        grace_dgc.build("topk", "none", "hierarchical", group_size=2, engine="local")
     assert COMMUNICATORS.get("sparse_allreduce").fits(COMPRESSORS.get("dgc")())
 
 

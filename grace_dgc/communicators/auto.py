@@ -104,16 +104,7 @@ class Auto(Communicator):
         member = self.members[chosen]
         start, waited = time.perf_counter(), self.engine.traffic.seconds
         inner = self.chunked if chosen == "reduce_scatter" else self.plain
-        unwrapped = [c[1] for c in ctxs]
-        if member.aggregates:
-            sent = member.aggregate_many(inner, payloads, unwrapped, names, outs)
-        else:
-            for out, got, ctx in zip(outs, member.exchange_many(payloads, names), unwrapped):
-                if member.reduces:
-                    inner.decompress_into(got[0], ctx, out)
-                else:
-                    inner.decompress_aggregate_into(got, ctx, out)
-            sent = payloads
+        sent = member.aggregate_into(inner, payloads, [c[1] for c in ctxs], names, outs)
         # local compute: compress, and the exchange's time outside collectives (decompress, sums)
         waited = self.engine.traffic.seconds - waited
         seconds = time.perf_counter() - start - waited + sum(c[2] for c in ctxs)

@@ -89,14 +89,7 @@ class Hierarchical(Communicator):
         outer, sent = self.outer, payloads
         assert outer is not None
         if self.leader:
-            if outer.aggregates:
-                sent = outer.aggregate_many(compressor, payloads, ctxs, names, outs)
-            else:
-                for out, got, ctx in zip(outs, outer.exchange_many(payloads, names), ctxs):
-                    if outer.reduces:
-                        compressor.decompress_into(got[0], ctx, out)
-                    else:
-                        compressor.decompress_aggregate_into(got, ctx, out)
+            sent = outer.aggregate_into(compressor, payloads, ctxs, names, outs)
         for dtype in dict.fromkeys(o.dtype for o in outs):  # 3. the leader's result to its node
             members = [i for i, o in enumerate(outs) if o.dtype == dtype]
             flat = torch.cat([outs[i].reshape(-1) for i in members])
