@@ -31,6 +31,15 @@ PARAMS = {
 STEPS = 2
 # (memory, compressor, communicator) extra cases with error feedback
 WITH_MEMORY = [("residual", "topk", "allgather"), ("residual", "randomk", "allreduce")]
+# the communicators that aggregate in the collective (all_to_all, process sets), with their
+# parameters: every compressor each accepts, plus these variants
+AGGREGATING = {
+    "sparse_allreduce": [{}, {"global_topk": True}],
+    "reduce_scatter": [{}],
+    "hierarchical": [{"group_size": 1, "outer": "allgather"}, {"group_size": 1, "outer": "reduce_scatter"}],
+}
+# hierarchical with one node of both ranks (dense inside, a world of one leader outside)
+ONE_NODE = [("topk", "residual", "hierarchical", {"group_size": 2, "outer": "sparse_allreduce"})]
 
 
 def cases():
@@ -39,12 +48,24 @@ def cases():
     for comp in COMPRESSORS.names():
         cls = COMPRESSORS.get(comp)
         allowed = getattr(cls, "communicators", None)
-        for comm in ("allgather", "allreduce", "broadcast"):  # the others: test_aggregation
+        for comm in ("allgather", "allreduce", "broadcast"):
             if (COMMUNICATORS.get(comm).needs_summable and not cls.summable) or (allowed and comm not in allowed):
                 continue
             out.append((comp, "none", comm, PARAMS.get(comp, {})))
+        for comm, variants in AGGREGATING.items():
+            if not COMMUNICATORS.get(comm).fits(cls()):
+                continue
+            for variant in variants:
+                if COMMUNICATORS.get(variant.get("outer", comm)).fits(cls()):
+                    out.append((comp, "none", comm, {**PARAMS.get(comp, {}), **variant}))
     out += [(comp, mem, comm, PARAMS.get(comp, {})) for mem, comp, comm in WITH_MEMORY]
-    return out
+    return out + ONE_NODE
+
+
+def case_key(comp, mem, comm, params):
+    """``compressor+memory+communicator``, with the communicator's own parameters in brackets."""
+    extra = {k: v for k, v in params.items() if k not in PARAMS.get(comp, {})}
+    return f"{comp}+{mem}+{comm}" + (f"[{','.join(f'{k}={v}' for k, v in sorted(extra.items()))}]" if extra else "")
 
 
 def gradients(rank, step):
@@ -101,6 +122,14 @@ def primitives(engine):
     out["bcast_strided"] = strided
     out["bcast_bf16"] = engine.broadcast(torch.full((4,), float(rank), dtype=torch.bfloat16), root=0)
     out["bcast_object"] = engine.broadcast_object({"from": rank, "t": torch.ones(2) * rank}, root=1)
+    # all_to_all: rank r sends r + d + 1 elements to rank d; then one with nothing to send
+    send = [rank + d + 1 for d in range(engine.size)]
+    recv = [s + rank + 1 for s in range(engine.size)]
+    sent, received = engine.bytes_sent, engine.bytes_received
+    out["a2a_float"] = engine.all_to_all(torch.arange(sum(send), dtype=torch.float32) + 100 * rank, send, recv)
+    out["a2a_bf16"] = engine.all_to_all(torch.full((sum(send),), rank + 0.5, dtype=torch.bfloat16), send, recv)
+    out["a2a_empty"] = engine.all_to_all(torch.empty(0), [0] * engine.size, [0] * engine.size)
+    out["a2a_counted"] = (engine.bytes_sent - sent, engine.bytes_received - received)
     engine.barrier()
     return out
 
@@ -134,7 +163,7 @@ def optimizer_run(rank, steps=3):
 def engine_job(rank, world_size):
     results = {"engine": grace_dgc.create_engine("auto").name, "cases": {}, "errors": {}}
     for comp, mem, comm, params in cases():
-        key = f"{comp}+{mem}+{comm}"
+        key = case_key(comp, mem, comm, params)
         try:
             results["cases"][key] = run_case(rank, comp, mem, comm, params)
         except Exception:
@@ -153,6 +182,8 @@ def engine_job(rank, world_size):
 def expected_bytes(payload_log, communicator, engine):
     """Bytes one rank hands to collectives, from the logged payloads (this rank's only:
     Horovod's allgather is unpadded); None for communicators this rule does not know."""
+    if communicator not in ("allreduce", "allgather", "broadcast"):
+        return None
     total = 0
     for payload in payload_log:
         if communicator == "allreduce":  # Horovod sums bf16 in fp32 and small ints in int32
@@ -160,15 +191,13 @@ def expected_bytes(payload_log, communicator, engine):
             total += sum(n * (widen.get(d, d.itemsize) if engine == "horovod" else d.itemsize) for d, n in payload)
         elif communicator in ("allgather", "broadcast"):  # int64 size header + the bytes
             total += 8 * len(payload) + sum(n * d.itemsize for d, n in payload)
-        else:
-            return None
     return total
 
 
 if __name__ == "__main__":
     import horovod.torch as hvd
 
-    hvd.init()
+    hvd.init(process_sets="dynamic")  # hierarchical forms process sets
     result = engine_job(hvd.rank(), hvd.size())
     with open(os.path.join(sys.argv[1], f"rank{hvd.rank()}.pkl"), "wb") as fh:
         pickle.dump(result, fh)

@@ -278,6 +278,8 @@ def test_refusals_name_the_reason_and_what_fits():
         grace_dgc.build("topk", "none", "reduce_scatter", engine="local")
     with pytest.raises(GraceConfigError, match="several rounds"):
         grace_dgc.build("powersgd", "powersgd", "reduce_scatter", engine="local")
+    with pytest.raises(GraceConfigError, match="several rounds"):  # whatever the outer (found under horovodrun)
+        grace_dgc.build("powersgd", "powersgd", "hierarchical", outer="allgather", group_size=1, engine="local")
     with pytest.raises(GraceConfigError, match="outer communicator 'allreduce'"):
         grace_dgc.build("topk", "none", "hierarchical", outer="allreduce", engine="local")
     with pytest.raises(GraceConfigError, match="group_size"):

@@ -86,8 +86,18 @@ def test_horovod_is_installed():
 
 
 def test_every_case_runs_on_both_engines_auto_picking_each(runs):
-    listed = {f"{c}+{m}+{k}" for c, m, k, _ in hvd_worker.cases()}
+    listed = {hvd_worker.case_key(*case) for case in hvd_worker.cases()}
     assert "topk+none+allgather" in listed and "none+none+allreduce" in listed and "topk+none+allreduce" not in listed
+    for key in (
+        "dgc+none+sparse_allreduce",
+        "topk+none+sparse_allreduce[global_topk=True]",
+        "qsgd+none+reduce_scatter",
+        "signsgd+none+reduce_scatter",
+        "terngrad+none+hierarchical[group_size=1,outer=reduce_scatter]",
+        "topk+residual+hierarchical[group_size=2,outer=sparse_allreduce]",
+    ):
+        assert key in listed, key
+    assert "topk+none+reduce_scatter" not in listed and "qsgd+none+sparse_allreduce" not in listed
     for engine, results in runs.items():
         for rank, result in enumerate(results):
             errors = "\n".join(f"--- {key} ---\n{tb}" for key, tb in result["errors"].items())
@@ -132,7 +142,7 @@ def test_bytes_sent_follow_each_engines_definition(runs):
     """Horovod: this rank's unpadded contribution (+ int64 size headers); torch: padded to
     the largest rank's. Both recomputed here from the payloads each rank logged."""
     for key in runs["horovod"][0]["cases"]:
-        comm = key.rsplit("+", 1)[1]
+        comm = key.rsplit("+", 1)[1].split("[")[0]
         for engine, results in runs.items():
             logs = [r["cases"][key]["payloads"] for r in results]
             for rank, result in enumerate(results):
@@ -157,7 +167,7 @@ def test_engine_primitives_match_torch(runs):
     for hvd_rank, torch_rank, rank in zip(runs["horovod"], runs["torch"], range(WORLD)):
         hvd_out, torch_out = hvd_rank["primitives"], torch_rank["primitives"]
         for key, value in torch_out.items():
-            if key in ("gather_bytes", "bcast_object"):
+            if key in ("gather_bytes", "bcast_object", "a2a_counted"):
                 continue
             got = hvd_out[key]
             pairs = zip(got, value) if isinstance(value, list) else [(got, value)]
@@ -167,6 +177,11 @@ def test_engine_primitives_match_torch(runs):
         # unpadded: (rank+2)·4 + 3·2 (bf16) + 2 (bool); torch pads the first to the longest (3·4)
         assert hvd_out["gather_bytes"] == (rank + 2) * 4 + 6 + 2
         assert torch_out["gather_bytes"] == 3 * 4 + 6 + 2
+        # all_to_all: the parts for the other rank out (float32 + bf16), theirs in, unpadded on both
+        other = 1 - rank
+        assert hvd_out["a2a_counted"] == torch_out["a2a_counted"] == ((rank + other + 1) * 6, (other + rank + 1) * 6)
+        start = sum(d + 1 for d in range(rank))  # rank 0 sends d + 1 elements to rank d, in rank order
+        assert torch.equal(torch_out["a2a_float"][: rank + 1], torch.arange(start, start + rank + 1.0))
     assert torch.equal(runs["horovod"][0]["primitives"]["sum_int8"], torch.tensor([-56, 56, 14], dtype=torch.int8))
 
 

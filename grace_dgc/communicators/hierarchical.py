@@ -49,6 +49,9 @@ class Hierarchical(Communicator):
         self.outer: Communicator | None = None  # made by setup, over the leaders
 
     def refuse(self, compressor: Compressor) -> str | None:
+        own = super().refuse(compressor)  # multi-round methods (PowerSGD): not between nodes
+        if own:
+            return own
         reason = COMMUNICATORS.get(self.outer_name).refusal(compressor)
         return f"its outer communicator {self.outer_name!r} refuses it ({reason})" if reason else None
 

@@ -170,10 +170,10 @@ class HorovodEngine(Engine):
     def split(self, groups: Sequence[Sequence[int]]) -> Engine | None:
         mine = None
         for index, ranks in enumerate(groups):
-            members = [self.process_set.ranks[r] if self.process_set.ranks else r for r in ranks]
+            members = tuple(self.process_set.ranks[r] if self.process_set.ranks else r for r in ranks)
             try:
-                process_set = hvd.add_process_set(members)
-            except Exception as error:  # static process sets only, or a duplicate
+                process_set = _process_set(members)
+            except Exception as error:  # static process sets only
                 raise GraceConfigError(
                     f"engine='horovod' could not form the process set {members} ({type(error).__name__}: "
                     f"{error}); subgroups (communicator 'hierarchical') need dynamic process sets: run "
@@ -191,6 +191,20 @@ class HorovodEngine(Engine):
 
     def barrier(self) -> None:
         hvd.barrier(process_set=self.process_set)
+
+
+_PROCESS_SETS: dict[tuple[int, ...], Any] = {}  # members -> the process set made for them
+
+
+def _process_set(members: tuple[int, ...]) -> Any:
+    """The Horovod process set of these global ranks: the global one, one made before (Horovod
+    refuses a duplicate, and every Grace built with ``hierarchical`` asks again), or a new
+    one (collective: every rank asks for the same sets in the same order)."""
+    if list(members) == list(range(hvd.size())):
+        return hvd.global_process_set
+    if members not in _PROCESS_SETS:
+        _PROCESS_SETS[members] = hvd.add_process_set(list(members))
+    return _PROCESS_SETS[members]
 
 
 def _as_byte_rows(rows: Tensor) -> Tensor:
