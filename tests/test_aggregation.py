@@ -82,6 +82,49 @@ def test_sparse_allreduce_equals_allgather_and_gtopk_keeps_the_largest_of_the_su
             torch.testing.assert_close(step, torch.full((10,), expected))
 
 
+def gtopk_select_job(rank, world):
+    """gTop-k's radix select over many shapes: small integers (ties at the threshold across
+    owners), fp64, a ratio whose union is smaller than K, several tensors in one group."""
+    out = []
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(seed)  # the same shapes and k on every rank
+        dtype = torch.float64 if seed % 3 == 2 else torch.float32
+        sizes = [int(torch.randint(1, 60, (1,), generator=gen)) for _ in range(1 + seed % 3)]
+        ratio = [0.05, 0.3, 0.9][seed % 3]
+        mine = torch.Generator().manual_seed(1000 * seed + rank)
+        if seed % 2:  # integers in [-3, 3]: many equal |sums|
+            x = [torch.randint(-3, 4, (n,), generator=mine).to(dtype) for n in sizes]
+        else:
+            x = [torch.randn(n, generator=mine, dtype=dtype) for n in sizes]
+        names = [f"t{i}" for i in range(len(x))]
+        grace = grace_dgc.build("topk", "none", "sparse_allreduce", compress_ratio=ratio, global_topk=True)
+        local = copy.deepcopy(grace.compressor)
+        ks = [local.compress(t.clone(), n)[0][1].numel() for t, n in zip(x, names)]
+        out.append({"x": x, "ks": ks, "got": grace.step_group_async(x, names).result()})
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gtopk_radix_select_picks_the_k_largest_of_the_sum_ties_to_the_lowest_index(world):
+    outs = run_local(gtopk_select_job, world)
+    for case in range(len(outs[0])):
+        for t, got in enumerate(outs[0][case]["got"]):
+            for rank in range(1, world):
+                assert torch.equal(outs[rank][case]["got"][t], got)
+            # the reference: every rank's top-k payload scattered and summed, then the K largest
+            parts = []
+            for rank in range(world):
+                x = outs[rank][case]["x"][t]
+                keep = torch.argsort(x.abs(), descending=True, stable=True)[: outs[rank][case]["ks"][t]]
+                parts.append(torch.zeros_like(x).index_put_((keep,), x[keep]))
+            summed = torch.stack(parts).sum(0)
+            k = max(outs[r][case]["ks"][t] for r in range(world))
+            order = torch.argsort(summed.abs(), descending=True, stable=True)[:k]
+            order = order[summed[order] != 0]  # an index nobody sent is not a candidate
+            expected = torch.zeros_like(summed).index_put_((order,), summed[order])
+            torch.testing.assert_close(got * world, expected, rtol=1e-6, atol=1e-6, msg=f"case {case}, tensor {t}")
+
+
 def gtopk_memory_job(rank, world):
     """gTop-k with residual memory: what the aggregate dropped stays in each rank's memory."""
     grace = grace_dgc.build("topk", "residual", "sparse_allreduce", compress_ratio=0.1, global_topk=True)

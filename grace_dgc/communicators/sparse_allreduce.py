@@ -5,11 +5,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..compressors.topk import exact_top_k
 from ..errors import check_bool
 from ..interfaces import Communicator, Compressor, Payload
 from ..registry import register_communicator
-from ..workspace import Workspace
 
 SPARSE, DENSE = 0, 1  # how an owner sends its summed region back
 
@@ -40,14 +38,23 @@ class SparseAllreduce(Communicator):
     every rank receives the same bits (each region is summed by one rank). Bytes per rank:
     ≈ its own k pairs out, and (N−1)/N of the union's pairs in, instead of (N−1)·k.
 
-    ``global_topk=True`` (gTop-k, Shi et al. 2019; Ok-Topk): the aggregate keeps only the
-    K_t = max_r k_{r,t} largest |s| of each tensor t (exact: each owner sends back at most
-    its own K_t largest, and every rank picks the K_t largest of those, ties to the lowest
-    index), and each rank's memory is told that it sent only its pairs at the kept indices
-    G_t, so error feedback keeps the rest:
+    ``global_topk=True`` (gTop-k, Shi et al. 2019; the global threshold of Ok-Topk, Li &
+    Hoefler 2022): the aggregate keeps only the K_t = max_r k_{r,t} largest |s| of each
+    tensor t, and each rank's memory is told that it sent only its pairs at the kept
+    indices G_t, so error feedback keeps the rest:
 
         ĝ_t = Σ_r scatter(payload_r)|_{G_t},    sent_r = payload_r|_{G_t},
         e_r ← p_r − scatter(sent_r)      (residual memory: what was not kept stays).
+
+    G_t is found between steps 2 and 3 without moving any candidate: τ_t, the K_t-th largest
+    |s| of the tensor over all owners, by a radix select on the bits of |s| (monotone in |s|
+    as integers): per round, every owner counts its undecided candidates by their next 8
+    bits (a T×256 histogram), one allreduce sums the counts, and every rank picks the digit
+    where the K_t-th falls (those above it are kept, those below dropped). Ties at τ_t go to
+    the lowest indices (one allgather of the owners' tie counts, only when some are left).
+    At most 4 rounds for fp32 sums (8 for fp64), fewer when the count settles earlier; each
+    owner then sends back only its |G_t ∩ R_j| pairs, Σ_j = K_t, so a rank receives about
+    (N−1)/N·K_t pairs in step 3 instead of (N−1)/N of the union: O(k), not O(N·k).
     """
 
     aggregates = True
@@ -55,7 +62,6 @@ class SparseAllreduce(Communicator):
     def __init__(self, engine: Any, global_topk: bool = False) -> None:
         super().__init__(engine)
         self.global_topk = check_bool("global_topk", global_topk)
-        self.workspace = Workspace()
 
     @classmethod
     def refusal(cls, compressor: Compressor) -> str | None:
@@ -117,8 +123,8 @@ class SparseAllreduce(Communicator):
         hit = torch.zeros(span, dtype=torch.bool, device=device)
         hit[got_index.long()] = True
         union = torch.nonzero(hit).view(-1)
-        if self.global_topk:  # at most K_t candidates per tensor from this region
-            union = self._candidates(summed, union, offsets, bounds[me], ks)
+        if self.global_topk:  # only the pairs among the K_t largest of the whole sum
+            union = union[self._global_top(summed[union], union + bounds[me], offsets, ks)]
         # 3. back to every rank, sparse or dense, whichever is smaller
         mode = SPARSE if self.global_topk or union.numel() * size <= span * values.element_size() else DENSE
         mine = _records(summed[union], union.to(torch.int32)) if mode == SPARSE else summed.view(torch.uint8)
@@ -140,23 +146,45 @@ class SparseAllreduce(Communicator):
         out = []
         for t in range(len(payloads)):
             v, i = all_v[cuts[t] : cuts[t + 1]], all_i[cuts[t] : cuts[t + 1]] - int(offsets[t])
-            if self.global_topk and v.numel() > ks[t]:
-                chosen = exact_top_k(v, ks[t], self.workspace)
-                v, i = v[chosen], i[chosen]
             out.append((v, i.to(torch.int32)))
         return out
 
-    def _candidates(self, summed: Tensor, union: Tensor, offsets: Tensor, start: int, ks: list[int]) -> Tensor:
-        """The union's indices that are among the K_t largest |s| of their tensor here."""
-        where = union + start
-        cuts = torch.searchsorted(where, offsets.to(where.device)).tolist()
-        keep = []
-        for t, k in enumerate(ks):
-            part = union[cuts[t] : cuts[t + 1]]
-            if part.numel() > k:
-                part = part[exact_top_k(summed[part], k, self.workspace)]
-            keep.append(part)
-        return torch.cat(keep)
+    def _global_top(self, sums: Tensor, where: Tensor, offsets: Tensor, ks: list[int]) -> Tensor:
+        """Mask of this owner's candidates (sums ``sums`` at ascending flat indices ``where``)
+        that are among the K_t largest |s| of their tensor over all owners (see the class
+        docstring: a radix select on the bits of |s| with one allreduce per round)."""
+        engine, device, n_tensors = self.engine, sums.device, len(ks)
+        tensor = torch.bucketize(where, offsets[1:].to(device), right=True)
+        bits = sums.element_size() * 8
+        key = sums.view(torch.int32 if bits == 32 else torch.int64).long() & ((1 << (bits - 1)) - 1)  # |s|
+        need = torch.tensor(ks, dtype=torch.int64, device=device)  # still to pick, per tensor
+        chosen = torch.zeros_like(key, dtype=torch.bool)
+        live = torch.ones_like(chosen)  # candidates whose higher digits equal τ_t's
+        for shift in range(bits - 8, -1, -8):
+            digit = (key >> shift) & 255
+            slot = tensor[live] * 256 + digit[live]
+            hist = engine.allreduce(torch.bincount(slot, minlength=n_tensors * 256).to(torch.int32)).long()
+            atleast = hist.view(n_tensors, 256).flip(1).cumsum(1).flip(1)  # candidates with digit >= d
+            atleast = torch.cat([atleast, atleast.new_zeros(n_tensors, 2)], 1)  # d = 256, 257: none
+            # τ_t's digit: the largest d with ≥ need candidates at or above it (-1: take all;
+            # 256 when nothing is left to pick)
+            cut = torch.where(need > 0, (atleast[:, :256] >= need[:, None]).sum(1) - 1, 256)
+            chosen |= live & (digit > cut[tensor])
+            need -= atleast.gather(1, (cut + 1)[:, None]).view(-1)
+            live &= digit == cut[tensor]
+            at_cut = atleast.gather(1, cut.clamp(min=0)[:, None]).view(-1) - atleast.gather(1, (cut + 1)[:, None]).view(
+                -1
+            )
+            if bool(((need == 0) | (at_cut == need) | (cut < 0)).all()):  # every tie is taken (or none is)
+                return chosen | (live & (need > 0)[tensor])
+        # ties at τ_t: to the lowest indices, i.e. to the owners in rank order
+        ties = torch.bincount(tensor[live], minlength=n_tensors)
+        before = torch.stack(engine.allgather(ties))[: engine.rank].sum(0)
+        allowed = (need - before).clamp(min=0)
+        order = live.long().cumsum(0) - 1  # rank of each tie among this owner's, per tensor below
+        first = torch.searchsorted(where, offsets.to(device))[:-1]
+        base = torch.cat([order.new_zeros(1), live.long().cumsum(0)])[first]
+        return chosen | (live & ((order - base[tensor]) < allowed[tensor]))
 
 
 def _records(values: Tensor, indices: Tensor) -> Tensor:
