@@ -220,6 +220,7 @@ class Grace:
     ) -> list[Tensor]:
         """Count the group, catch a non-finite average, and hand the averages back."""
         memory = self.memory
+        self._stats["groups"] += 1
         for tensor, name in zip(tensors, names):
             self._stats["tensors"] += 1
             self._stats["dense_bytes"] += tensor.numel() * 4
@@ -332,6 +333,7 @@ class Grace:
     def reset_stats(self) -> None:
         self._stats: dict[str, float] = {
             "tensors": 0,
+            "groups": 0,
             "bytes_sent": 0,
             "bytes_received": 0,
             "dense_bytes": 0,
@@ -344,6 +346,7 @@ class Grace:
         """Counters since the last :meth:`reset_stats` (all measured, none assumed).
 
         steps: exchanges of the most-exchanged tensor name (= optimizer steps);
+        tensors, groups: tensors exchanged, and fusion groups (each one set of collectives);
         bytes_sent: bytes this rank handed to collectives as its own contribution, padding
         and size headers included; bytes_received: bytes it got back from the other ranks
         (allgather: every other rank's buffer, so it grows with the world size; see

@@ -31,6 +31,7 @@ TINY = {
             "params": {"compress_ratio": 0.01},
             "tune_lr": [0.05, 0.1],
             "tags": {"kpercent": 1},
+            "fusion_bytes": 0,  # one exchange per tensor (dense: the default 4 MiB, one group)
         },
     ],
 }
@@ -68,6 +69,11 @@ def topk_bytes(ratio):
         ({"methods": [{"compressor": "none", "lr": 0.1, "tune_lr": [0.1]}]}, "not both"),
         ({"methods": [{"compressor": "none", "tune_lr": []}]}, "tune_lr"),
         ({"methods": [{"compressor": "none", "colour": 1}]}, "unknown key(s) 'colour' in methods[0]"),
+        (
+            {"methods": [{"compressor": "none", "fusion_bytes": -1}]},
+            "methods[0]: fusion_bytes = -1 must be an int >= 0",
+        ),
+        ({"methods": [{"compressor": "none", "fusion_bytes": 1.5}]}, "fusion_bytes = 1.5 must be a int"),
     ],
 )
 def test_config_errors_name_the_problem(change, message):
@@ -149,6 +155,7 @@ EPOCH_FIELDS = {
     "dense_bytes_per_step",
     "compression_ratio",
     "exchanges_per_step",
+    "groups_per_step",
     "timed_steps",
     "peak_rss_mb",
     "peak_gpu_mb",
@@ -180,6 +187,7 @@ def test_tiny_survey_end_to_end_and_resume(tmp_path):
         assert e["steps"] == 512 // 64 and e["timed_steps"] == e["steps"] - 1
         assert e["compute_s"] > 0 and e["step_s"] >= e["compute_s"] and e["samples_per_s"] > 0
         assert e["peak_rss_mb"] > 50 and e["exchanges_per_step"] == 4
+        assert e["groups_per_step"] == (1 if e["label"] == "dense" else 4)
     dense, topk = sums["dense"], sums["topk 1%"]
     # bytes as measured by grace.stats(), against the wire format computed here
     assert dense["bytes_per_step"] == dense["dense_bytes_per_step"] == 4 * sum(TENSORS)
@@ -443,6 +451,12 @@ def test_cost_models_against_hand_computed_numbers():
     assert by["dgc"]["samples_per_s"] == pytest.approx(32 * 8 / 0.1754)
     with pytest.raises(GraceConfigError, match="no cost model"):
         project.communication_time("carrier-pigeon", 2, 1, 1, alpha, beta)
+    # the latency counts the measured fusion groups when the survey recorded them (8 tensors
+    # in 3 groups: 3 sets of collectives), else the tensors
+    eight = dict(sparse, exchanges_per_step=8)
+    fused = dict(eight, groups_per_step=3)
+    assert project.project_step(eight, 8, alpha, beta)[1] == pytest.approx(8 * 2 * 7 * alpha + 7 * 1e6 * beta)
+    assert project.project_step(fused, 8, alpha, beta)[1] == pytest.approx(3 * 2 * 7 * alpha + 7 * 1e6 * beta)
 
 
 def test_project_command_on_fixture(tmp_path, capsys):

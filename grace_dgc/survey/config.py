@@ -177,6 +177,8 @@ class SurveyConfig:
                             f"{where}: {key} = {method[key]!r} must be {'> 0' if key == 'lr' else '>= 0'}"
                         )
                     spec[key] = float(method[key])
+            if "fusion_bytes" in method:
+                spec["fusion_bytes"] = _positive_int(method["fusion_bytes"], f"{where}: fusion_bytes", low=0)
             if "tune_lr" in method:
                 cands = method["tune_lr"]
                 if not cands or not all(
@@ -212,7 +214,11 @@ class SurveyConfig:
         return Cell(
             survey=self.name,
             label=method["label"],
-            method={k: method[k] for k in ("compressor", "memory", "communicator", "params", "tags")},
+            method={
+                k: method[k]
+                for k in ("compressor", "memory", "communicator", "params", "tags", "fusion_bytes")
+                if k in method
+            },
             tune_lr=method.get("tune_lr"),
             workers=workers,
             seed=seed,

@@ -115,6 +115,7 @@ def execute_cell(ctx, cell, out_dir, progress=False):
             / max(sum(h["dense_bytes_per_step"] * h["steps"] for h in history), 1)
         ),
         exchanges_per_step=last["exchanges_per_step"],
+        groups_per_step=last["groups_per_step"],
         peak_rss_mb=max(h["peak_rss_mb"] for h in history),
         peak_gpu_mb=max(h["peak_gpu_mb"] for h in history),
         device=str(ctx.device),

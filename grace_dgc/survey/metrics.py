@@ -15,6 +15,7 @@ class RankTotals:
     bytes_sent: float = 0.0  # grace.stats()["bytes_sent"]
     dense_bytes: float = 0.0  # what an fp32 allreduce would have handed over
     exchanges: float = 0.0  # tensors exchanged
+    groups: float = 0.0  # fusion groups exchanged (each one set of collectives)
     timed_steps: float = 0.0  # steps past timing_skip_steps
     train_time: float = 0.0  # epoch wall time (set at the end of the epoch)
     peak_rss_mb: float = 0.0
@@ -57,6 +58,7 @@ def epoch_record(ranks, epoch, lr, steps, global_batch, elapsed, test_loss, test
         "dense_bytes_per_step": dense / n / steps,
         "compression_ratio": sent / max(dense, 1),
         "exchanges_per_step": ranks[0].exchanges / steps,
+        "groups_per_step": ranks[0].groups / steps,
         "timed_steps": int(ranks[0].timed_steps),
         "peak_rss_mb": max(r.peak_rss_mb for r in ranks),
         "peak_gpu_mb": max(r.peak_gpu_mb for r in ranks),

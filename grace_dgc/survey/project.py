@@ -12,8 +12,9 @@ Chan et al. 2007):
 
 Per optimizer step, with the survey's measured per-step figures of a method — compute c
 (forward + backward), compress s, decompress d (measured at W workers), payload bytes b
-per worker (size headers included), e gradient exchanges (tensors) per step and r rounds
-per exchange (PowerSGD: 2):
+per worker (size headers included), e gradient exchanges per step (the fusion groups
+exchanged, each one set of collectives, as measured; the tensors, for surveys older than
+that count) and r rounds per exchange (PowerSGD: 2):
 
     communication  allreduce  m·2(N−1)·α + 2(N−1)/N · b·β,      m = e·r
                    allgather  2m·(N−1)·α + (N−1) · b·β          (size headers, then data)
@@ -39,8 +40,8 @@ communicators (where they can carry its compressor), labelled ``method @ communi
 
 Dense baseline: the survey's ``none``/allreduce run projected by the same formula (its
 measured c, s, d and bytes B); without one, T_dense(N) = c + e·2(N−1)·α + 2(N−1)/N · B·β
-with the method's own compute and B its measured fp32 bytes per step (one allreduce per
-tensor, no fusion either way). Speedup = T_dense(N) / T(N).
+with the method's own compute and B its measured fp32 bytes per step (its e). Speedup =
+T_dense(N) / T(N).
 Weak scaling: each node keeps the measured per-worker batch, so c does not change with N.
 The model ignores compute/communication overlap (real dense allreduce overlaps part of
 backward, so compression's advantage is an upper bound), congestion and stragglers.
@@ -155,7 +156,7 @@ def project_step(method, nodes, alpha, beta, node=None):
     """Projected seconds per step of one measured method (a dict of the summary's
     per-step figures: compute_s, compress_s, decompress_s, bytes_per_step,
     exchanges_per_step, rounds, communicator, workers)."""
-    exchanges = method["exchanges_per_step"] * method.get("rounds", 1)
+    exchanges = exchanges_per_step(method) * method.get("rounds", 1)
     communicator = method["communicator"]
     comm = communication_time(
         communicator,
@@ -177,6 +178,12 @@ def project_step(method, nodes, alpha, beta, node=None):
     if per_rank(communicator):
         decompress = decompress * nodes
     return method["compute_s"] + method["compress_s"] + decompress + comm, comm
+
+
+def exchanges_per_step(method):
+    """e of the model: the fusion groups the run exchanged per step (each one set of
+    collectives), or its tensors for surveys that predate the groups' count."""
+    return method.get("groups_per_step") or method["exchanges_per_step"]
 
 
 def dense_step(compute_s, dense_bytes, exchanges, nodes, alpha, beta):
@@ -212,6 +219,8 @@ def measured_methods(records):
             "batch_size",
         )
         mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+        if all(r.get("groups_per_step") for r in rows):  # older surveys lack it
+            mean["groups_per_step"] = sum(r["groups_per_step"] for r in rows) / len(rows)
         try:
             rounds = COMPRESSORS.get(rows[0]["compressor"]).rounds
         except GraceConfigError:
@@ -279,7 +288,7 @@ def project(methods, nodes_list, bandwidths_bps, latency_ms, node=None):
                     dense_time = dense_step(
                         method["compute_s"],
                         method["dense_bytes_per_step"],
-                        method["exchanges_per_step"],
+                        exchanges_per_step(method),
                         nodes,
                         alpha,
                         beta,

@@ -95,6 +95,7 @@ SUMMARY_COLUMNS = [
     "dense_bytes_per_step",
     "compression_ratio",
     "exchanges_per_step",
+    "groups_per_step",
     "compute_s",
     "compress_s",
     "communicate_s",

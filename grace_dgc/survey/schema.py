@@ -47,6 +47,10 @@ METHOD_KEYS = {
         "registered communicator (default: allreduce if the compressor's payloads are summable, else allgather)",
     ),
     "params": ((dict,), "parameters for grace_dgc.build, e.g. {compress_ratio = 0.01}"),
+    "fusion_bytes": (
+        (int,),
+        "DistributedOptimizer's fusion bucket size in bytes of gradient (default 4 MiB; 0: one bucket per parameter)",
+    ),
     "lr": ((int, float), "this method's learning rate (overrides the survey's)"),
     "momentum": ((int, float), "this method's SGD momentum"),
     "weight_decay": ((int, float), "this method's SGD weight decay"),

@@ -96,7 +96,8 @@ def train(
     optimizer = torch.optim.SGD(
         model.parameters(), lr=lr, momentum=workload.momentum, weight_decay=workload.weight_decay
     )
-    dist_opt = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
+    fusion = {"fusion_bytes": method["fusion_bytes"]} if "fusion_bytes" in method else {}
+    dist_opt = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters(), **fusion)
 
     inputs, targets = train_split
     if ctx.device.type == "cuda":
@@ -172,6 +173,7 @@ def train(
                 totals.bytes_sent += stats["bytes_sent"]
                 totals.dense_bytes += stats["dense_bytes"]
                 totals.exchanges += stats["tensors"]
+                totals.groups += stats["groups"]
                 if global_step >= skip:
                     totals.timed_steps += 1
                     totals.compute += t1 - t0
@@ -227,6 +229,7 @@ def train(
 
 _GRACE_KEYS = {
     "tensors",
+    "groups",
     "bytes_sent",
     "dense_bytes",
     "compress_seconds",
