@@ -72,7 +72,10 @@ def test_grace_names_and_communicators():
         grace = local({"compressor": compressor})
         assert grace.communicator.registered_name == "allgather"
     assert local({"compressor": "fp16"}).communicator.registered_name == "allreduce"
-    assert local({"compressor": "qsgd", "communicator": "alltoall"}).communicator.registered_name == "allgather"
+    for compressor in ("qsgd", "terngrad", "natural_cuda"):  # GRACE's alltoall: its reduce-scatter
+        grace = local({"compressor": compressor, "communicator": "alltoall"})
+        assert grace.communicator.registered_name == "reduce_scatter" and grace.communicator.error_feedback
+    assert local({"compressor": "topk", "communicator": "alltoall"}).communicator.registered_name == "allgather"
     with pytest.warns(UserWarning, match="lr=0.1 is not used by compressor 'topk'"):
         local({"compressor": "topk", "communicator": "allgather", "lr": 0.1})
     with pytest.raises(GraceConfigError, match="unknown parameter 'ratio'"):
@@ -106,7 +109,7 @@ def test_constructors_equal_build():
         ),
         (
             compat.AllToAll(compat.TernGradCompressor(), compat.NoneMemory(), 1),
-            grace_dgc.build("terngrad", "none", "allgather", engine="local"),
+            grace_dgc.build("terngrad", "none", "reduce_scatter", engine="local"),
         ),
         (
             compat.Allgather(compat.EFSignSGDCompressor(0.1), compat.EFSignSGDMemory(0.1), 1),

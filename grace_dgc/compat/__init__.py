@@ -14,7 +14,7 @@ What this maps (each entry is tested in tests/test_compat.py):
   ``lr`` 0.1, signum and the dgc memory ``momentum`` 0.9, threshold 0.01, powersgd rank 1.
 * GRACE's names: ``qsgd_cuda``/``natural_cuda`` are the same methods (registry aliases: the
   vectorised torch code runs on CUDA already); memory ``dgc`` is ``momentum``; communicator
-  ``alltoall`` travels by ``allgather`` (see below).
+  ``alltoall`` is ``reduce_scatter`` (see below).
 * GRACE's keys: ``world_size`` (checked against the engine at the first exchange and
   returned by ``grace.world_size`` before it), ``kernel`` ('torch', 'cupy', 'rdxtopk': all
   compute the exact top-k here), ``gradient_clipping`` True/False (see below). A GRACE key
@@ -29,8 +29,11 @@ Where GRACE contradicts the paper, grace_dgc follows the paper:
 * Aggregation is the average of the decompressed payloads (GRACE's ``Allreduce`` sums the
   *encoded* payloads, which for qsgd, terngrad, topk … is not the method): a compressor whose
   payloads cannot be summed given ``allreduce`` travels by ``allgather``.
-* ``alltoall``: GRACE's reduce-scatter re-quantises the summed chunk and drops that error;
-  here the exact average travels by allgather.
+* ``alltoall`` is GRACE's reduce-scatter: chunks to their owners, each owner sums and
+  re-quantises its chunk, the chunks are gathered. GRACE drops the re-quantisation error;
+  here it maps to ``reduce_scatter``, whose owners keep it (error feedback, see its
+  docstring). For compressors that cannot be chunked (GRACE: ``NotImplementedError``
+  beyond qsgd, terngrad, natural) the exact average travels by ``allgather``.
 * ``gradient_clipping=True``: GRACE clamps each element to the root-mean-square over ranks
   of the tensor's norm (an element never exceeds its own tensor's norm, so it rarely acts);
   DGC (Lin et al. 2018, §3.2) clips the local gradient's norm at a threshold scaled by
@@ -133,9 +136,10 @@ def _carrier(name, compressor):
     """GRACE's communicator name → the grace_dgc communicator that carries ``compressor``."""
     if not isinstance(name, str):
         raise GraceConfigError(f"communicator must be given by name (a str), got {name!r}")
-    wanted = "allgather" if name.lower() in ("alltoall", "all_to_all") else COMMUNICATORS.canonical(name)
-    if COMMUNICATORS.get(wanted).needs_summable and not COMPRESSORS.get(compressor).summable:
-        log.info("grace_dgc.compat: %s payloads cannot be summed; %s travels by allgather", compressor, name)
+    wanted = "reduce_scatter" if name.lower() in ("alltoall", "all_to_all") else COMMUNICATORS.canonical(name)
+    reason = COMMUNICATORS.get(wanted).refusal(COMPRESSORS.get(compressor)())
+    if reason:
+        log.info("grace_dgc.compat: %s cannot carry %s (%s); it travels by allgather", name, compressor, reason)
         wanted = "allgather"
     return wanted
 
