@@ -252,14 +252,14 @@ def test_hierarchical_on_two_emulated_nodes_of_two():
 
 def bytes_job(rank, world, cases):
     out = {}
-    for comp, comm, params in cases:
+    for comp, comm, params, model in cases:
         grace = grace_dgc.build(comp, "none", comm, **params)
         g = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(rank))
         payload = grace.wire.compress(g.clone(), "probe")[0]
         grace.reset_stats()
         grace.step(g, "g")
         stats = grace.stats()
-        out[(comp, comm)] = (
+        out[(comp, model)] = (
             sum(t.numel() * t.element_size() for t in payload),
             stats["bytes_sent"],
             stats["bytes_received"],
@@ -267,18 +267,19 @@ def bytes_job(rank, world, cases):
     return out
 
 
-CASES = [
-    ("topk", "allgather", {"compress_ratio": 0.01}),
-    ("topk", "sparse_allreduce", {"compress_ratio": 0.01}),
-    ("qsgd", "allgather", {}),
-    ("qsgd", "reduce_scatter", {}),
+CASES = [  # (compressor, communicator, parameters, the projection's name of it)
+    ("topk", "allgather", {"compress_ratio": 0.01}, "allgather"),
+    ("topk", "sparse_allreduce", {"compress_ratio": 0.01}, "sparse_allreduce"),
+    ("topk", "sparse_allreduce", {"compress_ratio": 0.01, "global_topk": True}, "sparse_allreduce+global_topk"),
+    ("qsgd", "allgather", {}, "allgather"),
+    ("qsgd", "reduce_scatter", {}, "reduce_scatter"),
 ]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_projection_byte_counts_match_the_engine(world):
     outs = run_local(bytes_job, world, args=(CASES,))
-    for comp, comm, _ in CASES:
+    for comp, _, _, comm in CASES:
         for rank in range(world):
             payload, sent, received = outs[rank][(comp, comm)]
             model_sent, model_received = counted_bytes(comm, world, payload, 4_000_000)

@@ -457,6 +457,16 @@ def test_cost_models_against_hand_computed_numbers():
     fused = dict(eight, groups_per_step=3)
     assert project.project_step(eight, 8, alpha, beta)[1] == pytest.approx(8 * 2 * 7 * alpha + 7 * 1e6 * beta)
     assert project.project_step(fused, 8, alpha, beta)[1] == pytest.approx(3 * 2 * 7 * alpha + 7 * 1e6 * beta)
+    # gTop-k: sparse_allreduce's 4 collectives + 4 histogram allreduces; K pairs back, not the union
+    gtopk = project.modelled_name("sparse_allreduce", {"global_topk": True})
+    assert (
+        gtopk == "sparse_allreduce+global_topk" and project.modelled_name("sparse_allreduce", {}) == "sparse_allreduce"
+    )
+    assert project.communication_time(gtopk, 8, 1e6, 1, alpha, beta) == pytest.approx(
+        (4 * 7 + 4 * 14) * alpha + 2 * 7 / 8 * 1e6 * beta
+    )
+    labels = [m["label"] for m in project.with_communicators([sparse], [gtopk, "reduce_scatter"])]
+    assert labels == ["dgc", "dgc @ sparse_allreduce+global_topk"]  # reduce_scatter refuses dgc
 
 
 def test_project_command_on_fixture(tmp_path, capsys):

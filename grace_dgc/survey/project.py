@@ -28,6 +28,9 @@ dense fp32 bytes; four collectives per exchange: sizes, then data, both ways):
     sparse_allreduce  4m·(N−1)·α + (N−1)/N · (b + min(N·b, D))·β   (pairs to the owners;
                       the summed regions back, sparse, or dense when that is smaller; the
                       union of N payloads taken as disjoint: an upper bound)
+    sparse_allreduce+global_topk   (gTop-k: 4 histogram allreduces find the threshold, then
+                      only the K kept pairs, about one payload, come back)
+                      (4 + 4·2)·m·(N−1)·α + 2(N−1)/N · b·β
     reduce_scatter    4m·(N−1)·α + 2(N−1)/N · b·β                 (chunks to the owners,
                       the requantized chunks back)
     hierarchical:C    the outer communicator C among N nodes, plus a dense ring allreduce and
@@ -76,8 +79,10 @@ def broadcast_each(nodes, nbytes, alpha, beta, messages=1):
     return messages * nodes * math.ceil(math.log2(nodes)) * alpha + nodes * nbytes * beta
 
 
-AGGREGATING = ("sparse_allreduce", "reduce_scatter")
+GTOPK = "sparse_allreduce+global_topk"  # sparse_allreduce(global_topk=True)
+AGGREGATING = ("sparse_allreduce", GTOPK, "reduce_scatter")
 MODELLED = ("allreduce", "allgather", "broadcast", *AGGREGATING)
+RADIX_ROUNDS = 4  # gTop-k's threshold search on fp32 sums: up to 4 histogram allreduces
 
 
 def collective_steps(communicator, nodes):
@@ -90,6 +95,8 @@ def collective_steps(communicator, nodes):
         return 2 * (nodes - 1)
     if communicator == "broadcast":
         return (nodes - 1) + nodes * math.ceil(math.log2(nodes))
+    if communicator == GTOPK:
+        return 4 * (nodes - 1) + RADIX_ROUNDS * 2 * (nodes - 1)
     if communicator in AGGREGATING:
         return 4 * (nodes - 1)
     raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
@@ -108,7 +115,7 @@ def wire_bytes(communicator, nodes, nbytes, dense_bytes):
         return nodes * nbytes
     if communicator == "sparse_allreduce":
         return share * (nbytes + min(nodes * nbytes, dense_bytes))
-    if communicator == "reduce_scatter":
+    if communicator in ("reduce_scatter", GTOPK):
         return 2 * share * nbytes
     raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
 
@@ -124,8 +131,12 @@ def counted_bytes(communicator, nodes, nbytes, dense_bytes):
     if communicator == "sparse_allreduce":  # own pairs out; an owner's summed region, gathered
         region = min(nodes * nbytes, dense_bytes) / nodes
         return share * nbytes + region, share * nbytes + (nodes - 1) * region
-    if communicator == "reduce_scatter":  # own chunks out; the owner's requantized chunk, gathered
-        return share * nbytes + nbytes / nodes, share * nbytes + (nodes - 1) * nbytes / nodes
+    if communicator in ("reduce_scatter", GTOPK):  # own share out; the owner's share of the result, gathered
+        histograms = RADIX_ROUNDS * 256 * 4 if communicator == GTOPK else 0  # int32 counts, one tensor
+        return (
+            share * nbytes + nbytes / nodes + histograms,
+            share * nbytes + (nodes - 1) * nbytes / nodes + histograms,
+        )
     raise GraceConfigError(f"no byte count for communicator {communicator!r}")
 
 
@@ -232,10 +243,15 @@ def measured_methods(records):
                 workers=workers,
                 rounds=rounds,
                 compressor=rows[0]["compressor"],
-                communicator=rows[0]["communicator"],
+                communicator=modelled_name(rows[0]["communicator"], rows[0].get("params") or {}),
             )
         )
     return methods
+
+
+def modelled_name(communicator, params):
+    """The model's name of a measured run's communicator (gTop-k is a mode of sparse_allreduce)."""
+    return GTOPK if communicator == "sparse_allreduce" and params.get("global_topk") else communicator
 
 
 def with_communicators(methods, communicators):
@@ -252,7 +268,7 @@ def with_communicators(methods, communicators):
             if flat not in MODELLED:
                 raise GraceConfigError(f"no cost model for communicator {name!r}; accepted: {', '.join(MODELLED)}")
             try:
-                fits = COMMUNICATORS.get(flat).fits(COMPRESSORS.get(method["compressor"])())
+                fits = COMMUNICATORS.get(flat.split("+", 1)[0]).fits(COMPRESSORS.get(method["compressor"])())
             except GraceConfigError:
                 fits = False
             if fits and name != method["communicator"]:
