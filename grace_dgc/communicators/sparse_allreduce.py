@@ -115,19 +115,21 @@ class SparseAllreduce(Communicator):
         size = values.element_size() + 4
         records = _records(values, local)
         received = engine.all_to_all(records, [c * size for c in counts.tolist()], [c * size for c in incoming])
-        # 2. the owner sums its region over the union of received indices
+        # 2. the owner sums its region over the union of received indices: O(pairs received),
+        # never a pass over the region (sums in arrival order, i.e. rank order)
         got_values, got_index = _unrecords(received, dtype)
         span = bounds[me + 1] - bounds[me]
-        summed = torch.zeros(span, dtype=dtype, device=device)
-        summed.index_put_((got_index.long(),), got_values, accumulate=True)
-        hit = torch.zeros(span, dtype=torch.bool, device=device)
-        hit[got_index.long()] = True
-        union = torch.nonzero(hit).view(-1)
+        union, slot = torch.unique(got_index.long(), sorted=True, return_inverse=True)
+        summed = torch.zeros(union.numel(), dtype=dtype, device=device).index_add_(0, slot, got_values)
         if self.global_topk:  # only the pairs among the K_t largest of the whole sum
-            union = union[self._global_top(summed[union], union + bounds[me], offsets, ks)]
+            keep = self._global_top(summed, union + bounds[me], offsets, ks)
+            union, summed = union[keep], summed[keep]
         # 3. back to every rank, sparse or dense, whichever is smaller
         mode = SPARSE if self.global_topk or union.numel() * size <= span * values.element_size() else DENSE
-        mine = _records(summed[union], union.to(torch.int32)) if mode == SPARSE else summed.view(torch.uint8)
+        if mode == SPARSE:
+            mine = _records(summed, union.to(torch.int32))
+        else:
+            mine = torch.zeros(span, dtype=dtype, device=device).index_put_((union,), summed).view(torch.uint8)
         heads = engine.allgather(torch.tensor([mode, mine.numel()], dtype=torch.int64, device=device))
         sizes = [h.tolist() for h in heads]
         regions = engine.allgather(mine, sizes=[h[1] for h in sizes])
@@ -169,12 +171,11 @@ class SparseAllreduce(Communicator):
             # τ_t's digit: the largest d with ≥ need candidates at or above it (-1: take all;
             # 256 when nothing is left to pick)
             cut = torch.where(need > 0, (atleast[:, :256] >= need[:, None]).sum(1) - 1, 256)
+            above = atleast.gather(1, (cut + 1)[:, None]).view(-1)  # all taken
+            at_cut = atleast.gather(1, cut.clamp(min=0)[:, None]).view(-1) - above  # still undecided
             chosen |= live & (digit > cut[tensor])
-            need -= atleast.gather(1, (cut + 1)[:, None]).view(-1)
+            need -= above
             live &= digit == cut[tensor]
-            at_cut = atleast.gather(1, cut.clamp(min=0)[:, None]).view(-1) - atleast.gather(1, (cut + 1)[:, None]).view(
-                -1
-            )
             if bool(((need == 0) | (at_cut == need) | (cut < 0)).all()):  # every tie is taken (or none is)
                 return chosen | (live & (need > 0)[tensor])
         # ties at τ_t: to the lowest indices, i.e. to the owners in rank order
