@@ -16,18 +16,11 @@ import sys
 import traceback
 
 import torch
+from method_params import PARAMS
 
 import grace_dgc
 from grace_dgc.registry import COMMUNICATORS, COMPRESSORS
 
-# parameters that make each method do real work on these small tensors (others: defaults)
-PARAMS = {
-    "topk": {"compress_ratio": 0.3},
-    "randomk": {"compress_ratio": 0.3},
-    "threshold": {"threshold": 0.8},
-    "dgc": {"compress_ratio": 0.3, "min_compress_size": 1},
-    "twobit": {"threshold": 0.5},
-}
 STEPS = 2
 # (memory, compressor, communicator) extra cases with error feedback
 WITH_MEMORY = [("residual", "topk", "allgather"), ("residual", "randomk", "allreduce")]

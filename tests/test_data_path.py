@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from method_params import PARAMS
 from scipy import stats
 
 import grace_dgc
@@ -20,13 +21,6 @@ from grace_dgc.launch import run_local
 from grace_dgc.registry import COMPRESSORS
 from grace_dgc.workspace import Workspace, flat_span
 
-PARAMS = {
-    "topk": {"compress_ratio": 0.3},
-    "randomk": {"compress_ratio": 0.3},
-    "threshold": {"threshold": 0.8},
-    "dgc": {"compress_ratio": 0.3, "min_compress_size": 1},
-    "twobit": {"threshold": 0.5},
-}
 SINGLE_ROUND = [n for n in grace_dgc.list_compressors() if COMPRESSORS.get(n).rounds == 1]
 
 

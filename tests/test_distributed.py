@@ -8,20 +8,11 @@ import copy
 
 import pytest
 import torch
+from method_params import PARAMS
 
 import grace_dgc
 from grace_dgc.launch import run_local
 from grace_dgc.registry import COMMUNICATORS, COMPRESSORS
-
-# parameters that make each method do real work on small tensors
-PARAMS = {
-    "topk": {"compress_ratio": 0.3},
-    "randomk": {"compress_ratio": 0.3},
-    "threshold": {"threshold": 0.8},
-    "dgc": {"compress_ratio": 0.3, "min_compress_size": 1},
-    "twobit": {"threshold": 0.5},
-}
-
 
 CLASSIC = ("allgather", "allreduce", "broadcast")
 
