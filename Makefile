@@ -1,16 +1,26 @@
 # Two entry points for a fresh machine with Python 3.11:
 #   make test    — create .venv, install torch 2.13.0 (CPU), the project, Horovod; lint (ruff, mypy); run the tests
 #   make survey  — the main job: the quick comparative survey and its report
+# Every package is pinned by constraints.txt (build tools included), so a release upstream cannot break a fresh
+# machine. torch's build is chosen explicitly: TORCH=cpu (default) or a CUDA tag, e.g. `make TORCH=cu128 test`.
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+TORCH  ?= cpu
+TORCH_VERSION := 2.13.0
+TORCH_INDEX   ?= https://download.pytorch.org/whl/$(TORCH)
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(shell command -v $(PYTHON) || echo python3) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,survey,lint]'
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	@# the wheel your pip configuration offers, else PyTorch's own index for that build
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)+$(TORCH)" 2>/dev/null \
+	  || $(PY) -m pip install -q "torch==$(TORCH_VERSION)+$(TORCH)" --extra-index-url $(TORCH_INDEX)
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,survey,lint]'
 	touch $@
+	@echo "venv ready: '. $(VENV)/bin/activate' puts grace-dgc, torchrun and pytest on PATH"
 
 venv: $(VENV)/.installed
 
