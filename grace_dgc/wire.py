@@ -11,7 +11,7 @@ import struct
 
 import torch
 
-from .workspace import chunks
+from .workspace import for_chunks
 
 
 def as_bytes(tensor):
@@ -96,8 +96,9 @@ def _pack_words(codes, bits, workspace):
 def pack_chunks(n, bits, encode, device, workspace=None):
     """:func:`pack_bits` of ``n`` codes of 1, 2 or 4 bits that ``encode(start, stop)`` makes
     chunk by chunk (uint8 or bool, one per byte; ``start`` a multiple of 8): a method's
-    encoding and the packing then both run in cache (:func:`~grace_dgc.workspace.chunks`),
-    and no full-size code tensor exists.
+    encoding and the packing then both run in cache, chunks at once on the CPU's workers
+    (:func:`~grace_dgc.workspace.for_chunks`: ``encode`` writes only its own chunk), and no
+    full-size code tensor exists.
 
     Packing: eight bytes per int64 word, folded in three shift-or-mask stages (SWAR) until
     the word's low ``bits`` bytes hold its eight codes in stream order; a narrowing cast
@@ -106,11 +107,14 @@ def pack_chunks(n, bits, encode, device, workspace=None):
     if bits not in _PACKED_WORD:
         raise ValueError(f"bits={bits!r}; pack_chunks packs 1, 2 or 4 bits")
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=device)
-    for start, stop in chunks(n, device, multiple=8):
+
+    def pack(start, stop):
         codes = encode(start, stop)
         codes = codes.view(torch.uint8) if codes.dtype in (torch.uint8, torch.bool) else codes.to(torch.uint8)
         first = start // 8 * bits
         out[first : first + packed_nbytes(stop - start, bits)] = _pack_words(codes, bits, workspace)
+
+    for_chunks(pack, n, device, multiple=8)
     return out
 
 
@@ -142,21 +146,29 @@ def _unpack_words(packed, bits, start, stop, workspace):
     return words.view(torch.uint8)[: stop - start]
 
 
-def unpack_chunks(packed, bits, n, workspace=None):
-    """Inverse of :func:`pack_chunks`: ``(start, stop, codes)`` for consecutive chunks of
-    the ``n`` codes (uint8; a workspace buffer when one is given, valid until the next
-    chunk), so a method decodes chunk by chunk in cache."""
+def unpack_chunks(packed, bits, n, decode, workspace=None):
+    """Inverse of :func:`pack_chunks`: ``decode(start, stop, codes)`` for each chunk of the
+    ``n`` codes (uint8; a workspace buffer when one is given, free to modify), so a method
+    decodes chunk by chunk in cache, chunks at once on the CPU's workers
+    (:func:`~grace_dgc.workspace.for_chunks`: ``decode`` writes only its own chunk)."""
     if bits not in _PACKED_WORD:
         raise ValueError(f"bits={bits!r}; unpack_chunks unpacks 1, 2 or 4 bits")
-    for start, stop in chunks(n, packed.device, multiple=8):
-        yield start, stop, _unpack_words(packed, bits, start, stop, workspace)
+    for_chunks(
+        lambda start, stop: decode(start, stop, _unpack_words(packed, bits, start, stop, workspace)),
+        n,
+        packed.device,
+        multiple=8,
+    )
 
 
 def _unpack_aligned(packed, bits, n, workspace):
     """:func:`unpack_bits` for bits ∈ {1, 2, 4}: ``n`` codes as uint8."""
     out = _scratch(workspace, "unpacked", n, torch.uint8, packed.device)
-    for start, stop, codes in unpack_chunks(packed, bits, n, workspace):
+
+    def copy(start, stop, codes):
         out[start:stop] = codes
+
+    unpack_chunks(packed, bits, n, copy, workspace)
     return out
 
 
@@ -279,7 +291,10 @@ def unpack_select(packed, out, if_set, if_clear, workspace=None):
     target = out if direct else _scratch(workspace, "select", n, torch.float32, out.device)
     words = target.view(-1).view(torch.int32)
     set_bits, clear_bits = _float_bits(if_set), _float_bits(if_clear)
-    for start, stop, bits in unpack_chunks(packed, 1, n, workspace):
+
+    def select(start, stop, bits):
         word = words[start:stop].copy_(bits)
         word.neg_().bitwise_and_(set_bits ^ clear_bits).bitwise_xor_(clear_bits)
+
+    unpack_chunks(packed, 1, n, select, workspace)
     return out if direct else out.copy_(target.view(out.shape))

@@ -5,6 +5,8 @@ of every large allocation are faulted in anew: about 5× one ``copy_`` for an fp
 so the data path keeps its temporaries here instead of allocating them every step.
 """
 
+import threading
+
 import torch
 
 
@@ -13,7 +15,8 @@ class Workspace:
 
     ``get(slot, numel, dtype, device)`` returns a 1-D view of its first ``numel`` elements,
     valid until the next ``get`` of the same slot: a temporary of one call, never something
-    returned to the caller. Memory held: per slot, the largest request so far.
+    returned to the caller. Memory held: per slot, the largest request so far. A chunk worker
+    (:func:`for_chunks`) gets buffers of its own, so chunks run at once never share one.
     Copies and pickles start empty (buffers are not state).
     """
 
@@ -21,7 +24,7 @@ class Workspace:
         self._buffers = {}
 
     def get(self, slot, numel, dtype, device):
-        key = (slot, dtype, torch.device(device))
+        key = (slot, dtype, torch.device(device), _lane_index())
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
@@ -43,7 +46,7 @@ class Workspace:
         return f"Workspace({len(self._buffers)} buffers, {self.nbytes()} bytes)"
 
 
-CPU_CHUNK = 1 << 20  # elements; a chunk's fp32 temporaries (4 MiB) stay in the cache
+CPU_CHUNK = 1 << 19  # elements; a chunk's fp32 temporaries (2 MiB) stay in a core's cache
 
 
 def chunks(numel, device, multiple=1):
@@ -54,6 +57,112 @@ def chunks(numel, device, multiple=1):
         return [(0, numel)] if numel else []
     size = max(multiple, CPU_CHUNK // multiple * multiple)
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
+
+
+def for_chunks(body, numel, device, multiple=1):
+    """``[body(start, stop) for (start, stop) in chunks(numel, device, multiple)]``, the
+    chunks run at once on the CPU's workers when there are several.
+
+    Why not torch's own threads: every torch op on a CPU is a fork-join region of its
+    intra-op threads, and OpenMP's threads spin at the join waiting for each other. With
+    another process computing on the same cores (a data loader, another rank, another job) a
+    waiting thread spins while the thread it waits for is off the core, and each region then
+    costs a scheduler tick or two instead of microseconds: hundreds of chunk-sized ops per
+    call made compression 10–70× slower (measured, ``bench_compressors.py --load``). Here
+    each worker runs whole chunks with one intra-op thread (no fork-join at all) and takes
+    the next chunk when done, so a descheduled worker delays one chunk, not every op.
+
+    As many workers as torch's intra-op threads (``torch.set_num_threads``,
+    ``OMP_NUM_THREADS``: torchrun sets 1 per rank), asked each call; one thread, one chunk,
+    an accelerator, or a call from inside a chunk: the chunks run here, in order. ``body``
+    must write only its own chunk's part of shared outputs; its workspace buffers are its
+    worker's own. Results come back in chunk order; an exception in a chunk is raised here.
+    """
+    spans = chunks(numel, device, multiple)
+    threads = torch.get_num_threads()
+    if len(spans) <= 1 or threads <= 1 or _lane_index():
+        return [body(start, stop) for start, stop in spans]
+    return _POOL.run(body, spans, min(threads, len(spans)))
+
+
+_lane = threading.local()  # .index: the worker's number (≥ 1) in a chunk worker, else unset
+
+
+def _lane_index() -> int:
+    return getattr(_lane, "index", 0)
+
+
+class _ChunkPool:
+    """Worker threads with one intra-op thread each, started as first needed, kept for the
+    process (daemons, idle on a queue: they cost nothing between calls)."""
+
+    def __init__(self):
+        self.tasks = []
+        self.lock = threading.Lock()
+        self.ready = threading.Condition(self.lock)
+        self.workers = 0
+
+    def _grow(self, workers):
+        with self.lock:
+            started = []
+            while self.workers < workers:
+                self.workers += 1
+                started.append(threading.Event())
+                name = f"grace-chunks-{self.workers}"
+                threading.Thread(target=self._work, args=(self.workers, started[-1]), name=name, daemon=True).start()
+        if started:
+            threads = torch.get_num_threads()
+            for event in started:
+                event.wait()
+            # torch.set_num_threads in a worker also sets the default that threads starting
+            # later take: give it back (each thread keeps its own count once it has started)
+            torch.set_num_threads(threads)
+
+    def _work(self, index, started):
+        _lane.index = index
+        torch.get_num_threads()  # torch sets a thread's count on its first use: before ours
+        torch.set_num_threads(1)
+        started.set()
+        while True:
+            with self.lock:
+                while not self.tasks:
+                    self.ready.wait()
+                call = self.tasks.pop()
+            call()
+
+    def run(self, body, spans, workers):
+        self._grow(workers)
+        results = [None] * len(spans)
+        state = {"next": 0, "running": workers, "error": None}
+        done = threading.Event()
+
+        def runner():
+            try:
+                while True:
+                    with self.lock:
+                        at = state["next"]
+                        if at >= len(spans) or state["error"] is not None:
+                            break
+                        state["next"] = at + 1
+                    results[at] = body(*spans[at])
+            except BaseException as error:  # handed to the caller below
+                with self.lock:
+                    state["error"] = state["error"] or error
+            with self.lock:
+                state["running"] -= 1
+                if not state["running"]:
+                    done.set()
+
+        with self.lock:
+            self.tasks.extend([runner] * workers)
+            self.ready.notify_all()
+        done.wait()
+        if state["error"] is not None:
+            raise state["error"]
+        return results
+
+
+_POOL = _ChunkPool()
 
 
 def flat_span(tensors):

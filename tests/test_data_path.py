@@ -93,6 +93,49 @@ def test_chunked_passes_equal_one_pass(name, monkeypatch):
     assert same(chunked_comp.decompress(payload, ctx), whole)
 
 
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads for one test (as on a 2-core machine), the count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_for_chunks_runs_chunks_on_one_thread_workers_in_order(monkeypatch, two_threads):
+    """Chunks run on workers with one intra-op thread each (no fork-join per op), results
+    come back in chunk order, the caller's thread count is untouched, an error in a chunk
+    reaches the caller; with one thread (torchrun's default per rank) they run here."""
+    monkeypatch.setattr(workspace, "CPU_CHUNK", 8)
+
+    def where(start, stop):
+        return start, stop, getattr(workspace._lane, "index", 0), torch.get_num_threads()
+
+    spans = workspace.for_chunks(where, 50, "cpu")
+    assert [(a, b) for a, b, _, _ in spans] == [(a, min(a + 8, 50)) for a in range(0, 50, 8)]
+    assert all(lane >= 1 and inner == 1 for _, _, lane, inner in spans)
+    assert torch.get_num_threads() == 2
+
+    def fails(start, stop):
+        if start == 16:
+            raise ValueError("chunk 16")
+        return start
+
+    with pytest.raises(ValueError, match="chunk 16"):
+        workspace.for_chunks(fails, 50, "cpu")
+    torch.set_num_threads(1)
+    assert {lane for _, _, lane, _ in workspace.for_chunks(where, 50, "cpu")} == {0}
+
+
+def test_chunk_workers_have_their_own_scratch(monkeypatch, two_threads):
+    monkeypatch.setattr(workspace, "CPU_CHUNK", 8)
+    ws = Workspace()
+    buffers = workspace.for_chunks(lambda a, b: ws.get("s", b - a, torch.float32, "cpu").data_ptr(), 4000, "cpu")
+    lanes = {getattr(workspace._lane, "index", 0)}
+    assert ws.get("s", 8, torch.float32, "cpu").data_ptr() not in buffers and lanes == {0}
+    assert len(set(buffers)) == len({k[3] for k in ws._buffers}) - 1  # one buffer per worker that ran
+
+
 def test_compress_never_writes_its_input():
     for name in grace_dgc.list_compressors():
         for dtype in (torch.float32, torch.float16):

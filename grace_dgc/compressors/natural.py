@@ -42,26 +42,26 @@ class NaturalCompressor(StochasticCompressor):
         bits = tensor.reshape(-1).float().view(torch.int32)
         n, scratch, device = bits.numel(), self.workspace, bits.device
         exponent = torch.empty(n, dtype=torch.uint8, device=device)
-        generator = self.generator(name, tensor.device)
+        # one draw of n before the chunks run (at once): the stream of the reference code
+        draws = torch.randint(
+            0,
+            1 << MANTISSA_BITS,
+            (n,),
+            dtype=torch.int32,
+            device=device,
+            generator=self.generator(name, tensor.device),
+            out=scratch.get("draws", n, torch.int32, device),
+        )
 
         def encode(start, stop):
-            """Exponents of the chunk (in order: the same random stream as one draw of n) and
-            its sign bits, all in integer passes."""
+            """Exponents of the chunk and its sign bits, all in integer passes."""
             size, part = stop - start, bits[start:stop]
             magnitude = torch.bitwise_and(part, 0x7FFFFFFF, out=scratch.get("magnitude", size, torch.int32, device))
             finite = torch.sub(magnitude, INF_BITS, out=scratch.get("finite", size, torch.int32, device))
             finite.bitwise_right_shift_(31)  # −1 where finite, else 0
             magnitude.clamp_(max=INF_BITS)  # NaN → inf: the add below cannot overflow int32
-            rounded = torch.randint(
-                0,
-                1 << MANTISSA_BITS,
-                (size,),
-                dtype=torch.int32,
-                device=device,
-                generator=generator,
-                out=scratch.get("uniform", size, torch.int32, device),
-            )
-            rounded.add_(magnitude).bitwise_right_shift_(MANTISSA_BITS)  # 255 for inf and NaN
+            rounded = draws[start:stop].add_(magnitude)  # this chunk's draws, consumed in place
+            rounded.bitwise_right_shift_(MANTISSA_BITS)  # 255 for inf and NaN
             # finite inputs saturate at 2^127 instead of carrying into inf: min(e, 254), and
             # 255 for inf and NaN (min(255, 254) + 1)
             exponent[start:stop].copy_(rounded.clamp_(max=MAX_EXPONENT).add_(finite).add_(1))
@@ -80,7 +80,8 @@ class NaturalCompressor(StochasticCompressor):
         n, scratch, device = exponent.numel(), self.workspace, exponent.device
         direct = out.dtype == torch.float32
         flat = out.view(-1)
-        for start, stop, negative in wire.unpack_chunks(signs, 1, n, scratch):
+
+        def decode(start, stop, negative):
             size = stop - start
             word = flat[start:stop].view(torch.int32) if direct else scratch.get("word", size, torch.int32, device)
             sign = scratch.get("sign", size, torch.int32, device).copy_(negative)
@@ -88,4 +89,6 @@ class NaturalCompressor(StochasticCompressor):
             word.bitwise_or_(sign.bitwise_left_shift_(31))
             if not direct:
                 flat[start:stop].copy_(word.view(torch.float32))
+
+        wire.unpack_chunks(signs, 1, n, decode, scratch)
         return out

@@ -46,16 +46,16 @@ class OneBitCompressor(Compressor):
         # while the sign bits are packed; then where(P, 0, g) = g ⊕ where(P, g, 0). The sums
         # run over the whole tensor, as torch.where(...).sum() did: the same bits.
         picked = scratch.get("picked", n, torch.int32, device)
-        count_pos = flat.new_zeros((), dtype=torch.int64)
+        counts = [flat.new_zeros((), dtype=torch.int64)]  # per chunk (chunks run at once)
 
         def encode(start, stop):
             positive = torch.ge(flat[start:stop], 0, out=scratch.get("positive", stop - start, torch.bool, device))
-            count_pos.add_(torch.count_nonzero(positive))
+            counts.append(torch.count_nonzero(positive))
             picked[start:stop].copy_(positive).neg_().bitwise_and_(bits[start:stop])
             return positive
 
         packed = wire.pack_chunks(n, 1, encode, device, scratch)
-        count_pos = count_pos.to(torch.float32)  # exact at any size
+        count_pos = torch.stack(counts).sum().to(torch.float32)  # exact at any size
         count_neg = n - count_pos
         sum_pos = _sum(picked.view(torch.float32))
         sum_neg = _sum(picked.bitwise_xor_(bits).view(torch.float32))

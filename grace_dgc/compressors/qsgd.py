@@ -7,7 +7,7 @@ from .. import wire
 from ..errors import check_range
 from ..interfaces import Compressor
 from ..registry import register_compressor
-from ..workspace import chunks
+from ..workspace import for_chunks
 
 
 class StochasticCompressor(Compressor):
@@ -63,18 +63,11 @@ def scaled_norms(rows):
     return (rows / scale).norm(dim=1) * scale.squeeze(1)
 
 
-def stochastic_round_(x, generator, workspace):
-    """⌊x⌋ + Bernoulli(x − ⌊x⌋) for x ≥ 0: an unbiased integer, E = x. Overwrites x; the
-    result is the workspace's "floor" buffer."""
+def stochastic_round_(x, uniform, workspace):
+    """⌊x⌋ + Bernoulli(x − ⌊x⌋) for x ≥ 0 with ``uniform`` ~ U[0, 1) of x's shape: an unbiased
+    integer, E = x. Overwrites x and ``uniform``; the result is the workspace's "floor" buffer."""
     floor = torch.floor(x, out=workspace.get("floor", x.numel(), x.dtype, x.device).view(x.shape))
     fraction = x.sub_(floor)
-    uniform = torch.rand(
-        x.shape,
-        generator=generator,
-        device=x.device,
-        dtype=x.dtype,
-        out=workspace.get("uniform", x.numel(), x.dtype, x.device).view(x.shape),
-    )
     return floor.add_(uniform.lt_(fraction))  # in place: large tensors, few passes
 
 
@@ -104,23 +97,34 @@ class QSGDCompressor(StochasticCompressor):
         self.bucket_size = check_range("bucket_size", bucket_size, 1, kind=int)
         self.bits = math.ceil(math.log2(2 * self.quantum_num + 1))
 
-    def row_chunks(self, n, device):
-        """``(first row, last row, first element, last element)`` of each chunk of whole
-        buckets (the last bucket may be short): chunks keep the temporaries small and in
-        cache, and draw the same random stream, in the same order, as one pass."""
+    def for_row_chunks(self, body, n, device):
+        """``body(first row, last row, first element, last element)`` for each chunk of whole
+        buckets (the last bucket may be short), chunks at once on the CPU's workers
+        (:func:`~grace_dgc.workspace.for_chunks`): the temporaries stay small and in cache."""
         rows = -(-n // self.bucket_size)
-        return [
-            (start // self.bucket_size, stop // self.bucket_size, start, min(stop, n))
-            for start, stop in chunks(rows * self.bucket_size, device, multiple=self.bucket_size)
-        ]
+        return for_chunks(
+            lambda start, stop: body(start // self.bucket_size, stop // self.bucket_size, start, min(stop, n)),
+            rows * self.bucket_size,
+            device,
+            multiple=self.bucket_size,
+        )
 
     def compress(self, tensor, name):
         flat = tensor.reshape(-1).float()
         n, s, size, scratch = flat.numel(), self.quantum_num, self.bucket_size, self.workspace
         norms = flat.new_empty(-(-n // size))
         codes = torch.empty(n, dtype=torch.uint8 if self.bits <= 8 else torch.int64, device=flat.device)
-        generator = self.generator(name, tensor.device)
-        for row, last_row, start, stop in self.row_chunks(n, flat.device):
+        # one draw for every bucket, padding included, before the chunks run (at once): the
+        # stream of the reference code
+        padded = norms.numel() * size
+        uniforms = torch.rand(
+            padded,
+            generator=self.generator(name, tensor.device),
+            device=flat.device,
+            out=scratch.get("uniforms", padded, torch.float32, flat.device),
+        )
+
+        def quantize(row, last_row, start, stop):
             block = scratch.get("block", (last_row - row) * size, torch.float32, flat.device)
             block[: stop - start].copy_(flat[start:stop])
             block[stop - start :].zero_()  # a short last bucket is zero-padded
@@ -135,9 +139,12 @@ class QSGDCompressor(StochasticCompressor):
                 block, out=scratch.get("scaled", block.numel(), torch.float32, flat.device).view(block.shape)
             )
             scaled.mul_((s / torch.where(norm > 0, norm, 1.0)).unsqueeze(1))
-            levels = stochastic_round_(scaled.clamp_(max=s), generator, scratch)
+            uniform = uniforms[row * size : last_row * size].view(scaled.shape)
+            levels = stochastic_round_(scaled.clamp_(max=s), uniform, scratch)
             signed = torch.copysign(levels, block, out=scaled).add_(s)  # in [0, 2s]
             codes[start:stop].copy_(signed.view(-1)[: stop - start])
+
+        self.for_row_chunks(quantize, n, flat.device)
         packed = codes if self.bits == 8 else wire.pack_bits(codes, self.bits, scratch)
         return [packed, norms], (tensor.shape, tensor.dtype)
 
@@ -150,7 +157,8 @@ class QSGDCompressor(StochasticCompressor):
         n, s, size = out.numel(), self.quantum_num, self.bucket_size
         codes = packed if self.bits == 8 else wire.unpack_bits(packed, self.bits, n, self.workspace)
         flat = out.view(-1)
-        for row, last_row, start, stop in self.row_chunks(n, out.device):
+
+        def dequantize(row, last_row, start, stop):
             whole = stop - start == (last_row - row) * size and out.dtype == torch.float32
             block = (
                 flat[start:stop]
@@ -162,4 +170,6 @@ class QSGDCompressor(StochasticCompressor):
             block.view(-1, size).sub_(s).mul_((norms[row:last_row] / s).unsqueeze(1))
             if not whole:
                 flat[start:stop].copy_(block[: stop - start])
+
+        self.for_row_chunks(dequantize, n, out.device)
         return out

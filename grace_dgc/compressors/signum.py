@@ -2,7 +2,7 @@ import torch
 
 from ..errors import check_range
 from ..registry import register_compressor
-from ..workspace import chunks
+from ..workspace import for_chunks
 from .signsgd import SignSGDCompressor
 
 
@@ -36,13 +36,16 @@ class SignumCompressor(SignSGDCompressor):
             momentum = self.momentums[name] = (1 - self.momentum) * tensor
         else:  # β·m + (1 − β)·g, the two products rounded as in the formula; in cache
             momentum, grad = previous.view(-1), tensor.reshape(-1)
-            for start, stop in chunks(momentum.numel(), momentum.device):
+
+            def update(start, stop):
                 scaled = torch.mul(
                     grad[start:stop],
                     1 - self.momentum,
                     out=self.workspace.get("scaled", stop - start, grad.dtype, grad.device),
                 )
                 momentum[start:stop].mul_(self.momentum).add_(scaled)
+
+            for_chunks(update, momentum.numel(), momentum.device)
             momentum = previous
         return super().compress(momentum, name)
 

@@ -6,7 +6,7 @@ import torch
 from ..errors import check_range
 from ..interfaces import Compressor
 from ..registry import register_compressor
-from ..workspace import chunks
+from ..workspace import for_chunks
 
 
 def sparse_payload(flat, indices):
@@ -83,8 +83,9 @@ def at_least(flat, threshold, workspace, keep_nan=True):
     if flat.dtype != torch.float32 or math.isnan(threshold):
         return _at_least_compare(flat, threshold, workspace, keep_nan)
     bound = struct.unpack("<i", struct.pack("<f", threshold))[0]
-    found, magnitudes, device = [], [], flat.device
-    for start, stop in chunks(flat.numel(), device, multiple=8):
+    device = flat.device
+
+    def scan(start, stop):
         size = stop - start
         magnitude = torch.abs(flat[start:stop], out=workspace.get("abs", size, torch.float32, device))
         test = torch.sub(magnitude.view(torch.int32), bound, out=workspace.get("test", size, torch.int32, device))
@@ -96,15 +97,16 @@ def at_least(flat, threshold, workspace, keep_nan=True):
             test.add_(nan.neg_().bitwise_right_shift_(31))
         mask = workspace.get("mask", size, torch.uint8, device).copy_(test)
         hits = flat_nonzero(mask.view(torch.bool))
-        magnitudes.append(magnitude.index_select(0, hits))
-        found.append(hits.add_(start) if start else hits)
-    return _joined(found, magnitudes, flat)
+        magnitudes = magnitude.index_select(0, hits)
+        return (hits.add_(start) if start else hits), magnitudes
+
+    return _joined(for_chunks(scan, flat.numel(), device, multiple=8), flat)
 
 
 def _at_least_compare(flat, threshold, workspace, keep_nan):
     """:func:`at_least` by comparison (any dtype; a NaN threshold)."""
-    found, magnitudes = [], []
-    for start, stop in chunks(flat.numel(), flat.device, multiple=8):
+
+    def scan(start, stop):
         magnitude = torch.abs(flat[start:stop], out=workspace.get("abs", stop - start, flat.dtype, flat.device))
         mask = workspace.get("mask", stop - start, torch.bool, flat.device)
         if keep_nan:
@@ -112,15 +114,17 @@ def _at_least_compare(flat, threshold, workspace, keep_nan):
         else:
             mask = torch.ge(magnitude, threshold, out=mask)
         hits = flat_nonzero(mask)
-        magnitudes.append(magnitude.index_select(0, hits))
-        found.append(hits.add_(start) if start else hits)
-    return _joined(found, magnitudes, flat)
+        magnitudes = magnitude.index_select(0, hits)
+        return (hits.add_(start) if start else hits), magnitudes
+
+    return _joined(for_chunks(scan, flat.numel(), flat.device, multiple=8), flat)
 
 
-def _joined(found, magnitudes, flat):
-    if len(found) <= 1:
-        return (found[0], magnitudes[0]) if found else (flat.new_empty(0, dtype=torch.int64), flat.new_empty(0))
-    return torch.cat(found), torch.cat(magnitudes)
+def _joined(scans, flat):
+    """One ``(indices, magnitudes)`` from the chunks' ``(hits, magnitudes)``, in order."""
+    if len(scans) <= 1:
+        return scans[0] if scans else (flat.new_empty(0, dtype=torch.int64), flat.new_empty(0))
+    return torch.cat([hits for hits, _ in scans]), torch.cat([magnitude for _, magnitude in scans])
 
 
 def exact_top_k(flat, k, workspace):
