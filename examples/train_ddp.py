@@ -17,7 +17,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import generated_data, make_model, parse_args, report_loss, report_wire, select_device
+from common import generated_data, make_model, parse_args, report_done, report_loss, report_wire, select_device
 
 import grace_dgc
 
@@ -76,6 +76,7 @@ def main():
         )
     report_wire(grace, rank)
     dist.destroy_process_group()
+    report_done(rank)
 
 
 if __name__ == "__main__":

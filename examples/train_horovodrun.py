@@ -11,7 +11,7 @@ ranks) and, at the end, the bytes each rank put on the wire.
 
 import horovod.torch as hvd
 import torch
-from common import generated_data, make_model, parse_args, report_loss, report_wire, select_device
+from common import generated_data, make_model, parse_args, report_done, report_loss, report_wire, select_device
 
 import grace_dgc
 
@@ -42,6 +42,7 @@ def main():
 
     report_wire(grace, rank)
     hvd.shutdown()
+    report_done(rank)
 
 
 if __name__ == "__main__":

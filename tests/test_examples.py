@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -30,12 +31,37 @@ METHOD = [
 ]
 
 
+RANKS = 2
+# libstdc++'s message when a std::thread is destroyed still joinable: torch's gloo threads at
+# interpreter exit, about 1 run in 25 here, with or without grace_dgc (a plain torch + gloo
+# script does it too). It follows a complete run; anything else is a real failure.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def teardown_abort_only(proc):
+    """True when the launch failed only in teardown: every rank printed ``rank R done`` (the
+    examples' last line, after destroy_process_group) and the only error is the abort above."""
+    done = set(re.findall(r"^(?:\[\d+\]<stdout>:)?rank (\d+) done$", proc.stdout, re.M))
+    exit_codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr))  # torchrun's failure report
+    # the launcher's own traceback (raising ChildFailedError) is the only one allowed
+    tracebacks = proc.stderr.count("Traceback (most recent call last)") - proc.stderr.count("ChildFailedError:")
+    return (
+        done == {str(r) for r in range(RANKS)}
+        and TEARDOWN_ABORT in proc.stderr
+        and exit_codes <= {"-6"}
+        and tracebacks <= 0
+    )
+
+
 def launch(cmd, timeout=180):
     env = dict(os.environ, PATH=BIN + os.pathsep + os.environ.get("PATH", ""))
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout}s:\n{exc.stdout}\n{exc.stderr}") from None
+    if proc.returncode and teardown_abort_only(proc):
+        warnings.warn(f"{' '.join(cmd)}: every rank finished, then one aborted in teardown", stacklevel=2)
+        return proc.stdout
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-5000:]}"
     return proc.stdout
 
@@ -47,7 +73,7 @@ def torchrun(script, *args):
             "-m",
             "torch.distributed.run",
             "--nproc_per_node",
-            "2",
+            str(RANKS),
             "--master_port",
             str(free_port()),
             f"examples/{script}",
@@ -67,10 +93,10 @@ def horovodrun(script, *args):
         [
             os.path.join(BIN, "horovodrun"),
             "-np",
-            "2",
+            str(RANKS),
             "--gloo",
             "-H",
-            "localhost:2",
+            f"localhost:{RANKS}",
             "--gloo-timeout-seconds",
             "60",
             sys.executable,
@@ -131,3 +157,19 @@ def test_examples_reject_bad_input():
         timeout=60,
     )
     assert proc.returncode != 0 and "expected NAME=VALUE" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("stdout", "stderr", "tolerated"),
+    [
+        ("rank 0 done\nrank 1 done\n", f"{TEARDOWN_ABORT}\n  exitcode  : -6 (pid: 1)\n", True),
+        ("[1]<stdout>:rank 1 done\n[0]<stdout>:rank 0 done\n", f"{TEARDOWN_ABORT}\n", True),
+        ("rank 0 done\n", f"{TEARDOWN_ABORT}\n  exitcode  : -6 (pid: 1)\n", False),  # rank 1 never finished
+        ("rank 0 done\nrank 1 done\n", "  exitcode  : -6 (pid: 1)\n", False),  # another abort
+        ("rank 0 done\nrank 1 done\n", f"{TEARDOWN_ABORT}\n  exitcode  : 1 (pid: 1)\n", False),
+        ("rank 0 done\nrank 1 done\n", f"Traceback (most recent call last):\nValueError\n{TEARDOWN_ABORT}\n", False),
+    ],
+)
+def test_only_a_teardown_abort_after_every_rank_finished_is_tolerated(stdout, stderr, tolerated):
+    proc = subprocess.CompletedProcess([], 1, stdout, stderr)
+    assert teardown_abort_only(proc) is tolerated
