@@ -47,15 +47,22 @@ class Workspace:
 
 
 CPU_CHUNK = 1 << 19  # elements; a chunk's fp32 temporaries (2 MiB) stay in a core's cache
+# torch's own grain (at::internal::GRAIN_SIZE): a smaller op runs on one thread anyway, and
+# above it every op is a fork-join region of all intra-op threads (see for_chunks)
+PARALLEL_GRAIN = 1 << 15
 
 
 def chunks(numel, device, multiple=1):
-    """``(start, stop)`` pairs covering ``range(numel)`` in order: chunks of about
+    """``(start, stop)`` pairs covering ``range(numel)`` in order: chunks of at most
     ``CPU_CHUNK`` elements (a multiple of ``multiple``) on a CPU, where temporaries of one
-    chunk stay in the cache; one chunk on an accelerator, where launches cost more."""
-    if torch.device(device).type != "cpu" or numel <= CPU_CHUNK:
+    chunk stay in the cache, and at least one per intra-op thread once a tensor is above
+    ``PARALLEL_GRAIN`` (so :func:`for_chunks` keeps every core busy without a fork-join per
+    op); one chunk on an accelerator, where launches cost more."""
+    if torch.device(device).type != "cpu" or numel <= PARALLEL_GRAIN and numel <= CPU_CHUNK:
         return [(0, numel)] if numel else []
-    size = max(multiple, CPU_CHUNK // multiple * multiple)
+    share = -(-numel // torch.get_num_threads())
+    size = min(CPU_CHUNK, max(PARALLEL_GRAIN, share))
+    size = max(multiple, size // multiple * multiple)
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 

@@ -40,3 +40,21 @@ def test_pack_bits_layout_is_little_endian_within_bytes():
     codes = torch.tensor([1, 0, 3, 2, 1], dtype=torch.uint8)
     bits = np.array([[c >> i & 1 for i in range(2)] for c in codes.tolist()], dtype=np.uint8).reshape(-1)
     assert wire.pack_bits(codes, 2).tolist() == np.packbits(bits, bitorder="little").tolist()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([1, 2, 4]), st.integers(1, 300), st.integers(0, 2**32 - 1))
+def test_host_and_word_packers_write_the_same_stream(bits, n, seed):
+    """The CPU packs with numpy and accelerators with the torch SWAR stages: one stream, checked
+    here on the CPU against a bit-by-bit reference (code i at bits [i·bits, (i+1)·bits))."""
+    codes = torch.from_numpy(np.random.default_rng(seed).integers(0, 1 << bits, n, dtype=np.uint8))
+    stream = np.zeros(wire.packed_nbytes(n, bits) * 8, dtype=np.uint8)
+    for bit in range(bits):
+        stream[np.arange(n) * bits + bit] = (codes.numpy() >> bit) & 1
+    reference = np.packbits(stream, bitorder="little")
+    assert np.array_equal(wire._pack_host(codes, bits).numpy(), reference)
+    assert np.array_equal(wire._pack_words(codes, bits, None).numpy(), reference)
+    packed = torch.from_numpy(reference)
+    host = wire._unpack_host(packed, bits, n)
+    words = wire._unpack_words(packed, bits, 0, n, None)
+    assert torch.equal(host, codes) and torch.equal(words, codes)

@@ -6,7 +6,7 @@ import torch
 from ..errors import check_range
 from ..interfaces import Compressor
 from ..registry import register_compressor
-from ..workspace import for_chunks
+from ..workspace import PARALLEL_GRAIN, for_chunks
 
 
 def sparse_payload(flat, indices):
@@ -80,6 +80,11 @@ def at_least(flat, threshold, workspace, keep_nan=True):
     |x| ≥ τ: integer passes that vectorise, where a bool-valued comparison does not.
     """
     threshold = float(threshold)
+    if flat.numel() <= PARALLEL_GRAIN:  # one small chunk: the fewest ops win, not the fastest passes
+        magnitude = flat.abs()
+        mask = magnitude.lt(threshold).logical_not_() if keep_nan else magnitude.ge(threshold)
+        hits = torch.nonzero(mask).view(-1)
+        return hits, magnitude.index_select(0, hits)
     if flat.dtype != torch.float32 or math.isnan(threshold):
         return _at_least_compare(flat, threshold, workspace, keep_nan)
     bound = struct.unpack("<i", struct.pack("<f", threshold))[0]
@@ -143,6 +148,12 @@ def exact_top_k(flat, k, workspace):
     """
     n = flat.numel()
     stride = max(1, n // 65536) | 1
+    if stride == 1:  # small: one selection; exact unless elements tie at the k-th magnitude
+        magnitude = flat.abs()
+        values, indices = torch.topk(magnitude, k)
+        kth = values[-1:]
+        if not torch.isnan(kth).item() and int(magnitude.lt(kth).logical_not_().sum()) == k:
+            return indices.sort().values
     sample = flat[::stride].abs()
     q = sample.numel() / n
     rank = math.ceil(q * k + 4 * math.sqrt(q * k) + 2)
