@@ -26,13 +26,15 @@ def timed(fn, device, repeats):
 
 
 def shown_argv(argv):
-    """The arguments a benchmark ran with, less ``--readme PATH`` (for the README)."""
+    """The arguments a benchmark ran with, less ``--readme PATH`` and ``--block NAME`` (for
+    the README)."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--readme" in args:
-        at = args.index("--readme")
-        del args[at : at + 2]
+    for option in ("--readme", "--block"):
+        if option in args:
+            at = args.index(option)
+            del args[at : at + 2]
     return args
 
 
@@ -47,18 +49,78 @@ class Report:
         print(text, **kwargs)
         self.lines.extend(str(text).split("\n"))
 
-    def write_readme(self, path, key, argv):
-        """Replace the block between ``<!-- KEY:begin -->`` and ``<!-- KEY:end -->`` in ``path``
-        with the command line and the printed figures."""
+    def write_readme(self, path, key, argv, block=None):
+        """Replace the block between ``<!-- BLOCK:begin -->`` and ``<!-- BLOCK:end -->`` in
+        ``path`` (BLOCK: ``key``, the script's name, unless given) with the command line of
+        ``benchmarks/KEY.py`` and the printed figures."""
         import shlex
 
-        begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+        block = block or key
+        begin, end = f"<!-- {block}:begin -->", f"<!-- {block}:end -->"
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
         if begin not in text or end not in text:
             raise SystemExit(f"{path} has no {begin} ... {end} block to write the figures into")
         command = " ".join(["python", f"benchmarks/{key}.py"] + [shlex.quote(a) for a in argv])
-        block = "\n".join([begin, "```", f"$ {command}", *self.lines, "```", end])
+        figures = "\n".join([begin, "```", f"$ {command}", *self.lines, "```", end])
         head, rest = text.split(begin, 1)
         with open(path, "w", encoding="utf-8") as handle:
-            handle.write(head + block + rest.split(end, 1)[1])
+            handle.write(head + figures + rest.split(end, 1)[1])
+
+
+COMPETITOR = """
+import os, sys, torch
+torch.set_num_threads(int(sys.argv[1]))
+x = torch.randn(25_000_000)
+parent = os.getppid()
+print("ready", flush=True)
+while os.getppid() == parent:  # never outlives the benchmark, even one killed by SIGKILL
+    (x.abs() > 0.5).sum()
+"""
+
+
+class Competitor:
+    """Another process computing beside the benchmark, as real training always has company
+    (data-loader workers, the backward pass, other ranks): a loop of abs/compare/sum over
+    25M fp32 elements on ``threads`` torch intra-op threads. ``pause()``/``resume()``
+    (SIGSTOP/SIGCONT) give quiet and loaded rounds in one run; ``stop()`` kills it by its own
+    process id. A context manager: it never outlives the benchmark."""
+
+    def __init__(self, threads):
+        import subprocess
+        import sys
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", COMPETITOR, str(threads)], stdout=subprocess.PIPE, text=True
+        )
+        if self.process.stdout.readline().strip() != "ready":
+            self.stop()
+            raise RuntimeError("the competing process did not start")
+        self.running = True
+
+    def pause(self):
+        import signal
+
+        if self.running:
+            self.process.send_signal(signal.SIGSTOP)
+            self.running = False
+            time.sleep(0.05)  # let the scheduler notice
+
+    def resume(self):
+        import signal
+
+        if not self.running:
+            self.process.send_signal(signal.SIGCONT)
+            self.running = True
+            time.sleep(0.05)
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
