@@ -3,9 +3,11 @@
 
 import argparse
 import inspect
+import os
 import sys
 
 from . import registry
+from .errors import GraceConfigError
 
 
 def _params(cls):
@@ -70,11 +72,30 @@ def _add_demo(sub):
 def _cmd_demo(args):
     from .demo import run_demo
 
-    run_demo([m.split(":") for m in args.methods.split(",")], args.workers, args.steps)
+    methods = [m.split(":") for m in args.methods.split(",")]
+    for method in methods:  # named errors here, before any rank starts
+        if len(method) > 2:
+            raise GraceConfigError(f"--methods {':'.join(method)!r}: give compressor[:memory]")
+        registry.COMPRESSORS.get(method[0])
+        if len(method) == 2:
+            registry.MEMORIES.get(method[1])
+    run_demo(methods, args.workers, args.steps)
+
+
+def _version():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("grace_dgc")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="grace-dgc", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"grace-dgc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="print the registered compressors, memories and communicators")
     p.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
@@ -84,7 +105,14 @@ def main(argv=None):
 
     add_subcommands(sub)  # survey, report, project
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (GraceConfigError, FileNotFoundError, NotADirectoryError) as error:
+        if os.environ.get("GRACE_DGC_DEBUG"):  # the full traceback, for a bug report
+            raise
+        # a user's mistake: one line naming it (the messages name the fix), as argparse does
+        message = " ".join(str(error).split())
+        parser.exit(2, f"grace-dgc: error: {message}\n")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ with ``add_survey_args(parser)`` / ``run_survey(args)`` and likewise for report 
 """
 
 import argparse
+import os
 import sys
 
 from ..errors import GraceConfigError
@@ -70,6 +71,8 @@ def run_survey(args):
     from .grid import run_grid
 
     try:
+        if args.data_dir is not None and not os.path.isdir(args.data_dir):
+            raise GraceConfigError(f"--data-dir {args.data_dir} does not exist; give the directory with the data files")
         config = load_config(args.config) if args.config else load_preset(args.preset, args.data_dir)
         workers: int | list[int] | None = None
         if args.workers:
@@ -99,10 +102,10 @@ def run_survey(args):
             except GraceConfigError as err:
                 print(f"no report: {err}", file=sys.stderr)
     except netem.NetemUnavailable as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"grace-dgc: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except GraceConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"grace-dgc: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     if failures:
         print(
@@ -119,7 +122,7 @@ def _guarded(fn):
         try:
             return fn(args)
         except GraceConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"grace-dgc: error: {' '.join(str(err).split())}", file=sys.stderr)
             return 2
 
     return run

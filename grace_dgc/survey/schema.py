@@ -1,6 +1,8 @@
 """The survey config's schema: every key a config may hold, its types and meaning (the error
 for an unknown key lists them), and the small checks shared by the loader."""
 
+import difflib
+
 from ..errors import GraceConfigError
 
 # key -> (accepted types, description); None means "optional, no default here"
@@ -91,8 +93,16 @@ DEFAULTS = {
 def _check_keys(table, accepted, where):
     unknown = sorted(set(table) - set(accepted))
     if unknown:
-        lines = "\n".join(f"  {k}: {desc}" for k, (_, desc) in accepted.items())
-        raise GraceConfigError(f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; accepted:\n{lines}")
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, list(accepted), n=1)
+            if close:
+                hints.append(f"did you mean {close[0]!r} for {key!r}?")
+        hint = f" ({' '.join(hints)})" if hints else ""
+        raise GraceConfigError(
+            f"unknown key(s) {', '.join(map(repr, unknown))} in {where}{hint}; "
+            f"accepted: {', '.join(accepted)} (each is described in the README's survey section)"
+        )
     for key, value in table.items():
         types = accepted[key][0]
         if isinstance(value, bool) != (bool in types) or not isinstance(value, types):

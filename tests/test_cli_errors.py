@@ -1,0 +1,55 @@
+"""The command line's user errors: one line on stderr naming the problem and the fix, exit 2,
+no traceback; ``--version``."""
+
+import subprocess
+import sys
+
+import pytest
+
+from grace_dgc import __version__
+from grace_dgc.cli import main
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "grace_dgc.cli", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_a_misspelled_method_is_one_line_with_a_suggestion():
+    proc = run_cli("demo", "--methods", "topkk:residual")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "unknown compressor 'topkk'" in lines[0] and "Did you mean 'topk'?" in lines[0]
+
+
+def test_a_misspelled_memory_is_named_before_any_rank_starts(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--methods", "topk:residul"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown memory 'residul'" in err and "'residual'" in err
+
+
+def test_an_unknown_config_key_suggests_the_right_one(tmp_path, capsys):
+    config = tmp_path / "survey.toml"
+    config.write_text('workload = "mnist1d-mlp"\nepoch = 3\n[[methods]]\ncompressor = "none"\n')
+    assert main(["survey", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "unknown key(s) 'epoch' in " in err and "did you mean 'epochs' for 'epoch'?" in err
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_a_missing_data_dir_is_an_error_even_for_a_preset_that_needs_none(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    assert main(["survey", "--preset", "quick", "--data-dir", str(missing), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--data-dir {missing} does not exist" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_version():
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"grace-dgc {__version__}"
