@@ -5,6 +5,7 @@ Each script imports it with ``from common import ...``: ``python``, ``torchrun``
 """
 
 import argparse
+import sys
 
 import torch
 
@@ -76,25 +77,32 @@ def generated_data(steps, batch, rank, world_size, seed, device, dim=16, classes
     return x[:, rank::world_size].to(device), y[:, rank::world_size].to(device)
 
 
+def say(line):
+    """Print one whole line in one write: the ranks share the launcher's stdout, and with
+    PYTHONUNBUFFERED a ``print`` writes its text and its newline separately, so another
+    rank's line could land in between."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
+
+
 def report_loss(rank, step, last_step, every, loss):
     """Rank 0 prints ``loss`` (a float, the mean over ranks) every ``every`` steps and at ``last_step``."""
     if rank == 0 and (step % every == 0 or step == last_step):
-        print(f"step {step:4d}  loss {loss:.4f}", flush=True)
+        say(f"step {step:4d}  loss {loss:.4f}")
 
 
 def report_wire(grace, rank):
     """Rank 0 prints the bytes it put on the wire per step, against a dense fp32 exchange."""
     stats = grace.stats()
     if rank == 0:
-        print(
+        say(
             f"bytes sent per step (rank 0): {stats['bytes_per_step']:.0f}  "
             f"dense fp32: {stats['dense_bytes'] / stats['steps']:.0f}  "
-            f"ratio: {stats['compression_ratio']:.4f}",
-            flush=True,
+            f"ratio: {stats['compression_ratio']:.4f}"
         )
 
 
 def report_done(rank):
     """Every rank says it finished its work (after destroy_process_group): a crash in the
     interpreter's teardown after this line lost nothing."""
-    print(f"rank {rank} done", flush=True)
+    say(f"rank {rank} done")

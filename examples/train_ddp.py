@@ -17,7 +17,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import generated_data, make_model, parse_args, report_done, report_loss, report_wire, select_device
+from common import generated_data, make_model, parse_args, report_done, report_loss, report_wire, say, select_device
 
 import grace_dgc
 
@@ -47,11 +47,8 @@ def main():
             state.load_state_dict(checkpoint["grace"])
             start = checkpoint["step"]
     if rank == 0:
-        print(
-            f"{grace} in a DDP hook on {world_size} ranks ({device.type})"
-            + (f", resumed at step {start}" if start else ""),
-            flush=True,
-        )
+        resumed = f", resumed at step {start}" if start else ""
+        say(f"{grace} in a DDP hook on {world_size} ranks ({device.type}){resumed}")
 
     end = start + args.steps
     inputs, labels = generated_data(end, args.batch, rank, world_size, args.seed, device)

@@ -11,7 +11,7 @@ ranks) and, at the end, the bytes each rank put on the wire.
 
 import horovod.torch as hvd
 import torch
-from common import generated_data, make_model, parse_args, report_done, report_loss, report_wire, select_device
+from common import generated_data, make_model, parse_args, report_done, report_loss, report_wire, say, select_device
 
 import grace_dgc
 
@@ -29,7 +29,7 @@ def main():
     )
     grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0)  # same start on every rank
     if rank == 0:
-        print(f"{grace} on {world_size} ranks ({device.type})", flush=True)
+        say(f"{grace} on {world_size} ranks ({device.type})")
 
     inputs, labels = generated_data(args.steps, args.batch, rank, world_size, args.seed, device)
     for step in range(args.steps):
