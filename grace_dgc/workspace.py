@@ -138,37 +138,53 @@ class _ChunkPool:
             call()
 
     def run(self, body, spans, workers):
-        self._grow(workers)
-        results = [None] * len(spans)
-        state = {"next": 0, "running": workers, "error": None}
-        done = threading.Event()
+        """The chunks on ``workers`` threads: the caller (one intra-op thread meanwhile) and
+        ``workers − 1`` pool workers, each taking the next chunk when done. The caller works
+        too and waits only for chunks a worker has taken, never for a worker to wake up (a
+        scheduler tick on a busy machine): a late worker finds nothing left and goes back."""
+        self._grow(workers - 1)
+        results: list = [None] * len(spans)
+        state = {"next": 0, "busy": 0}
+        errors: list[BaseException] = []
+        idle = threading.Condition(self.lock)
 
         def runner():
-            try:
-                while True:
-                    with self.lock:
-                        at = state["next"]
-                        if at >= len(spans) or state["error"] is not None:
-                            break
-                        state["next"] = at + 1
-                    results[at] = body(*spans[at])
-            except BaseException as error:  # handed to the caller below
+            while True:
                 with self.lock:
-                    state["error"] = state["error"] or error
-            with self.lock:
-                state["running"] -= 1
-                if not state["running"]:
-                    done.set()
+                    at = state["next"]
+                    if at >= len(spans) or errors:
+                        return
+                    state["next"], state["busy"] = at + 1, state["busy"] + 1
+                try:
+                    results[at] = body(*spans[at])
+                except BaseException as error:  # handed to the caller below
+                    with self.lock:
+                        errors.append(error)
+                finally:
+                    with self.lock:
+                        state["busy"] -= 1
+                        idle.notify_all()
 
         with self.lock:
-            self.tasks.extend([runner] * workers)
+            self.tasks.extend([runner] * (workers - 1))
             self.ready.notify_all()
-        done.wait()
-        if state["error"] is not None:
-            raise state["error"]
+        threads = torch.get_num_threads()
+        _lane.index = CALLER_LANE  # its own scratch, and nested for_chunks run inline
+        torch.set_num_threads(1)
+        try:
+            runner()
+        finally:
+            torch.set_num_threads(threads)
+            del _lane.index
+        with self.lock:
+            while state["busy"]:
+                idle.wait()
+        if errors:
+            raise errors[0]
         return results
 
 
+CALLER_LANE = -1  # the calling thread's lane while it runs chunks (pool workers: 1, 2, …)
 _POOL = _ChunkPool()
 
 

@@ -103,9 +103,10 @@ def two_threads():
 
 
 def test_for_chunks_runs_chunks_on_one_thread_workers_in_order(monkeypatch, two_threads):
-    """Chunks run on workers with one intra-op thread each (no fork-join per op), results
-    come back in chunk order, the caller's thread count is untouched, an error in a chunk
-    reaches the caller; with one thread (torchrun's default per rank) they run here."""
+    """Chunks run on workers — the caller and the pool's threads — with one intra-op thread
+    each (no fork-join per op), each in a lane of its own; results come back in chunk order,
+    the caller's thread count is restored, an error in a chunk reaches the caller; with one
+    thread (torchrun's default per rank) they run here, in lane 0."""
     monkeypatch.setattr(workspace, "CPU_CHUNK", 8)
 
     def where(start, stop):
@@ -113,8 +114,9 @@ def test_for_chunks_runs_chunks_on_one_thread_workers_in_order(monkeypatch, two_
 
     spans = workspace.for_chunks(where, 50, "cpu")
     assert [(a, b) for a, b, _, _ in spans] == [(a, min(a + 8, 50)) for a in range(0, 50, 8)]
-    assert all(lane >= 1 and inner == 1 for _, _, lane, inner in spans)
-    assert torch.get_num_threads() == 2
+    assert all(lane != 0 and inner == 1 for _, _, lane, inner in spans)
+    assert {lane for _, _, lane, _ in spans} <= {workspace.CALLER_LANE, 1}
+    assert torch.get_num_threads() == 2 and not hasattr(workspace._lane, "index")
 
     def fails(start, stop):
         if start == 16:

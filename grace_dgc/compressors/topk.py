@@ -1,5 +1,4 @@
 import math
-import struct
 
 import torch
 
@@ -72,44 +71,16 @@ def flat_nonzero(mask):
 
 def at_least(flat, threshold, workspace, keep_nan=True):
     """``(indices, magnitudes)`` of the elements with ``|x| ≥ threshold``, ascending, found
-    chunk by chunk without a full-size temporary; NaNs count as large with ``keep_nan`` (as
-    torch.topk ranks them), as small without.
-
-    On fp32 the test runs on the bits: for x ≥ 0, IEEE order is integer order of the bit
-    patterns (NaN above inf), so ``((bits(|x|) − bits(τ)) >> 31) + 1`` is 1 exactly where
-    |x| ≥ τ: integer passes that vectorise, where a bool-valued comparison does not.
-    """
+    chunk by chunk on the chunk workers without a full-size temporary; NaNs count as large
+    with ``keep_nan`` (as torch.topk ranks them), as small without. (An integer test on the
+    fp32 bit patterns was used here before; torch 2.13's comparisons vectorise, and a plain
+    compare measured 1.0-1.5× faster at every size.)"""
     threshold = float(threshold)
-    if flat.numel() <= PARALLEL_GRAIN:  # one small chunk: the fewest ops win, not the fastest passes
+    if flat.numel() <= PARALLEL_GRAIN:  # one small chunk: the fewest ops win
         magnitude = flat.abs()
         mask = magnitude.lt(threshold).logical_not_() if keep_nan else magnitude.ge(threshold)
         hits = torch.nonzero(mask).view(-1)
         return hits, magnitude.index_select(0, hits)
-    if flat.dtype != torch.float32 or math.isnan(threshold):
-        return _at_least_compare(flat, threshold, workspace, keep_nan)
-    bound = struct.unpack("<i", struct.pack("<f", threshold))[0]
-    device = flat.device
-
-    def scan(start, stop):
-        size = stop - start
-        magnitude = torch.abs(flat[start:stop], out=workspace.get("abs", size, torch.float32, device))
-        test = torch.sub(magnitude.view(torch.int32), bound, out=workspace.get("test", size, torch.int32, device))
-        test.bitwise_right_shift_(31).add_(1)
-        if not keep_nan:  # NaN bits exceed inf's: ((bits(inf) − bits) >> 31) is −1 there
-            nan = torch.sub(
-                magnitude.view(torch.int32), 0x7F800000, out=workspace.get("nan", size, torch.int32, device)
-            )
-            test.add_(nan.neg_().bitwise_right_shift_(31))
-        mask = workspace.get("mask", size, torch.uint8, device).copy_(test)
-        hits = flat_nonzero(mask.view(torch.bool))
-        magnitudes = magnitude.index_select(0, hits)
-        return (hits.add_(start) if start else hits), magnitudes
-
-    return _joined(for_chunks(scan, flat.numel(), device, multiple=8), flat)
-
-
-def _at_least_compare(flat, threshold, workspace, keep_nan):
-    """:func:`at_least` by comparison (any dtype; a NaN threshold)."""
 
     def scan(start, stop):
         magnitude = torch.abs(flat[start:stop], out=workspace.get("abs", stop - start, flat.dtype, flat.device))
