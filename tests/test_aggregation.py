@@ -214,6 +214,45 @@ def test_reduce_scatter(world):
         assert outs[rank]["tiny"].shape == (1,)
 
 
+EXACT_SIZES = [1, 2, 3, 37, 4096]
+
+
+def exact_values(rank, n, dtype):
+    """Values exact in every dtype below, whose average over ≤ 4 ranks is exact too."""
+    gen = torch.Generator().manual_seed(7 * rank + n)
+    return (torch.randint(-64, 64, (n,), generator=gen) * 0.25).to(dtype)
+
+
+def dense_reduce_scatter_job(rank, world):
+    out = {}
+    for comp, dtype in [
+        ("none", torch.float32),
+        ("none", torch.float64),
+        ("fp16", torch.float32),
+        ("bf16", torch.float32),
+    ]:
+        grace = grace_dgc.build(comp, "residual", "reduce_scatter")
+        for n in EXACT_SIZES:
+            out[comp, dtype, n] = grace.step(exact_values(rank, n, dtype), f"{comp}{dtype}{n}")
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_of_dense_methods_is_the_exact_average(world):
+    """Issue 20: with `none` the owner's error feedback zeroed the very payload it was about to
+    send (the requantized chunk *is* the aggregate for `none`), so every rank got zeros."""
+    outs = run_local(dense_reduce_scatter_job, world)
+    for (comp, dtype, n), got in outs[0].items():
+        exact = sum(exact_values(r, n, dtype) for r in range(world)) / world
+        if comp == "none":
+            torch.testing.assert_close(got, exact, rtol=0, atol=0, msg=f"{comp} {dtype} n={n}")
+        else:  # each rank's x/N and the owner's average rounded to the wire dtype: |x| < 16, ε = 2^-11 or 2^-8
+            eps = 2.0**-11 if comp == "fp16" else 2.0**-8
+            torch.testing.assert_close(got, exact, rtol=0, atol=2 * 16 * eps, msg=f"{comp} {dtype} n={n}")
+        for rank in range(1, world):
+            assert torch.equal(outs[rank][comp, dtype, n], got), (comp, dtype, n)
+
+
 def hierarchical_job(rank, world):
     out = {}
     for outer, comp, params in [

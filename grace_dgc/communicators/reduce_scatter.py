@@ -89,7 +89,8 @@ class ReduceScatter(Communicator):
                 total.add_(carried)
             payload, ctx = inner.requantize(total, f"{name}#{me}/aggregate")
             if self.error_feedback:
-                self.errors[name] = total.sub_(inner.dequantize_into(payload, ctx, torch.empty_like(total)))
+                # out of place: the payload may be ``total`` itself (``none``), and is sent below
+                self.errors[name] = total - inner.dequantize_into(payload, ctx, torch.empty_like(total))
             requantized.append(payload)
         # 3. everyone gathers every owner's requantized chunk
         buffer, header = wire.encode([t for p in requantized for t in p])
