@@ -214,6 +214,41 @@ def test_reduce_scatter(world):
         assert outs[rank]["tiny"].shape == (1,)
 
 
+def mixed_group_job(rank, world):
+    gen = torch.Generator().manual_seed(rank)
+    group = [
+        torch.randn(37, generator=gen),
+        torch.randn(5, generator=gen).half(),
+        torch.randn(9, generator=gen).double(),
+        torch.randn(1, generator=gen),
+        torch.randn(3, generator=gen).double(),  # one pair per owner at 30 %
+    ]
+    names = list("abcde")
+    out = {}
+    for communicator, params in [
+        ("allgather", {}),
+        ("sparse_allreduce", {}),
+        ("sparse_allreduce", {"global_topk": True}),
+    ]:
+        grace = grace_dgc.build("topk", "none", communicator, compress_ratio=0.3, **params)
+        out[communicator, bool(params)] = grace.step_group_async([t.clone() for t in group], names).result()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_allreduce_of_a_group_mixing_dtypes_and_tiny_tensors(world):
+    """Issue 20: an fp64 value whose (value, index) pair sat at a 12-byte stride could not be
+    viewed back as fp64 (a crash on one rank, a timeout on the other)."""
+    outs = run_local(mixed_group_job, world)
+    for rank in range(world):
+        for key, got in outs[rank].items():
+            for x, y in zip(got, outs[0][key]):
+                assert torch.equal(x, y), key
+        for x, y in zip(outs[rank]["sparse_allreduce", False], outs[rank]["allgather", False]):
+            assert x.dtype == y.dtype
+            torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
+
+
 EXACT_SIZES = [1, 2, 3, 37, 4096]
 
 

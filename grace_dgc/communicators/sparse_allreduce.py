@@ -204,4 +204,8 @@ def _unrecords(buffer: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Inverse of :func:`_records`."""
     width = torch.empty((), dtype=dtype).element_size()
     pairs = buffer.view(-1, width + 4)
-    return pairs[:, :width].contiguous().view(dtype).view(-1), pairs[:, width:].contiguous().view(torch.int32).view(-1)
+    # clone, not contiguous(): one pair's row is "contiguous" with its 12-byte stride, and a
+    # wider dtype's view needs fresh, aligned memory (an fp64 value at byte 12 cannot be viewed)
+    values = pairs[:, :width].clone(memory_format=torch.contiguous_format)
+    indices = pairs[:, width:].clone(memory_format=torch.contiguous_format)
+    return values.view(dtype).view(-1), indices.view(torch.int32).view(-1)
