@@ -249,6 +249,29 @@ def test_sparse_allreduce_of_a_group_mixing_dtypes_and_tiny_tensors(world):
             torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
 
 
+def empty_on_rank0_job(rank, world):
+    out = {}
+    for n in (1, 2, 3, 37):
+        x = torch.zeros(n) if rank == 0 else torch.randn(n, generator=torch.Generator().manual_seed(rank + n))
+        for communicator, params in [("allgather", {}), ("sparse_allreduce", {}), ("sparse_allreduce", {"gtopk": 1})]:
+            kwargs = {"global_topk": True} if params else {}
+            grace = grace_dgc.build("threshold", "none", communicator, threshold=0.5, timeout=30, **kwargs)
+            out[communicator, bool(params), n] = grace.step(x.clone(), f"t{n}")
+    return out
+
+
+def test_a_rank_with_an_empty_payload_and_no_region_takes_part_in_every_collective():
+    """Issue 20: on 3 ranks, rank 0 sent no pair and owned no index (n < 3), so its engine
+    skipped the all_to_all and met the others in their next collective: a hang."""
+    outs = run_local(empty_on_rank0_job, 3)
+    for key, got in outs[0].items():
+        for rank in (1, 2):
+            assert torch.equal(outs[rank][key], got), key
+        communicator, gtopk, n = key
+        if communicator == "sparse_allreduce" and not gtopk:
+            torch.testing.assert_close(got, outs[0]["allgather", False, n])
+
+
 EXACT_SIZES = [1, 2, 3, 37, 4096]
 
 

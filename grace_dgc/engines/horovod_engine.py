@@ -160,8 +160,7 @@ class HorovodEngine(Engine):
         wire = rows if rows.dtype in MOVABLE else rows.view(torch.uint8)
         width = wire.numel() // max(rows.numel(), 1) if rows.numel() else wire.element_size() // rows.element_size()
         self._count(wire[: wire.numel() - send[self.rank] * width], received=(sum(recv) - recv[self.rank]) * width)
-        if not any(send) and not any(recv):
-            return tensor.new_empty(0)
+        # always a collective (see TorchEngine.all_to_all): a rank that skipped would desync
         splits = torch.tensor([n * width for n in send], dtype=torch.int32)
         handle = hvd.alltoall_async(wire, splits=splits, name=self._name("all_to_all"), process_set=self.process_set)
         out, _ = hvd.synchronize(handle)

@@ -129,8 +129,8 @@ class TorchEngine(Engine):
         send, recv = [int(n) for n in send_sizes], [int(n) for n in recv_sizes]
         out = tensor.new_empty(sum(recv))
         self._count(tensor[: tensor.numel() - send[self.rank]], received=sum(recv) - recv[self.rank])
-        if not any(send) and not any(recv):  # nothing for anyone: the sizes agree, so nobody waits
-            return out
+        # always a collective, even with nothing to send or receive here: the other ranks may
+        # exchange among themselves, and a rank that skipped would meet them in the next one
         self._run(
             "all_to_all",
             lambda: dist.all_to_all_single(out, tensor.contiguous(), recv, send, group=self.group, async_op=True),
