@@ -53,3 +53,20 @@ def test_a_missing_data_dir_is_an_error_even_for_a_preset_that_needs_none(tmp_pa
 def test_version():
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"grace-dgc {__version__}"
+
+
+def test_missing_data_files_are_one_line_and_leave_no_output_behind(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    config = tmp_path / "survey.toml"
+    config.write_text('workload = "mnist-mlp"\nepochs = 1\n[[methods]]\ncompressor = "none"\n')
+    out = tmp_path / "out"
+    assert main(["survey", "--config", str(config), "--data-dir", str(data), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "never downloads them" in err and "train-images-idx3-ubyte" in err
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert main(["survey", "--config", str(config), "--data-dir", str(data), "--out", str(kept)]) == 2
+    assert (kept / "notes.txt").read_text() == "mine"  # a folder that was there is never removed

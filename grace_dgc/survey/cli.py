@@ -12,6 +12,7 @@ with ``add_survey_args(parser)`` / ``run_survey(args)`` and likewise for report 
 
 import argparse
 import os
+import shutil
 import sys
 
 from ..errors import GraceConfigError
@@ -70,6 +71,7 @@ def run_survey(args):
     from .config import load_config, load_preset, with_overrides
     from .grid import run_grid
 
+    fresh = not os.path.exists(args.out)  # a run that fails before any result leaves no folder behind
     try:
         if args.data_dir is not None and not os.path.isdir(args.data_dir):
             raise GraceConfigError(f"--data-dir {args.data_dir} does not exist; give the directory with the data files")
@@ -104,8 +106,10 @@ def run_survey(args):
     except netem.NetemUnavailable as err:
         print(f"grace-dgc: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    except GraceConfigError as err:
+    except (GraceConfigError, FileNotFoundError) as err:  # a bad config, missing data files
         print(f"grace-dgc: error: {' '.join(str(err).split())}", file=sys.stderr)
+        if fresh and os.path.isdir(args.out) and not os.path.exists(os.path.join(args.out, "results.jsonl")):
+            shutil.rmtree(args.out)  # only what this run created, and it holds no result
         return 2
     if failures:
         print(
