@@ -7,6 +7,8 @@ Every part validates its parameters with these helpers: numbers with :func:`chec
 import math
 import numbers
 
+import numpy as np
+
 
 class GraceConfigError(ValueError):
     """A name, parameter or combination that grace_dgc cannot build."""
@@ -46,7 +48,7 @@ def check_range(name, value, low=None, high=None, *, low_open=False, high_open=F
 def check_bool(name, value):
     """``value`` if it is a real boolean (``True``/``False``, numpy's included), else an error:
     a truthy string such as ``"false"`` must not silently mean True."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise GraceConfigError(f"{name}={value!r} must be True or False (a boolean, not {type(value).__name__})")
 

@@ -74,7 +74,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Deliberately no super().__init__: the wrapped optimizer owns groups and state.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise GraceConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        if (
+            isinstance(backward_passes_per_step, bool)
+            or not isinstance(backward_passes_per_step, int)
+            or backward_passes_per_step < 1
+        ):
             raise GraceConfigError(f"backward_passes_per_step={backward_passes_per_step!r}; accepted: an int >= 1")
         if isinstance(fusion_bytes, bool) or not isinstance(fusion_bytes, int) or fusion_bytes < 0:
             raise GraceConfigError(f"fusion_bytes={fusion_bytes!r}; accepted: an int >= 0 (0: no fusion)")

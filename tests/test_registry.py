@@ -180,3 +180,41 @@ def test_readme_methods_table_matches_the_registry():
     assert registry_table(markdown=True) in readme, (
         "README methods table is stale: regenerate it with `grace-dgc list --markdown`"
     )
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: grace_dgc.build("none", engine="local", timeout=0),
+            r"timeout=0 is out of range; accepted: \(0, inf\]",
+        ),
+        (lambda: grace_dgc.build("none", engine="local", timeout=-5), r"timeout=-5 is out of range"),
+        (
+            lambda: grace_dgc.build("dgc", "momentum", "allgather", engine="local", warmup_ratios={0: 0.1}),
+            "warmup_ratios",
+        ),
+        (
+            lambda: grace_dgc.DistributedOptimizer(
+                torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1),
+                grace=grace_dgc.build("none", engine="local"),
+                backward_passes_per_step=True,
+            ),
+            r"backward_passes_per_step=True; accepted: an int >= 1",
+        ),
+    ],
+)
+def test_settings_that_looked_valid_are_refused_by_name(make, message):
+    """Issue 20: each of these was accepted and failed later (or never)."""
+    with pytest.raises(GraceConfigError, match=message):
+        make()
+
+
+def test_numpy_booleans_are_booleans():
+    import numpy as np
+
+    from grace_dgc.compat import _clipping
+    from grace_dgc.errors import check_bool
+
+    assert check_bool("flag", np.True_) is True and check_bool("flag", np.False_) is False
+    assert _clipping(np.False_) is None and _clipping(np.True_) == _clipping(True)

@@ -47,6 +47,8 @@ import logging
 import warnings
 import weakref
 
+import numpy as np
+
 from ..engines import create_engine
 from ..errors import GraceConfigError, check_range
 from ..grace import Grace, build
@@ -152,10 +154,8 @@ def _check_kernel(kernel):
 
 
 def _clipping(value):
-    if value is True:
-        return GRACE_CLIP_NORM
-    if value is False:
-        return None
+    if isinstance(value, (bool, np.bool_)):  # numpy's booleans too
+        return GRACE_CLIP_NORM if value else None
     return check_range("gradient_clipping", value, 0, low_open=True)
 
 

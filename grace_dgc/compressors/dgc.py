@@ -70,7 +70,7 @@ class DGCCompressor(SparseCompressor):
             raise GraceConfigError("give warmup_epochs or warmup_steps, not both")
         self.warmup_ratios = None
         if warmup_ratios is not None:
-            if warmup_coeff is not None or isinstance(warmup_ratios, str) or not len(warmup_ratios):
+            if warmup_coeff is not None or not isinstance(warmup_ratios, (list, tuple)) or not warmup_ratios:
                 raise GraceConfigError(
                     "warmup_ratios must be a non-empty list of ratios in (0, 1] (and excludes warmup_coeff)"
                 )

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..errors import GraceConfigError
+from ..errors import GraceConfigError, check_range
 from .base import Engine
 from .local import LocalEngine
 from .torch_engine import TorchEngine
@@ -121,6 +121,8 @@ def create_engine(engine: str | Engine = "auto", **kwargs: Any) -> Engine:
     through; ``auto`` gives an :class:`AutoEngine`, which chooses at its first use."""
     if isinstance(engine, Engine):
         return engine
+    if kwargs.get("timeout") is not None:  # checked whatever the engine, not only where it is used
+        kwargs["timeout"] = check_range("timeout", kwargs["timeout"], 0, low_open=True)
     if engine == "auto":
         return AutoEngine(**kwargs)
     if engine != "torch":
