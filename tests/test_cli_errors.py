@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from grace_dgc import __version__
+from grace_dgc import GraceConfigError, __version__
 from grace_dgc.cli import main
 
 
@@ -70,3 +70,42 @@ def test_missing_data_files_are_one_line_and_leave_no_output_behind(tmp_path, ca
     (kept / "notes.txt").write_text("mine")
     assert main(["survey", "--config", str(config), "--data-dir", str(data), "--out", str(kept)]) == 2
     assert (kept / "notes.txt").read_text() == "mine"  # a folder that was there is never removed
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"workload = " + b"[" * 3000 + b"]" * 3000 + b"\n", "nested too deeply"),
+        (b'workload = "mnist1d-mlp"\nname = "\xff\xfe"\n', "not UTF-8 text"),
+        (b"workload = \n", "not valid TOML"),
+        (b'workload = "mnist1d-mlp"\nworkers = 1000000000000000000\n', "must be an int >= 1 and <= 65536"),
+        (b'workload = "mnist1d-mlp"\nepochs = 1000000000000000000000\n', "epochs="),
+        (b'workload = "mnist1d-mlp"\n[[methods]]\ncompressor = "none"\ntune_lr = [inf]\n', "finite learning rates"),
+    ],
+)
+def test_hostile_config_files_are_one_line_errors_naming_the_file(tmp_path, capsys, content, message):
+    config = tmp_path / "bad.toml"
+    config.write_bytes(content)
+    assert main(["survey", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_out_naming_a_file_is_an_error(tmp_path, capsys):
+    config = tmp_path / "survey.toml"
+    config.write_text('workload = "mnist1d-mlp"\n[[methods]]\ncompressor = "none"\n')
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    assert main(["survey", "--config", str(config), "--out", str(taken)]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+    assert taken.read_text() == "a file"
+
+
+def test_a_hierarchical_survey_is_checked_on_the_workers_it_runs_with():
+    from grace_dgc.survey.config import SurveyConfig
+
+    method = {"compressor": "topk", "communicator": "hierarchical", "params": {"group_size": 2}}
+    assert SurveyConfig({"workload": "mnist1d-mlp", "workers": 4, "methods": [method]}).workers == [4]
+    with pytest.raises(GraceConfigError, match=r"on 3 workers: hierarchical: 3 ranks do not form nodes"):
+        SurveyConfig({"workload": "mnist1d-mlp", "workers": [4, 3], "methods": [method]})

@@ -36,3 +36,21 @@ class LocalEngine(Engine):
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         return copy.deepcopy(obj)
+
+
+class PlanEngine(LocalEngine):
+    """``size`` ranks on paper, seen from rank 0: for checking, before any process starts, that
+    a configuration builds on the world size it will run with (a survey config on 4 workers
+    with ``hierarchical(group_size=2)``). Splits are computed; nothing is exchanged."""
+
+    name = "plan"
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def split(self, groups: Sequence[Sequence[int]]) -> Engine | None:
+        for ranks in groups:
+            if 0 in ranks:
+                return PlanEngine(len(ranks))
+        return None

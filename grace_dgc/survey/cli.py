@@ -73,6 +73,8 @@ def run_survey(args):
 
     fresh = not os.path.exists(args.out)  # a run that fails before any result leaves no folder behind
     try:
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise GraceConfigError(f"--out {args.out} is a file; give a directory (new, or holding an earlier run)")
         if args.data_dir is not None and not os.path.isdir(args.data_dir):
             raise GraceConfigError(f"--data-dir {args.data_dir} does not exist; give the directory with the data files")
         config = load_config(args.config) if args.config else load_preset(args.preset, args.data_dir)

@@ -13,10 +13,20 @@ import math
 import os
 import tomllib
 
+from ..engines.local import PlanEngine
 from ..errors import GraceConfigError
 from .cell import Cell, cell_hash, run_id, tuning_key  # noqa: F401  (cell_hash, run_id, tuning_key: API)
 from .presets import KPERCENTS, PRESET_ALIASES, PRESETS, load_preset, preset_dict  # noqa: F401
-from .schema import DEFAULTS, METHOD_KEYS, NETWORK_KEYS, TOP_LEVEL, WORKLOAD_HYPER, _check_keys, _positive_int
+from .schema import (
+    DEFAULTS,
+    MAX_WORKERS,
+    METHOD_KEYS,
+    NETWORK_KEYS,
+    TOP_LEVEL,
+    WORKLOAD_HYPER,
+    _check_keys,
+    _positive_int,
+)
 from .units import format_rate, parse_latency, parse_rate
 
 
@@ -75,7 +85,8 @@ class SurveyConfig:
         settings = dict(DEFAULTS, **{k: raw[k] for k in DEFAULTS if k in raw})
         self.data_seed = _positive_int(settings["data_seed"], "data_seed", 0)
         workers = settings["workers"]
-        self.workers = [_positive_int(w, "workers") for w in (workers if isinstance(workers, list) else [workers])]
+        counts = workers if isinstance(workers, list) else [workers]
+        self.workers = [_positive_int(w, "workers", high=MAX_WORKERS) for w in counts]
         if not self.workers:
             raise GraceConfigError("workers = [] is empty; give at least one worker count")
         if "seeds" in raw and "repeats" in raw and len(raw["seeds"]) != raw["repeats"]:
@@ -160,12 +171,13 @@ class SurveyConfig:
                 "params": dict(method.get("params", {})),
                 "tags": dict(method.get("tags", {})),
             }
-            try:  # every name and parameter checked by the real builder, on no network
-                grace_dgc.build(
-                    spec["compressor"], spec["memory"], spec["communicator"], engine="local", **spec["params"]
-                )
-            except GraceConfigError as err:
-                raise GraceConfigError(f"{where} ({spec['label']!r}): {err}") from None
+            for size in self.workers:  # every name and parameter checked by the real builder, on
+                try:  # the world sizes it will run with, on paper (no process, no network)
+                    parts = spec["compressor"], spec["memory"], spec["communicator"]
+                    grace_dgc.build(*parts, engine=PlanEngine(size), **spec["params"])
+                except GraceConfigError as err:
+                    on = f" on {size} workers" if size > 1 else ""
+                    raise GraceConfigError(f"{where} ({spec['label']!r}){on}: {err}") from None
             if spec["label"] in labels:
                 raise GraceConfigError(f"{where}: label {spec['label']!r} is used twice; labels must be unique")
             labels.add(spec["label"])
@@ -182,10 +194,10 @@ class SurveyConfig:
             if "tune_lr" in method:
                 cands = method["tune_lr"]
                 if not cands or not all(
-                    isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in cands
+                    isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c < math.inf for c in cands
                 ):
                     raise GraceConfigError(
-                        f"{where}: tune_lr = {cands!r} must be a non-empty list of learning rates > 0"
+                        f"{where}: tune_lr = {cands!r} must be a non-empty list of finite learning rates > 0"
                     )
                 if "lr" in method:
                     raise GraceConfigError(f"{where}: give lr or tune_lr, not both")
@@ -254,15 +266,16 @@ def load_config(path):
     """A :class:`SurveyConfig` from a ``.toml`` file (or the ``.json`` a survey saves)."""
     if not os.path.isfile(path):
         raise GraceConfigError(f"config file {path!r} does not exist")
-    if path.endswith(".json"):
-        with open(path) as f:
-            raw = json.load(f)
-    else:
+    kind = "JSON" if path.endswith(".json") else "TOML"
+    try:
         with open(path, "rb") as f:
-            try:
-                raw = tomllib.load(f)
-            except tomllib.TOMLDecodeError as err:
-                raise GraceConfigError(f"{path}: not valid TOML: {err}") from None
+            raw = json.loads(f.read().decode("utf-8")) if kind == "JSON" else tomllib.load(f)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise GraceConfigError(f"{path}: not valid {kind}: {err}") from None
+    except UnicodeDecodeError as err:
+        raise GraceConfigError(f"{path}: not valid {kind}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except RecursionError:
+        raise GraceConfigError(f"{path}: not valid {kind}: nested too deeply for a survey config") from None
     return SurveyConfig(raw, source=path)
 
 

@@ -110,7 +110,11 @@ def _check_keys(table, accepted, where):
             raise GraceConfigError(f"{where}: {key} = {value!r} must be a {names}")
 
 
-def _positive_int(value, key, low=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise GraceConfigError(f"{key} = {value!r} must be an int >= {low}")
+MAX_WORKERS = 1 << 16  # ranks in one survey cell: far beyond any cluster it would launch
+
+
+def _positive_int(value, key, low=1, high=None):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        most = "" if high is None else f" and <= {high}"
+        raise GraceConfigError(f"{key} = {value!r} must be an int >= {low}{most}")
     return value

@@ -113,12 +113,15 @@ def get_workload(name, data_dir=None, seed=0, **overrides):
     return workload
 
 
+MAX_EPOCHS = 100_000  # a survey cell longer than this is a typo, not a plan
+
+
 def _checked(hyper):
     checks = {
         "batch_size": (1, None, False, int),
         "lr": (0, None, True, float),
         "momentum": (0, 1, False, float),
-        "epochs": (1, None, False, int),
+        "epochs": (1, MAX_EPOCHS, False, int),
         "target_accuracy": (0, 1, False, float),
         "weight_decay": (0, None, False, float),
         "lr_gamma": (0, None, True, float),
