@@ -277,11 +277,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "optimizer" in state_dict and "grace" in state_dict:
+            self._check_shapes(state_dict["optimizer"], state_dict["grace"])
             self.optimizer.load_state_dict(state_dict["optimizer"])
             self.grace.load_state_dict(state_dict["grace"])
         else:  # a plain optimizer checkpoint
+            self._check_shapes(state_dict, {})
             self.optimizer.load_state_dict(state_dict)
             self._attach_memory()  # its momentum must move into the memory again, not apply twice
+
+    def _check_shapes(self, optimizer_state: Any, grace_state: Any) -> None:
+        """A checkpoint of a differently shaped model is refused here, not one step later:
+        per-parameter tensors of the optimizer's state (momentum buffers) must have their
+        parameter's shape, and tensors the grace state keys by a parameter's name its size."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        names = {name: p for p, name in self._names.items()}
+        saved = [i for group in optimizer_state.get("param_groups", []) for i in group.get("params", [])]
+        per_param = optimizer_state.get("state", {}) if isinstance(optimizer_state, dict) else {}
+        problems = []
+        for index, param in zip(saved, params):
+            for key, value in per_param.get(index, {}).items():
+                if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
+                    name = self._names.get(param, index)
+                    problems.append(f"{key} of {name!r}: {tuple(value.shape)} for {tuple(param.shape)}")
+
+        def walk(node: Any, where: str) -> None:
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if key in names and torch.is_tensor(value) and value.numel() != names[key].numel():
+                        problems.append(f"{where}[{key!r}]: {value.numel()} elements for {tuple(names[key].shape)}")
+                    else:
+                        walk(value, f"{where}[{key!r}]")
+
+        walk(grace_state, "grace")
+        if problems:
+            raise GraceConfigError(
+                f"this checkpoint is of a differently shaped model: {'; '.join(problems[:4])}"
+                + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+            )
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

@@ -218,3 +218,34 @@ def test_numpy_booleans_are_booleans():
 
     assert check_bool("flag", np.True_) is True and check_bool("flag", np.False_) is False
     assert _clipping(np.False_) is None and _clipping(np.True_) == _clipping(True)
+
+
+def test_a_checkpoint_of_a_differently_shaped_model_is_refused_at_load():
+    """Issue 20: it was accepted and failed one step later."""
+
+    def trained(width, steps):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
+        optimizer = grace_dgc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            grace=grace_dgc.build("topk", "residual", "allgather", engine="local"),
+            named_parameters=model.named_parameters(),
+        )
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+        return optimizer
+
+    checkpoint = trained(8, 2).state_dict()
+    trained(8, 0).load_state_dict(checkpoint)  # the same model loads
+    with pytest.raises(
+        GraceConfigError, match=r"differently shaped model: momentum_buffer of '0.weight': \(8, 4\) for \(6, 4\)"
+    ):
+        trained(6, 0).load_state_dict(checkpoint)
+    with pytest.raises(
+        GraceConfigError, match=r"grace\['memory'\]\['residuals'\]\['0.weight'\]: 32 elements for \(6, 4\)"
+    ):
+        trained(6, 0).load_state_dict(
+            {"optimizer": trained(6, 1).state_dict()["optimizer"], "grace": checkpoint["grace"]}
+        )
