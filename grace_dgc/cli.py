@@ -1,13 +1,46 @@
 """The ``grace-dgc`` command: ``list`` the registry, a ``demo``, and the survey tools
-(``survey``, ``report``, ``project``)."""
+(``survey``, ``report``, ``project``).
+
+A user's mistake (a misspelt name, a bad value, a missing file or folder) ends in one line on
+stderr naming it and the fix, exit status 2; anything else is a bug and keeps its traceback.
+``--debug`` (or ``GRACE_DGC_DEBUG=1``) shows the traceback of a user error too."""
 
 import argparse
+import difflib
 import inspect
 import os
 import sys
 
 from . import registry
-from .errors import GraceConfigError
+from .errors import GraceConfigError, GraceDataError
+
+#: what a user's input can cause: one line and exit 2 (FileNotFoundError: a config or data file)
+USER_ERRORS: tuple[type[BaseException], ...] = (GraceConfigError, GraceDataError, FileNotFoundError, NotADirectoryError)
+
+
+def debug_requested(args=None):
+    """``--debug`` was given or ``GRACE_DGC_DEBUG`` is set (not to 0): show full tracebacks."""
+    return bool(getattr(args, "debug", False)) or os.environ.get("GRACE_DGC_DEBUG", "") not in ("", "0")
+
+
+def error_line(error, prog="grace-dgc"):
+    """The one line a user error ends in: ``grace-dgc: error: <message>`` (whitespace folded)."""
+    return f"{prog}: error: {' '.join(str(error).split())}"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block: it points at ``--help`` instead) and
+    a suggestion for a misspelt choice (a subcommand, ``--launcher`` ...)."""
+
+    def error(self, message):
+        self.exit(2, f"{error_line(message, self.prog)}; see {self.prog} --help\n")
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            choices = [str(choice) for choice in action.choices]
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint}; accepted: {', '.join(choices)}")
 
 
 def _params(cls):
@@ -70,32 +103,30 @@ def _add_demo(sub):
 
 
 def _cmd_demo(args):
-    from .demo import run_demo
+    from .demo import plan, run_demo
 
-    methods = [m.split(":") for m in args.methods.split(",")]
-    for method in methods:  # named errors here, before any rank starts
-        if len(method) > 2:
-            raise GraceConfigError(f"--methods {':'.join(method)!r}: give compressor[:memory]")
-        registry.COMPRESSORS.get(method[0])
-        if len(method) == 2:
-            registry.MEMORIES.get(method[1])
+    methods = plan(args.methods, args.workers, args.steps)  # named errors here, before any rank starts
     run_demo(methods, args.workers, args.steps)
 
 
 def _version():
+    """The installed distribution's version, else the package's ``__version__``."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("grace_dgc")
-    except PackageNotFoundError:
-        from . import __version__
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        import importlib
 
-        return __version__
+        return str(getattr(importlib.import_module("grace_dgc"), "__version__", "unknown"))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="grace-dgc", description=__doc__)
+    parser = OneLineParser(prog="grace-dgc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"grace-dgc {_version()}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the full traceback of an error (as GRACE_DGC_DEBUG=1 does)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="print the registered compressors, memories and communicators")
     p.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
@@ -104,15 +135,16 @@ def main(argv=None):
     from .survey.cli import add_subcommands
 
     add_subcommands(sub)  # survey, report, project
+    for command in sub.choices.values():  # also after the subcommand: grace-dgc survey ... --debug
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (GraceConfigError, FileNotFoundError, NotADirectoryError) as error:
-        if os.environ.get("GRACE_DGC_DEBUG"):  # the full traceback, for a bug report
+    except USER_ERRORS as error:
+        if debug_requested(args):  # the full traceback, for a bug report
             raise
-        # a user's mistake: one line naming it (the messages name the fix), as argparse does
-        message = " ".join(str(error).split())
-        parser.exit(2, f"grace-dgc: error: {message}\n")
+        # a user's mistake: one line naming it (the messages name the fix); a bug keeps its traceback
+        parser.exit(2, error_line(error) + "\n")
 
 
 if __name__ == "__main__":

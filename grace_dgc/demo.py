@@ -3,6 +3,7 @@
 import torch
 
 import grace_dgc
+from grace_dgc.errors import GraceConfigError
 from grace_dgc.launch import run_local
 
 DEFAULT_PARAMS = {
@@ -11,6 +12,36 @@ DEFAULT_PARAMS = {
     "threshold": {"threshold": 0.01},
     "dgc": {"compress_ratio": 0.01},
 }
+
+
+def _communicator(compressor):
+    return "allreduce" if grace_dgc.registry.COMPRESSORS.get(compressor).summable else "allgather"
+
+
+def plan(methods, workers=2, steps=60):
+    """The ``[compressor, memory]`` pairs of a ``--methods`` text (``compressor[:memory],...``),
+    canonical names, each built on paper for ``workers`` ranks as :func:`train` builds it: a bad
+    name, combination or count is a :class:`GraceConfigError` before any rank starts."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise GraceConfigError(f"--workers {workers!r} must be an int >= 1 (ranks started on this machine)")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise GraceConfigError(f"--steps {steps!r} must be an int >= 1")
+    from grace_dgc.engines.local import PlanEngine
+
+    pairs = []
+    for item in methods.split(","):
+        parts = [part.strip() for part in item.split(":")]
+        if len(parts) > 2 or not parts[0]:
+            raise GraceConfigError(f"--methods item {item!r}: give compressor[:memory], e.g. topk:residual")
+        compressor = grace_dgc.registry.COMPRESSORS.canonical(parts[0])
+        memory = grace_dgc.registry.MEMORIES.canonical(parts[1] if len(parts) == 2 else "none")
+        params: dict = DEFAULT_PARAMS.get(compressor, {})
+        try:
+            grace_dgc.build(compressor, memory, _communicator(compressor), engine=PlanEngine(workers), **params)
+        except GraceConfigError as err:
+            raise GraceConfigError(f"--methods item {item!r} on {workers} workers: {err}") from None
+        pairs.append([compressor, memory])
+    return pairs
 
 
 def make_data(seed=0, n=2048, dim=32, classes=4):
@@ -26,7 +57,7 @@ def train(rank, world_size, compressor, memory, steps, seed=0):
     x, y = make_data(seed)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
-    comm = "allreduce" if grace_dgc.registry.COMPRESSORS.get(compressor).summable else "allgather"
+    comm = _communicator(compressor)
     params: dict = DEFAULT_PARAMS.get(compressor, {})
     grace = grace_dgc.build(compressor, memory, comm, **params)
     opt = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace, model.named_parameters())

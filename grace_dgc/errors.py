@@ -14,6 +14,11 @@ class GraceConfigError(ValueError):
     """A name, parameter or combination that grace_dgc cannot build."""
 
 
+class GraceDataError(ValueError):
+    """A data file that is not what its workload reads (corrupt, truncated, another format);
+    the message names the file and what was expected."""
+
+
 class GraceNonFiniteError(FloatingPointError):
     """A gradient held NaN or Inf on some rank and the policy is ``nonfinite="raise"``."""
 

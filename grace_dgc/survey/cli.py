@@ -15,9 +15,11 @@ import os
 import shutil
 import sys
 
+from ..cli import USER_ERRORS, OneLineParser, debug_requested, error_line
 from ..errors import GraceConfigError
 from .project import add_project_args, run_project
 from .report import add_report_args, run_report
+from .results import CONFIG_JSON, RESULTS, SUMMARY_CSV
 
 SURVEY_HELP = "run a grid of (method × workers × seed) trainings and write results, report and plots"
 REPORT_HELP = "write report.md (the seeds' tables) and PNG plots from a survey directory"
@@ -30,7 +32,7 @@ def add_survey_args(parser):
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--preset",
-        choices=[*PRESETS, *PRESET_ALIASES],
+        type=_preset,
         metavar="NAME",
         help=f"a built-in grid: {', '.join(PRESETS)} (earlier names {', '.join(PRESET_ALIASES)} still work)",
     )
@@ -44,7 +46,7 @@ def add_survey_args(parser):
     parser.add_argument(
         "--data-dir",
         metavar="D",
-        help="dataset files (never downloaded); presets switch to MNIST where they have a file workload",
+        help="dataset files (never downloaded; must exist); presets switch to MNIST where they have a file workload",
     )
     parser.add_argument(
         "--bandwidth",
@@ -66,53 +68,135 @@ def add_survey_args(parser):
     return parser
 
 
+def _preset(name):
+    """``--preset``'s type: a known name (or an earlier one), else the suggestion of the closest."""
+    from .presets import preset_name
+
+    try:
+        preset_name(name)
+    except GraceConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return name
+
+
+def _existing_dir(path, named):
+    """``path`` (a data directory, ``named`` as the user gave it) exists and is a directory."""
+    if not os.path.exists(path):
+        raise GraceConfigError(f"{named} does not exist; give an existing directory holding the data files")
+    if not os.path.isdir(path):
+        raise GraceConfigError(f"{named} is a file, not a directory; give the directory holding the data files")
+
+
+def _checked_config(args):
+    """The survey's config with the command line's overrides, everything the run reads checked
+    (names, values, --out, --data-dir, data files): a user error raises here, before the
+    output directory is created."""
+    from .config import load_config, load_preset, with_overrides
+    from .datasets import check_files
+
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise GraceConfigError(f"--out {args.out} is a file; give a directory (new, or holding an earlier run)")
+    if args.data_dir is not None:  # an error even where no workload reads files: it was meant for something
+        _existing_dir(args.data_dir, f"--data-dir {args.data_dir}")
+    config = load_config(args.config) if args.config else load_preset(args.preset, args.data_dir)
+    workers: int | list[int] | None = None
+    if args.workers:
+        try:
+            counts = [int(w) for w in str(args.workers).split(",")]
+        except ValueError:
+            raise GraceConfigError(f"--workers {args.workers!r} must be an int or comma-separated ints") from None
+        workers = counts[0] if len(counts) == 1 else counts
+    network = None
+    if args.bandwidth or args.latency:
+        network = {k: v for k, v in (("bandwidth", args.bandwidth), ("latency", args.latency)) if v}
+    config = with_overrides(
+        config,
+        workers=workers,
+        epochs=args.epochs,
+        data_dir=args.data_dir,
+        network=network,
+        max_steps=args.max_steps,
+        tensorboard=args.tensorboard,
+    )
+    if args.data_dir is None and config.data_dir is not None:
+        _existing_dir(config.data_dir, f"data_dir = {config.data_dir!r} in {config.source}")
+    check_files(config.workload, config.data_dir)  # present, not yet read: no folder is created first
+    return config
+
+
+class _Undo:
+    """What a failed survey leaves: nothing it wrote before its first recorded run. A folder
+    it created is removed; in one that was there, only the survey's own entries that it
+    added (and survey_config.json restored); the user's files are never touched."""
+
+    ENTRIES = (CONFIG_JSON, RESULTS, SUMMARY_CSV, "data-cache", "tensorboard")
+
+    def __init__(self, out):
+        self.out = os.path.abspath(out)
+        self.root = None  # the topmost folder this run will create
+        path = self.out
+        while not os.path.exists(path) and os.path.dirname(path) != path:
+            self.root, path = path, os.path.dirname(path)
+        self.present = set() if self.root else {e for e in self.ENTRIES if os.path.exists(self._at(e))}
+        self.config = self._read(CONFIG_JSON) if CONFIG_JSON in self.present else None
+        self.results = self._size(RESULTS)
+
+    def _at(self, entry):
+        return os.path.join(self.out, entry)
+
+    def _read(self, entry):
+        with open(self._at(entry), "rb") as f:
+            return f.read()
+
+    def _size(self, entry):
+        return os.path.getsize(self._at(entry)) if os.path.isfile(self._at(entry)) else None
+
+    def __call__(self):
+        if self._size(RESULTS) != self.results:
+            return  # a run was recorded: keep it (rerunning resumes)
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            return
+        for entry in self.ENTRIES:
+            path = self._at(entry)
+            if entry in self.present or not os.path.lexists(path):
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+        if self.config is not None and self._read(CONFIG_JSON) != self.config:
+            with open(self._at(CONFIG_JSON), "wb") as f:
+                f.write(self.config)
+
+
 def run_survey(args):
     from . import netem
-    from .config import load_config, load_preset, with_overrides
     from .grid import run_grid
 
-    fresh = not os.path.exists(args.out)  # a run that fails before any result leaves no folder behind
+    # a shaped network's child works in its parent's folder: the parent cleans up
+    undo = _Undo(args.out) if args.network_tag is None else None
     try:
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise GraceConfigError(f"--out {args.out} is a file; give a directory (new, or holding an earlier run)")
-        if args.data_dir is not None and not os.path.isdir(args.data_dir):
-            raise GraceConfigError(f"--data-dir {args.data_dir} does not exist; give the directory with the data files")
-        config = load_config(args.config) if args.config else load_preset(args.preset, args.data_dir)
-        workers: int | list[int] | None = None
-        if args.workers:
-            try:
-                counts = [int(w) for w in str(args.workers).split(",")]
-            except ValueError:
-                raise GraceConfigError(f"--workers {args.workers!r} must be an int or comma-separated ints") from None
-            workers = counts[0] if len(counts) == 1 else counts
-        network = None
-        if args.bandwidth or args.latency:
-            network = {k: v for k, v in (("bandwidth", args.bandwidth), ("latency", args.latency)) if v}
-        config = with_overrides(
-            config,
-            workers=workers,
-            epochs=args.epochs,
-            data_dir=args.data_dir,
-            network=network,
-            max_steps=args.max_steps,
-            tensorboard=args.tensorboard,
-        )
+        config = _checked_config(args)
         summaries, failures = run_grid(config, args.out, progress=not args.no_progress, network_tag=args.network_tag)
-        if args.network_tag is None and not args.no_report:
-            from .report import write_report
+    except USER_ERRORS + (netem.NetemUnavailable,) as err:  # a bad config, missing data files, no netem
+        if undo is not None:
+            undo()
+        if debug_requested(args):
+            raise
+        print(error_line(err), file=sys.stderr)
+        return 2
+    except BaseException:  # a bug (its traceback shown) or ^C: still nothing half-written
+        if undo is not None:
+            undo()
+        raise
+    if args.network_tag is None and not args.no_report:
+        from .report import write_report
 
-            try:
-                print(f"wrote {write_report(args.out)}")
-            except GraceConfigError as err:
-                print(f"no report: {err}", file=sys.stderr)
-    except netem.NetemUnavailable as err:
-        print(f"grace-dgc: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    except (GraceConfigError, FileNotFoundError) as err:  # a bad config, missing data files
-        print(f"grace-dgc: error: {' '.join(str(err).split())}", file=sys.stderr)
-        if fresh and os.path.isdir(args.out) and not os.path.exists(os.path.join(args.out, "results.jsonl")):
-            shutil.rmtree(args.out)  # only what this run created, and it holds no result
-        return 2
+        try:
+            print(f"wrote {write_report(args.out)}")
+        except GraceConfigError as err:
+            print(f"no report: {err}", file=sys.stderr)
     if failures:
         print(
             f"{len(failures)} run(s) failed: {', '.join(f[0] for f in failures)} "
@@ -124,11 +208,15 @@ def run_survey(args):
 
 
 def _guarded(fn):
+    """``fn(args)`` with a user error as one line and exit status 2 (see :mod:`grace_dgc.cli`)."""
+
     def run(args):
         try:
             return fn(args)
-        except GraceConfigError as err:
-            print(f"grace-dgc: error: {' '.join(str(err).split())}", file=sys.stderr)
+        except USER_ERRORS as err:
+            if debug_requested(args):
+                raise
+            print(error_line(err), file=sys.stderr)
             return 2
 
     return run
@@ -155,28 +243,27 @@ def add_subcommands(sub):
 
 
 def survey_main(argv=None):
-    return run_survey(
-        add_survey_args(argparse.ArgumentParser(prog="grace-dgc survey", description=SURVEY_HELP)).parse_args(argv)
-    )
+    return run_survey(add_survey_args(OneLineParser(prog="grace-dgc survey", description=SURVEY_HELP)).parse_args(argv))
 
 
 def report_main(argv=None):
     return _guarded(run_report)(
-        add_report_args(argparse.ArgumentParser(prog="grace-dgc report", description=REPORT_HELP)).parse_args(argv)
+        add_report_args(OneLineParser(prog="grace-dgc report", description=REPORT_HELP)).parse_args(argv)
     )
 
 
 def project_main(argv=None):
     from . import project
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="grace-dgc project", description=project.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     return _guarded(run_project)(add_project_args(parser).parse_args(argv))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m grace_dgc.survey.cli")
+    parser = OneLineParser(prog="python -m grace_dgc.survey.cli")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

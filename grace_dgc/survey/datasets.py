@@ -20,22 +20,34 @@ import random
 import numpy as np
 import torch
 
+from ..errors import GraceDataError
+
 
 class MissingDataError(FileNotFoundError):
     """A workload's files are not in the data directory (they are never downloaded)."""
 
 
-def _missing(workload, data_dir, expected, looked_in):
-    where = ", ".join(looked_in) if looked_in else "(no --data-dir given)"
+def _missing(workload, data_dir, expected, looked_in, lacking=None, gz_ok=False):
+    """Raise :class:`MissingDataError`: the files expected, where they were looked for, which
+    the closest folder lacks (``lacking = (folder, names)``) and how to provide them."""
+    gz = " (.gz accepted)" if gz_ok else ""
+    start = f"workload {workload!r} reads local files and never downloads them; expected {', '.join(expected)}{gz}"
+    if data_dir is None:
+        raise MissingDataError(
+            f"{start} (no --data-dir given); pass --data-dir DIR (data_dir in a config) naming the directory "
+            f"that holds them"
+        )
+    partly = f"{lacking[0]} lacks {', '.join(lacking[1])}; " if lacking else ""
     raise MissingDataError(
-        f"workload {workload!r} reads local files and never downloads them; expected "
-        f"{', '.join(expected)} (.gz accepted for MNIST) in data_dir (--data-dir); looked in: {where}"
+        f"{start} under --data-dir {data_dir}; {partly}looked in {', '.join(looked_in)}; copy the files into "
+        f"one of these or pass --data-dir naming the directory that holds them"
     )
 
 
-def _find(data_dir, names, subdirs, workload):
-    """Path of each of ``names`` (plain or ``.gz``) in the first of ``subdirs`` holding all."""
-    looked = []
+def _find(data_dir, names, subdirs, workload, gz_ok=True):
+    """Path of each of ``names`` (plain, or ``.gz`` if ``gz_ok``) in the first of ``subdirs``
+    holding all; else :class:`MissingDataError` naming what the closest folder lacks."""
+    looked, closest = [], (0, None, ())
     if data_dir is not None:
         for sub in subdirs:
             folder = os.path.join(data_dir, sub) if sub else data_dir
@@ -47,8 +59,17 @@ def _find(data_dir, names, subdirs, workload):
                 ]
                 found.append(hits[0] if hits else None)
             if all(found):
+                packed = [os.path.basename(p) for p in found if p and p.endswith(".gz")]
+                if packed and not gz_ok:
+                    raise MissingDataError(
+                        f"workload {workload!r} reads the unpacked files; {folder} holds {', '.join(packed)}: "
+                        f"unpack them there (gunzip) and run again"
+                    )
                 return found
-    _missing(workload, data_dir, names, looked)
+            held = sum(p is not None for p in found)
+            if held > closest[0]:
+                closest = (held, folder, tuple(n for n, p in zip(names, found) if p is None))
+    _missing(workload, data_dir, names, looked, closest[1:] if closest[1] else None, gz_ok)
 
 
 # --------------------------------------------------------------------------------- MNIST-1D
@@ -118,19 +139,24 @@ def read_idx(path):
     """Parse an IDX file (optionally gzipped): magic ``00 00 <dtype> <ndim>``, then ndim
     big-endian uint32 sizes, then the big-endian data."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as handle:
-        raw = handle.read()
+    try:
+        with opener(path, "rb") as handle:
+            raw = handle.read()
+    except (gzip.BadGzipFile, EOFError) as error:  # a truncated or mislabelled .gz
+        raise GraceDataError(f"{path} is not a readable gzip file ({error}); unpack it by hand to see why") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise ValueError(
+        raise GraceDataError(
             f"{path} is not an IDX file (bad magic number {raw[:4].hex()}); "
             f"accepted: 00 00 <type in {sorted(_IDX_DTYPES)}> <ndim>"
         )
     dtype, ndim = np.dtype(_IDX_DTYPES[raw[2]]), raw[3]
+    if len(raw) < 4 + 4 * ndim:
+        raise GraceDataError(f"{path}: the IDX header names {ndim} dimensions but the file ends after {len(raw)} bytes")
     shape = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
     offset = 4 + 4 * ndim
     expected = int(np.prod(shape)) * dtype.itemsize
     if len(raw) - offset != expected:
-        raise ValueError(
+        raise GraceDataError(
             f"{path}: header says shape {shape} ({expected} bytes of data) but the file holds {len(raw) - offset}"
         )
     return np.frombuffer(raw, dtype, offset=offset).reshape(shape).astype(dtype.newbyteorder("="))
@@ -141,11 +167,11 @@ def mnist(data_dir, workload="mnist"):
 
     Returns images as float32 ``(N, 1, 28, 28)`` normalised with the usual mean/std.
     """
-    paths = _find(data_dir, MNIST_FILES, ("", "mnist", "MNIST/raw"), workload)
+    paths = _paths("mnist", data_dir, workload)
     train_x, train_y, test_x, test_y = (read_idx(p) for p in paths)
     for images, labels, split in ((train_x, train_y, "train"), (test_x, test_y, "t10k")):
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-            raise ValueError(f"MNIST {split} files disagree: images {images.shape}, labels {labels.shape}")
+            raise GraceDataError(f"MNIST {split} files disagree: images {images.shape}, labels {labels.shape}")
 
     def images_to_tensor(images):
         x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
@@ -194,12 +220,14 @@ def _cifar_batch(path):
     with open(path, "rb") as handle:
         try:
             batch = _ArraysOnly(handle, encoding="bytes").load()
-        except pickle.UnpicklingError as error:
-            raise ValueError(f"{path}: not a CIFAR-10 batch ({error})") from None
-    data = np.asarray(batch[b"data"], dtype=np.uint8)
-    labels = np.asarray(batch[b"labels"], dtype=np.int64)
+            data = np.asarray(batch[b"data"], dtype=np.uint8)
+            labels = np.asarray(batch[b"labels"], dtype=np.int64)
+        except (pickle.UnpicklingError, EOFError, KeyError, TypeError, IndexError, ValueError) as error:
+            plain = isinstance(error, pickle.UnpicklingError) and str(error)
+            reason = str(error) if plain else f"{type(error).__name__}: {error}".rstrip(": ")
+            raise GraceDataError(f"{path}: not a CIFAR-10 batch ({reason})") from None
     if data.ndim != 2 or data.shape[1] != 3072 or len(data) != len(labels):
-        raise ValueError(
+        raise GraceDataError(
             f"{path}: expected b'data' uint8 (N, 3072) and N b'labels', got {data.shape} and {labels.shape}"
         )
     return data, labels
@@ -210,9 +238,7 @@ def cifar10(data_dir, workload="cifar10"):
 
     Returns images float32 ``(N, 3, 32, 32)`` normalised per channel.
     """
-    paths = _find(data_dir, CIFAR_FILES, ("cifar-10-batches-py", ""), workload)
-    if any(p.endswith(".gz") for p in paths):
-        _missing(workload, data_dir, CIFAR_FILES, [os.path.dirname(paths[0]) + " (found .gz; unpack it)"])
+    paths = _paths("cifar10", data_dir, workload)
     train = [_cifar_batch(p) for p in paths[:5]]
     test_x, test_y = _cifar_batch(paths[5])
     mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)
@@ -265,8 +291,13 @@ PTB_FILES = ("ptb.train.txt", "ptb.valid.txt", "ptb.test.txt")
 
 
 def _ptb_words(path):
-    with open(path, encoding="utf-8") as handle:
-        return [word for line in handle for word in line.split() + ["<eos>"]]
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return [word for line in handle for word in line.split() + ["<eos>"]]
+    except UnicodeDecodeError as error:
+        raise GraceDataError(
+            f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); PTB files are plain text"
+        ) from None
 
 
 def _windows(tokens, bptt):
@@ -284,9 +315,7 @@ def ptb(data_dir, bptt=35, workload="ptb"):
     int64 ``(N, bptt)`` and ``vocabulary`` is the list of words by id (ids by first
     appearance, so the mapping is deterministic).
     """
-    paths = _find(data_dir, PTB_FILES, ("", "ptb", "simple-examples/data"), workload)
-    if any(p.endswith(".gz") for p in paths):
-        _missing(workload, data_dir, PTB_FILES, [os.path.dirname(paths[0]) + " (found .gz; unpack it)"])
+    paths = _paths("ptb", data_dir, workload)
     splits = [_ptb_words(p) for p in paths]
     vocabulary = list(dict.fromkeys(splits[0]))
     if "<unk>" not in vocabulary:
@@ -296,9 +325,35 @@ def ptb(data_dir, bptt=35, workload="ptb"):
     windows = []
     for name, words in zip(PTB_FILES, splits):
         if len(words) < bptt + 1:
-            raise ValueError(f"{name} has {len(words)} tokens; need at least bptt+1={bptt + 1}")
+            raise GraceDataError(f"{name} has {len(words)} tokens; need at least bptt+1={bptt + 1}")
         windows.append(_windows([index.get(w, unk) for w in words], bptt))
     return windows[0], windows[1], windows[2], vocabulary
+
+
+# --------------------------------------------------------------------- which files, where
+FILE_LAYOUTS = {  # dataset -> (its files, the folders of data_dir they may be in, in order)
+    "mnist": (MNIST_FILES, ("", "mnist", "MNIST/raw")),
+    "cifar10": (CIFAR_FILES, ("cifar-10-batches-py", "")),
+    "ptb": (PTB_FILES, ("", "ptb", "simple-examples/data")),
+}
+GZ_ACCEPTED = ("mnist",)  # the others' .gz downloads must be unpacked first
+
+
+def _paths(dataset, data_dir, workload):
+    files, subdirs = FILE_LAYOUTS[dataset]
+    return _find(data_dir, files, subdirs, workload, gz_ok=dataset in GZ_ACCEPTED)
+
+
+#: the survey workloads that read local files, and which dataset's
+WORKLOAD_FILES = {"mnist-mlp": "mnist", "mnist-lenet5": "mnist", "cifar10-resnet20": "cifar10", "ptb-lstm": "ptb"}
+
+
+def check_files(workload, data_dir):
+    """Raise :class:`MissingDataError` if ``workload`` reads files that ``data_dir`` lacks;
+    reads nothing (a check before a run creates its output folder). Generated workloads pass."""
+    dataset = WORKLOAD_FILES.get(workload)
+    if dataset is not None:
+        _paths(dataset, data_dir, workload)
 
 
 # ---------------------------------------------------------------------------- fc-heavy task

@@ -1,6 +1,7 @@
 """The built-in survey grids, named by what they reproduce (the seed documents' tables). The
 names they first had (by document number) are kept as aliases."""
 
+import difflib
 import math
 
 from ..errors import GraceConfigError
@@ -145,15 +146,25 @@ PRESET_ALIASES = {
 }
 
 
+def preset_name(name):
+    """The preset ``name`` stands for (an earlier name resolved); an unknown one is a
+    :class:`GraceConfigError` suggesting the closest name."""
+    if not isinstance(name, str):
+        raise GraceConfigError(f"a preset is given by name (a str), got {name!r}")
+    if name in PRESETS or name in PRESET_ALIASES:
+        return PRESET_ALIASES.get(name, name)
+    close = difflib.get_close_matches(name.lower(), [*PRESETS, *PRESET_ALIASES], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise GraceConfigError(
+        f"unknown preset {name!r}{hint}; accepted: {', '.join(PRESETS)} "
+        f"(or the earlier names {', '.join(PRESET_ALIASES)})"
+    )
+
+
 def preset_dict(name, data_dir=None):
     """The raw config dict of preset ``name`` (``data_dir`` switches to file datasets where
     the preset has one)."""
-    name = PRESET_ALIASES.get(name, name)
-    if name not in PRESETS:
-        raise GraceConfigError(
-            f"unknown preset {name!r}; accepted: {', '.join(PRESETS)} "
-            f"(or the earlier names {', '.join(PRESET_ALIASES)})"
-        )
+    name = preset_name(name)
     raw = PRESETS[name](data_dir)
     return {k: v for k, v in raw.items() if v is not None}
 
@@ -161,4 +172,4 @@ def preset_dict(name, data_dir=None):
 def load_preset(name, data_dir=None):
     from .config import SurveyConfig
 
-    return SurveyConfig(preset_dict(name, data_dir), source=f"preset {PRESET_ALIASES.get(name, name)}")
+    return SurveyConfig(preset_dict(name, data_dir), source=f"preset {preset_name(name)}")
