@@ -27,6 +27,13 @@ class GraceCommError(RuntimeError):
     """A collective failed or timed out; the message names the ranks that did not answer."""
 
 
+def on_every_rank(error):
+    """Mark ``error`` as raised alike on every rank (a handshake mismatch, the non-finite
+    policy "raise"): the ranks stay in step, so nothing needs to tear the group down."""
+    error.on_every_rank = True
+    return error
+
+
 def check_range(name, value, low=None, high=None, *, low_open=False, high_open=False, kind=float, allow_inf=False):
     """Validate ``low <(=) value <(=) high`` and return ``kind(value)``.
 

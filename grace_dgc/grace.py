@@ -24,7 +24,7 @@ from torch import Tensor
 from . import handshake
 from .engines import AutoEngine, create_engine
 from .engines.base import Engine
-from .errors import GraceConfigError, GraceNonFiniteError, check_range
+from .errors import GraceConfigError, GraceNonFiniteError, check_range, on_every_rank
 from .interfaces import Communicator, Compressor, Memory, Payload
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry
 from .workspace import flat_span
@@ -118,7 +118,19 @@ class Grace:
         if any(t.is_cuda for t in tensors):  # the gradients are produced on the caller's stream
             ready = torch.cuda.Event()
             ready.record()
-        return self._worker.submit(self._exchange, list(tensors), list(names), inplace, ready)
+        return self._worker.submit(self._exchange_or_fail, list(tensors), list(names), inplace, ready)
+
+    def _exchange_or_fail(self, tensors: list[Tensor], names: list[str], inplace: bool, ready: Any) -> list[Tensor]:
+        """:meth:`_exchange`; an error that this rank alone meets (a bug, a bad view, a
+        collective that failed) is handed to the engine, which tells the other ranks and
+        wakes them from the collective they wait in: every rank gets a named error now,
+        instead of one error here and a timeout there."""
+        try:
+            return self._exchange(tensors, names, inplace, ready)
+        except BaseException as error:
+            if not getattr(error, "on_every_rank", False):
+                self.engine.fail(error)
+            raise
 
     def _exchange(
         self, tensors: list[Tensor], names: list[str], inplace: bool = False, ready: Any = None
@@ -259,7 +271,7 @@ class Grace:
         where = "some rank" if ranks is None else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         if self.nonfinite == "raise":
-            raise GraceNonFiniteError(f"a gradient of {shown} is not finite (NaN or Inf) on {where}")
+            raise on_every_rank(GraceNonFiniteError(f"a gradient of {shown} is not finite (NaN or Inf) on {where}"))
         self.skipped += 1
         self._stats["skipped"] += 1
         for target in tensors if inplace else outputs:

@@ -14,7 +14,7 @@ import hashlib
 
 import torch
 
-from .errors import GraceConfigError
+from .errors import GraceConfigError, on_every_rank
 
 FIELDS = (
     "world size",
@@ -61,9 +61,11 @@ def agree(grace, tensors, names):
         field = FIELDS[i]
         shown = "; ".join(f"rank {rank}: {_short(d[field])}" for rank, d in enumerate(everyone))
         details.append(f"{field} — {shown}")
-    raise GraceConfigError(
-        "the ranks run different configurations (every rank must build the same methods with the same "
-        "parameters and exchange the same tensors in the same order): " + " | ".join(details)
+    raise on_every_rank(
+        GraceConfigError(
+            "the ranks run different configurations (every rank must build the same methods with the same "
+            "parameters and exchange the same tensors in the same order): " + " | ".join(details)
+        )
     )
 
 

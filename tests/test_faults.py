@@ -565,3 +565,67 @@ def test_a_rank_stepping_more_than_the_others_gets_an_error_naming_who_is_gone()
     _, message = run_local(extra_step_job, 2, timeout=120)
     assert "allreduce" in message and "failed on rank 1 of 2" in message, message
     assert "rank 0" in message, message
+
+
+# -- a failure on one rank reaches every rank (issue 20) ------------------------------------
+
+
+def lone_failure_job(rank, world_size, where, failing, communicator="sparse_allreduce"):
+    """Rank ``failing`` meets an error on its own at the second step: before its payload
+    goes out (``compress``) or between two collectives of one exchange (``all_to_all``).
+    Returns (error type, message, seconds until the error) on every rank."""
+    import time
+
+    compressor = "topk" if communicator == "sparse_allreduce" else "none"
+    grace = grace_dgc.build(
+        compressor, "residual", communicator, timeout=60, **({"compress_ratio": 0.5} if compressor == "topk" else {})
+    )
+    grace.step(torch.ones(64), "w")
+    if rank == failing:
+        if where == "compress":
+            original = grace.wire.compress
+
+            def compress(tensor, name):
+                raise RuntimeError("boom in compress")
+
+            grace.wire.compress = compress
+        else:
+            calls, original = [], grace.engine.all_to_all
+
+            def all_to_all(*args):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("boom between collectives")
+                return original(*args)
+
+            grace.engine.all_to_all = all_to_all
+    start = time.monotonic()
+    try:
+        grace.step(torch.ones(64), "w")
+    except Exception as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+    return None, "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    "world, failing, where, communicator",
+    [
+        (2, 0, "compress", "sparse_allreduce"),
+        (3, 2, "all_to_all", "sparse_allreduce"),
+        (3, 0, "all_to_all", "sparse_allreduce"),
+        (3, 0, "compress", "allreduce"),
+        (3, 1, "compress", "allreduce"),
+    ],
+)
+def test_an_error_on_one_rank_reaches_every_rank_named_at_once(world, failing, where, communicator):
+    from grace_dgc.launch import run_local
+
+    results = run_local(lone_failure_job, world, args=(where, failing, communicator), timeout=120)
+    for rank, (kind, message, seconds) in enumerate(results):
+        if rank == failing:
+            assert kind == "RuntimeError" and "boom" in message, (rank, kind, message)
+            continue
+        assert kind == "GraceCommError", (rank, kind, message)
+        assert f"rank {failing} failed first (RuntimeError: boom" in message, message
+        # far below the 60 s timeout: the failed rank woke the others
+        assert seconds < 30, (rank, seconds, message)

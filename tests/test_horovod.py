@@ -8,6 +8,7 @@ install (scripts/install-horovod.sh): if it is missing these tests fail, never s
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -211,3 +212,16 @@ def test_engine_errors_name_the_fix(monkeypatch):
     monkeypatch.delitem(engines.ENGINES, "horovod")
     with pytest.raises(ImportError, match=r"pip install grace_dgc\[horovod\].*scripts/install-horovod.sh"):
         grace_dgc.create_engine("horovod")
+
+
+def test_an_error_on_one_rank_ends_the_other_ranks_exchange_at_once():
+    """Grace hands a rank's lone error to the engine: Horovod is shut down on that rank, so
+    the other's pending collective ends with Horovod's "shut down ... caused by an exception
+    on one of the ranks" instead of waiting for the stall check."""
+    proc = start_horovodrun(os.path.join(os.path.dirname(__file__), "hvd_failure.py"))
+    stdout, stderr = proc.communicate(timeout=180)
+    found = re.findall(r"RESULT (\d) (\w+) ([\d.]+)", stdout)
+    results = {int(rank): (kind, float(seconds)) for rank, kind, seconds in found}
+    assert set(results) == {0, 1}, f"{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert results[0][0] == "RuntimeError", results
+    assert results[1][0] == "HorovodInternalError" and results[1][1] < 30, results

@@ -115,6 +115,10 @@ class AutoEngine(Engine):
     def barrier(self) -> None:
         return self.resolve().barrier()
 
+    def fail(self, error: BaseException) -> None:
+        if self._engine is not None:
+            self._engine.fail(error)
+
 
 def create_engine(engine: str | Engine = "auto", **kwargs: Any) -> Engine:
     """Create an engine by name (``auto``, ``local``, ``torch``, ``horovod``) or pass one

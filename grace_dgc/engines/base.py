@@ -49,6 +49,11 @@ class Engine:
     def bytes_received(self) -> int:
         return self.traffic.received
 
+    def fail(self, error: BaseException) -> None:
+        """This rank met ``error`` between or inside collectives and cannot stay in step:
+        tell the other ranks, so that the collective they wait in ends with an error naming
+        this rank and its error (one process: nothing to tell)."""
+
     def allreduce(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over ranks; returns the summed tensor (possibly in place)."""
         raise NotImplementedError

@@ -88,6 +88,13 @@ class HorovodEngine(Engine):
     def local_rank(self) -> int:
         return self._local_rank
 
+    def fail(self, error: BaseException) -> None:
+        """Shut Horovod down on this rank: the other ranks' pending collectives end at once
+        with Horovod's "Horovod has been shut down ... caused by an exception on one of the
+        ranks" (this rank's error is raised here and printed in its log)."""
+        if hvd.is_initialized():
+            hvd.shutdown()
+
     def _name(self, kind: str) -> str:
         self._issued += 1
         return f"{self._prefix}.{kind}.{self._issued - 1}"

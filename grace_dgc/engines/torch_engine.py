@@ -13,6 +13,8 @@ from torch import Tensor
 from ..errors import GraceCommError, GraceConfigError, check_range
 from .base import Engine, pad_to
 
+ERROR_KEY = "grace/error/"  # + global rank: the error a rank posted before leaving (see fail)
+SEEN_KEY = "grace/error-seen/"  # + global rank: it has read a posted error
 DEFAULT_TIMEOUT = 300.0  # seconds: far below torch's 30 min, far above any sane step
 
 
@@ -32,6 +34,7 @@ class TorchEngine(Engine):
         super().__init__()
         self.timeout = check_range("timeout", timeout, 0, low_open=True)
         self._calls = 0
+        self._failed = False
         if not (dist.is_available() and dist.is_initialized()):
             raise GraceConfigError(
                 "engine='torch' needs an initialized process group: call "
@@ -67,15 +70,48 @@ class TorchEngine(Engine):
         finally:
             self.traffic.seconds += time.perf_counter() - start
 
+    def fail(self, error: BaseException) -> None:
+        """Post this rank's error in the store (where the others' :meth:`_diagnose` reads
+        it), then abort the process group: gloo closes its connections, so a peer blocked
+        in a collective ends now instead of at its timeout. A collective that failed here
+        (:class:`GraceCommError`) needs neither: its peers' collectives failed or time out
+        alike, and aborting a group whose peer is stopped would block."""
+        if self._failed or isinstance(error, GraceCommError):
+            return
+        self._failed = True
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            text = str(error).splitlines()[0][:300] if str(error) else ""
+            store.set(f"{ERROR_KEY}{self._global(self.rank)}", f"{type(error).__name__}: {text}")
+            dist.distributed_c10d._abort_process_group(self.group)
+            # rank 0 hosts the store: stay until the others have read the error (at most 5 s)
+            others = [f"{SEEN_KEY}{self._global(r)}" for r in range(self.size) if r != self.rank]
+            store.wait(others, timedelta(seconds=min(self.timeout, 5.0)))
+        except Exception:  # best effort: the group or the store may be gone already
+            pass
+
+    def _posted_error(self, store: Any) -> str | None:
+        """The first error another rank posted with :meth:`fail`, as "rank R failed: …"."""
+        for rank in range(self.size):
+            key = f"{ERROR_KEY}{self._global(rank)}"
+            if rank != self.rank and store.check([key]):
+                store.set(f"{SEEN_KEY}{self._global(self.rank)}", "1")
+                return f"rank {rank} failed first ({store.get(key).decode()[:300]}); its log has the traceback"
+        return None
+
     def _diagnose(self, kind: str, error: BaseException) -> str:
-        """Meet the other ranks in the store: each survivor sets a key for this collective
-        and waits briefly for the others'; those missing did not answer."""
+        """Meet the other ranks in the store: a rank that failed on its own left its error
+        there (:meth:`fail`); otherwise each survivor sets a key for this collective and
+        waits briefly for the others'; those missing did not answer."""
         what = (
             f"{kind} #{self._calls} failed on rank {self.rank} of {self.size} "
             f"({type(error).__name__}: {str(error).splitlines()[0][:200]})"
         )
         try:
             store = dist.distributed_c10d._get_default_store()
+            posted = self._posted_error(store)
+            if posted:
+                return f"{what}; {posted}"
             prefix = f"grace/failed/{self._calls}/"
             store.set(prefix + str(self._global(self.rank)), "1")
             missing = []
@@ -88,6 +124,9 @@ class TorchEngine(Engine):
                     if "timeout" not in str(wait_error).lower():
                         raise  # not a timeout: the store itself is gone
                     missing.append(rank)
+            posted = self._posted_error(store)  # a rank that failed while this one waited
+            if posted:
+                return f"{what}; {posted}"
         except Exception as store_error:
             return (
                 f"{what}; the store (hosted by rank 0) is unreachable too "
