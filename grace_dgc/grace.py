@@ -71,6 +71,7 @@ class Grace:
         self.skipped = 0  # groups skipped for a non-finite gradient (on any rank)
         self._bound = False
         self._agreed: set[tuple] = set()  # group signatures the ranks agreed on (see handshake)
+        self.plan = ""  # every group of one step, when declared (see expect_groups)
         self.params: dict[str, dict[str, Any]] = {}  # constructor parameters per part, as build() routed them
         self.wire = compressor  # what compresses each gradient: the communicator's choice, set by bind
         self._wire_of = compressor
@@ -80,6 +81,16 @@ class Grace:
             self.bind()
         self._worker: ThreadPoolExecutor | None = None
         self.reset_stats()
+
+    def expect_groups(self, groups: Sequence[Sequence[tuple[str, Tensor]]]) -> None:
+        """Declare the fusion groups of one step, in order, as (name, tensor) pairs: the
+        ranks compare the whole plan at the next handshake, so a rank with one more (or one
+        other) group is a :class:`GraceConfigError` on every rank before any exchange of it
+        (DistributedOptimizer declares its buckets)."""
+        self.plan = repr(
+            [[(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in group] for group in groups]
+        )
+        self._agreed.clear()  # the next group's first exchange checks the plan
 
     # -- the data path -------------------------------------------------------------
     def step(self, tensor: Tensor, name: str) -> Tensor:

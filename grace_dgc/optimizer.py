@@ -96,6 +96,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._skipped_mark = grace.skipped
         self.found_inf = False  # this step had a NaN/Inf gradient on some rank: step() skips it
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._names]
+        # ranks compare every bucket at the first exchange, not bucket by bucket as they come
+        grace.expect_groups([[(self._names[p], p) for p in bucket] for bucket in self._buckets])
         self._attach_memory()
 
     @staticmethod

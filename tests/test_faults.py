@@ -247,7 +247,9 @@ def differing_job(rank, world_size, case):
         params = params[::-1]
     if case == "extra" and rank == 1:
         params.append(("extra", torch.nn.Parameter(torch.zeros(5))))
-    fusion = 0 if case == "fusion" and rank == 1 else 4 * 2**20
+    if case == "extra first, unfused" and rank == 0:  # its own group, exchanged last
+        params.insert(0, ("extra", torch.nn.Parameter(torch.zeros(5))))
+    fusion = 0 if (case == "fusion" and rank == 1) or case == "extra first, unfused" else 4 * 2**20
     optimizer = grace_dgc.DistributedOptimizer(
         torch.optim.SGD([p for _, p in params], lr=0.1), grace, params, fusion_bytes=fusion
     )
@@ -270,6 +272,7 @@ def differing_job(rank, world_size, case):
         ("order", "tensors \\(name, shape, dtype\\)"),
         ("extra", "tensors \\(name, shape, dtype\\)"),
         ("fusion", "tensors \\(name, shape, dtype\\)"),
+        ("extra first, unfused", "exchange plan \\(the groups of one step\\) — rank 0: .*'extra'"),
     ],
 )
 def test_ranks_that_differ_get_an_error_naming_the_difference_on_every_rank(case, field):
