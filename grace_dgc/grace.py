@@ -131,6 +131,14 @@ class Grace:
             ready.record()
         return self._worker.submit(self._exchange_or_fail, list(tensors), list(names), inplace, ready)
 
+    def run_in_order(self, fn: Any) -> Future[Any]:
+        """Run ``fn()`` on the communication thread after the groups submitted before it:
+        a collective of the caller's own (a flag, a broadcast) stays in the same order on
+        every rank as grace's exchanges."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grace-comm")
+        return self._worker.submit(fn)
+
     def _exchange_or_fail(self, tensors: list[Tensor], names: list[str], inplace: bool, ready: Any) -> list[Tensor]:
         """:meth:`_exchange`; an error that this rank alone meets (a bug, a bad view, a
         collective that failed) is handed to the engine, which tells the other ranks and

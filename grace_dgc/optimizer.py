@@ -16,7 +16,7 @@ import torch
 
 from .engines import create_engine
 from .engines.base import Engine
-from .errors import GraceConfigError
+from .errors import GraceConfigError, check_bool
 
 if TYPE_CHECKING:
     from .grace import Grace
@@ -95,6 +95,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False  # averaged gradients are in p.grad, awaiting step()
         self._skipped_mark = grace.skipped
         self.found_inf = False  # this step had a NaN/Inf gradient on some rank: step() skips it
+        self._joining: _Join | None = None  # inside join(): see there
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._names]
         # ranks compare every bucket at the first exchange, not bucket by bucket as they come
         grace.expect_groups([[(self._names[p], p) for p in bucket] for bucket in self._buckets])
@@ -199,6 +200,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._submit(bucket)
 
     def _submit(self, bucket: int) -> None:
+        joining = self._joining
+        if bucket == 0 and joining is not None and not joining.shadowing:  # a step begins: "still here"
+            joining.active = self.grace.run_in_order(lambda: self._count_active(still_here=True))
         params = self._buckets[bucket]
         for param in params:  # unused this step (on every rank): exchange zeros
             self._to_view(param)
@@ -220,9 +224,82 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._ready.clear()
         self._passes.clear()
         self._synchronized = True
+        joining = self._joining
+        if joining is not None and not joining.shadowing:
+            joining.steps += 1
+            size = self.grace.engine.size
+            active = size if joining.active is None else joining.active.result()
+            if joining.divide_by_active and active < size:  # the average of the ranks still training
+                for param in self._names:
+                    cast(torch.Tensor, param.grad).mul_(size / active)
         # a group skipped for a non-finite gradient (the same decision on every rank)
         self.found_inf = self.grace.skipped != self._skipped_mark
         self._skipped_mark = self.grace.skipped
+
+    @contextmanager
+    def join(self, divide_by_active: bool = False, module: torch.nn.Module | None = None) -> Iterator[None]:
+        """Uneven inputs: inside this block ranks may run different numbers of steps.
+
+        As DDP's ``Join``: at the start of each step (its first bucket) every rank still
+        training says so in one small allreduce, on grace's communication thread, in order
+        with the exchanges. A rank whose loop has ended leaves the block and *shadows* the
+        others: it answers "joined" and exchanges zero gradients through the same buckets
+        and methods (so every collective still has all ranks), until no rank is training.
+        Then the parameters of the rank that ran the most steps (the lowest such rank) are
+        broadcast to all, and with ``module`` its buffers too (BatchNorm statistics), so the
+        ranks leave the block with the same model.
+
+        The average is over all ranks (a joined rank adds zeros), as DDP's default
+        ``divide_by_initial_world_size=True``; ``divide_by_active=True`` divides by the
+        ranks still training instead. A joined rank's memory keeps running on zeros (its
+        error feedback still drains) and its optimizer state stays its own, as in DDP.
+        Exceptions inside the block propagate without shadowing."""
+        if self._joining is not None:
+            raise GraceConfigError("join() is already active on this optimizer")
+        check_bool("divide_by_active", divide_by_active)
+        if self._pending or self._synchronized:
+            raise RuntimeError("enter join() between steps: call step() (or zero_grad()) first")
+        self._joining = _Join(divide_by_active)
+        try:
+            yield
+            if self._pending or self._synchronized:
+                raise RuntimeError("the join() block ended in the middle of a step: call step() before leaving it")
+            self._shadow_until_all_joined(module)
+        finally:
+            self._joining = None
+
+    def _count_active(self, still_here: bool) -> int:
+        device = next(iter(self._names)).device
+        flag = torch.tensor([1.0 if still_here else 0.0], device=device)
+        return int(self.grace.engine.allreduce(flag).item())
+
+    def _shadow_until_all_joined(self, module: torch.nn.Module | None) -> None:
+        joining = cast(_Join, self._joining)
+        joining.shadowing = True
+        while self.grace.run_in_order(lambda: self._count_active(still_here=False)).result():
+            for param in self._names:  # this rank's contribution: zeros, through the same buckets
+                param.grad = None
+            for bucket in range(len(self._buckets)):
+                self._submit(bucket)
+            for future in self._pending.values():
+                future.result()
+            self._pending.clear()
+        tensors = [p.data for p in self._names]
+        if module is not None:
+            tensors += [b for b in module.buffers() if b.dtype != torch.bool]
+        self.grace.run_in_order(lambda: self._sync_from_longest(joining.steps, tensors)).result()
+
+    def _sync_from_longest(self, steps: int, tensors: list[torch.Tensor]) -> None:
+        engine = self.grace.engine
+        device = tensors[0].device if tensors else torch.device("cpu")
+        counts = [int(c.item()) for c in engine.allgather(torch.tensor([steps], device=device))]
+        root = counts.index(max(counts))
+        with torch.no_grad():
+            for tensor in tensors:
+                buffer = tensor.contiguous()
+                engine.broadcast(buffer, root)
+                if buffer.data_ptr() != tensor.data_ptr():
+                    tensor.copy_(buffer)
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -327,6 +404,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> Any:
         raise TypeError("DistributedOptimizer is not picklable; save state_dict() instead")
+
+
+class _Join:
+    """State of :meth:`DistributedOptimizer.join`: the step's "still training" count (a
+    Future), the steps this rank ran, and whether it now shadows the others."""
+
+    def __init__(self, divide_by_active: bool) -> None:
+        self.divide_by_active = divide_by_active
+        self.active: Future[int] | None = None
+        self.steps = 0
+        self.shadowing = False
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0, engine: str | Engine = "auto") -> None:

@@ -273,3 +273,33 @@ def test_hook_writes_each_parameters_exchange_into_the_bucket_and_reports_errors
     state.grace.memory.compensate = broken
     with pytest.raises(ValueError, match="compensate failed for param.1"):
         hook(state, FakeBucket([a])).wait()
+
+
+def ddp_join_job(rank, world_size):
+    """Uneven inputs under DDP: torch's own ``Join`` shadows the ranks that ran out of data
+    by calling the comm hook on zero buckets, so grace's hook needs nothing more."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    from grace_dgc.ddp import GraceHookState, grace_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    ddp = DistributedDataParallel(model)
+    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.5)
+    ddp.register_comm_hook(GraceHookState(grace, ddp), grace_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with Join([ddp]):
+        for step in range(2 + 3 * rank):
+            optimizer.zero_grad()
+            ddp(torch.randn(5, 4, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], grace.stats()["steps"]
+
+
+def test_ddp_join_with_the_grace_hook_runs_uneven_inputs_to_the_end():
+    from grace_dgc.launch import run_local
+
+    (params0, steps0), (params1, steps1) = run_local(ddp_join_job, 2, timeout=120)
+    assert steps0 == steps1 == 5  # rank 0 shadowed rank 1's last three steps
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))

@@ -1,6 +1,7 @@
 """Bad input and misuse end in clear errors (issue 10, first part): parameter validation,
 ``engine="auto"`` that cannot silently train alone, checkpoints that say what they are."""
 
+import copy
 import inspect
 import io
 import math
@@ -632,3 +633,83 @@ def test_an_error_on_one_rank_reaches_every_rank_named_at_once(world, failing, w
         assert f"rank {failing} failed first (RuntimeError: boom" in message, message
         # far below the 60 s timeout: the failed rank woke the others
         assert seconds < 30, (rank, seconds, message)
+
+
+# -- uneven inputs: join() ------------------------------------------------------------------
+
+JOIN_METHODS = [("none", "none", "allreduce", {}), ("topk", "residual", "allgather", {"compress_ratio": 0.5})]
+
+
+def join_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+
+
+def join_batch(rank, step):
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def join_batches(rank):
+    return 2 + 3 * rank  # rank 0 stops first, the last rank trains longest
+
+
+def uneven_job(rank, world_size, method, divide_by_active, fusion):
+    comp, mem, comm, params = method
+    model = join_model()
+    grace = grace_dgc.build(comp, mem, comm, **params)
+    optimizer = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), grace, model.named_parameters(), fusion_bytes=fusion
+    )
+    with optimizer.join(divide_by_active=divide_by_active, module=model):
+        for step in range(join_batches(rank)):
+            optimizer.zero_grad()
+            model(join_batch(rank, step)).square().mean().backward()
+            optimizer.step()
+    return [t.detach().clone() for t in model.state_dict().values()], grace.stats()["steps"]
+
+
+def uneven_reference(world, divide_by_active):
+    """The same training in one process: at step t the ranks still training compute their
+    gradients on the common model; the average sums them over the world (or the active)."""
+    model = join_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(join_batches(world - 1)):
+        active = [r for r in range(world) if step < join_batches(r)]
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        buffers = None
+        for rank in active:
+            replica = copy.deepcopy(model)
+            replica(join_batch(rank, step)).square().mean().backward()
+            for acc, p in zip(total, replica.parameters()):
+                acc += p.grad
+            if rank == active[-1]:  # BatchNorm statistics: those of the longest-running rank
+                buffers = [b.clone() for b in replica.buffers()]
+        for p, acc in zip(model.parameters(), total):
+            p.grad = acc / (len(active) if divide_by_active else world)
+        optimizer.step()
+        for b, new in zip(model.buffers(), buffers):
+            b.copy_(new)
+    return [t.detach() for t in model.state_dict().values()]
+
+
+@pytest.mark.parametrize(
+    "world, method, divide_by_active, fusion",
+    [
+        (2, JOIN_METHODS[0], False, 4 * 2**20),
+        (3, JOIN_METHODS[0], True, 0),
+        (3, JOIN_METHODS[1], False, 4 * 2**20),
+    ],
+)
+def test_join_lets_ranks_run_different_numbers_of_steps_and_leave_in_sync(world, method, divide_by_active, fusion):
+    from grace_dgc.launch import run_local
+
+    results = run_local(uneven_job, world, (method, divide_by_active, fusion), timeout=120)
+    first, _ = results[0]
+    for rank, (state, exchanges) in enumerate(results):
+        # every rank took part in every step of the longest-running rank (shadowing with zeros)
+        assert exchanges == join_batches(world - 1), (rank, exchanges)
+        for a, b in zip(state, first):
+            assert torch.equal(a, b), f"rank {rank} left join() with another model"
+    if method[0] == "none":  # exact: the single-process reference
+        for got, want in zip(first, uneven_reference(world, divide_by_active)):
+            assert torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6), (got, want)

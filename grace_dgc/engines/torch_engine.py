@@ -159,7 +159,7 @@ class TorchEngine(Engine):
         if root == self.rank:
             self._count(tensor, received=0)
         else:
-            self._count(tensor[:0], received=tensor.numel())
+            self._count(tensor.reshape(-1)[:0], received=tensor.numel())  # 0-dim too (a step count)
         self._run("broadcast", lambda: dist.broadcast(tensor, src=self._global(root), group=self.group, async_op=True))
         return tensor
 
