@@ -28,6 +28,7 @@ FIELDS = (
     "communicator parameters",
     "tensors (name, shape, dtype)",
     "exchange plan (the groups of one step)",
+    "non-finite policy",
 )
 
 
@@ -40,6 +41,7 @@ def describe(grace, tensors, names):
     values += [repr(sorted(params.get(kind, {}).items())) for kind in parts]
     values.append(repr([(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in zip(names, tensors)]))
     values.append(getattr(grace, "plan", ""))
+    values.append(str(getattr(grace, "nonfinite", "")))
     return dict(zip(FIELDS, values))
 
 

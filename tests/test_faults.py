@@ -239,6 +239,8 @@ def differing_job(rank, world_size, case):
         grace = grace_dgc.build("topk", "residual", "allgather" if rank == 0 else "broadcast", compress_ratio=0.5)
     elif case == "seed":
         grace = grace_dgc.build("randomk", "residual", "allreduce", compress_ratio=0.5, seed=rank)
+    elif case == "nonfinite":
+        grace = grace_dgc.build("none", "none", "allreduce", nonfinite="skip" if rank == 0 else "raise")
     elif case == "ratio":
         grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.01 if rank == 0 else 0.1)
     else:
@@ -273,6 +275,7 @@ def differing_job(rank, world_size, case):
         ("order", "tensors \\(name, shape, dtype\\)"),
         ("extra", "tensors \\(name, shape, dtype\\)"),
         ("fusion", "tensors \\(name, shape, dtype\\)"),
+        ("nonfinite", "non-finite policy — rank 0: skip; rank 1: raise"),
         ("extra first, unfused", "exchange plan \\(the groups of one step\\) — rank 0: .*'extra'"),
     ],
 )
@@ -500,6 +503,13 @@ def test_norms_and_scales_do_not_overflow_on_finite_input():
         assert bool(torch.isfinite(comp.decompress(payload, ctx)).all()), name
     grace = grace_dgc.build("topk", "momentum", "allgather", engine="local", gradient_clipping=1.0)
     assert bool(torch.isfinite(grace.step(x, "w")).all())
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", ""])
+def test_a_bad_local_world_size_is_named(monkeypatch, value):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    with pytest.raises(GraceConfigError, match=f"LOCAL_WORLD_SIZE={value!r} in the environment; accepted"):
+        grace_dgc.build("none", "none", "hierarchical", engine="local")
 
 
 def test_memories_reset_forgets_state():

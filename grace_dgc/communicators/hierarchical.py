@@ -57,7 +57,7 @@ class Hierarchical(Communicator):
 
     def setup(self) -> Engine:
         engine = self.engine
-        size = self.group_size or int(os.environ.get("LOCAL_WORLD_SIZE", engine.size))
+        size = self.group_size or _local_world_size(engine.size)
         if engine.size % size:
             raise GraceConfigError(
                 f"hierarchical: {engine.size} ranks do not form nodes of group_size={size}; "
@@ -111,6 +111,20 @@ class Hierarchical(Communicator):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.outer is not None:
             self.outer.load_state_dict(state)
+
+
+def _local_world_size(default: int) -> int:
+    """torchrun's ``LOCAL_WORLD_SIZE`` (ranks per machine), checked: a launcher or a user
+    setting it by hand gets a named error, not a ValueError or a division by zero."""
+    text = os.environ.get("LOCAL_WORLD_SIZE")
+    if text is None:
+        return default
+    if not text.strip().isdigit() or int(text) < 1:
+        raise GraceConfigError(
+            f"hierarchical: LOCAL_WORLD_SIZE={text!r} in the environment; accepted: a whole number >= 1 "
+            "(ranks per machine, set by torchrun), or pass group_size="
+        )
+    return int(text)
 
 
 class NodesView(Engine):
