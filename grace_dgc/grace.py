@@ -438,9 +438,11 @@ class Grace:
                     f"{self.world_size}: per-rank state (residuals, momenta) does not carry over"
                 )
         try:
+            # the communicator first: it may refuse a state of another configuration before
+            # anything is loaded
+            self.communicator.load_state_dict(state.get("communicator", {}))
             self.compressor.load_state_dict(state["compressor"])
             self.memory.load_state_dict(state["memory"])
-            self.communicator.load_state_dict(state.get("communicator", {}))
         except (KeyError, TypeError, AttributeError) as error:
             raise GraceConfigError(
                 f"the state does not fit {_describe(self._methods())} ({type(error).__name__}: "

@@ -723,3 +723,14 @@ def test_join_lets_ranks_run_different_numbers_of_steps_and_leave_in_sync(world,
     if method[0] == "none":  # exact: the single-process reference
         for got, want in zip(first, uneven_reference(world, divide_by_active)):
             assert torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6), (got, want)
+
+
+def test_owner_errors_do_not_load_into_a_reduce_scatter_without_error_feedback():
+    saved = grace_dgc.build("qsgd", "none", "reduce_scatter", engine="local", error_feedback=True)
+    saved.step(torch.randn(100, generator=torch.Generator().manual_seed(0)), "w")
+    state = saved.state_dict()
+    assert state["communicator"]["errors"], "qsgd's requantization leaves an owner error"
+    target = grace_dgc.build("qsgd", "none", "reduce_scatter", engine="local", error_feedback=False)
+    with pytest.raises(GraceConfigError, match="error_feedback=True to resume"):
+        target.load_state_dict(state)
+    grace_dgc.build("qsgd", "none", "reduce_scatter", engine="local").load_state_dict(state)  # same config: fine

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import wire
-from ..errors import check_bool
+from ..errors import GraceConfigError, check_bool
 from ..interfaces import Communicator, Compressor, Payload
 from ..registry import register_communicator
 
@@ -119,7 +119,13 @@ class ReduceScatter(Communicator):
         return {"errors": {name: e.clone() for name, e in self.errors.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.errors = {name: e.clone() for name, e in state.get("errors", {}).items()}
+        errors = state.get("errors", {})
+        if errors and not self.error_feedback:  # they would be added again at every step
+            raise GraceConfigError(
+                f"this state carries the owner errors of {len(errors)} tensors (saved with error_feedback=True); "
+                "this reduce_scatter has error_feedback=False: build it with error_feedback=True to resume"
+            )
+        self.errors = {name: e.clone() for name, e in errors.items()}
 
 
 @dataclass
