@@ -16,7 +16,7 @@ import torch
 
 from .engines import create_engine
 from .engines.base import Engine
-from .errors import GraceConfigError, check_bool
+from .errors import GraceConfigError, check_bool, on_every_rank
 
 if TYPE_CHECKING:
     from .grace import Grace
@@ -269,9 +269,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._joining = None
 
     def _count_active(self, still_here: bool) -> int:
-        device = next(iter(self._names)).device
-        flag = torch.tensor([1.0 if still_here else 0.0], device=device)
-        return int(self.grace.engine.allreduce(flag).item())
+        """The ranks still training; the same message carries each rank's ``divide_by_active``
+        so that ranks averaging differently are an error on every rank, not diverging models."""
+        engine, dividing = self.grace.engine, cast(_Join, self._joining).divide_by_active
+        flags = torch.tensor([float(still_here), float(dividing)], device=next(iter(self._names)).device)
+        active, divide = (int(v) for v in engine.allreduce(flags).tolist())
+        if divide not in (0, engine.size):
+            raise on_every_rank(
+                GraceConfigError(
+                    f"join(divide_by_active=...) differs between ranks ({divide} of {engine.size} ranks passed "
+                    "True): every rank must average the same way"
+                )
+            )
+        return active
 
     def _shadow_until_all_joined(self, module: torch.nn.Module | None) -> None:
         joining = cast(_Join, self._joining)

@@ -664,6 +664,8 @@ def join_batches(rank):
 
 
 def uneven_job(rank, world_size, method, divide_by_active, fusion):
+    if divide_by_active == "rank 1 only":
+        divide_by_active = rank == 1
     comp, mem, comm, params = method
     model = join_model()
     grace = grace_dgc.build(comp, mem, comm, **params)
@@ -734,3 +736,18 @@ def test_owner_errors_do_not_load_into_a_reduce_scatter_without_error_feedback()
     with pytest.raises(GraceConfigError, match="error_feedback=True to resume"):
         target.load_state_dict(state)
     grace_dgc.build("qsgd", "none", "reduce_scatter", engine="local").load_state_dict(state)  # same config: fine
+
+
+def test_join_with_ranks_averaging_differently_is_an_error_on_every_rank():
+    from grace_dgc.launch import run_local
+
+    for message in run_local(differing_join_job, 2, timeout=120):
+        assert "join(divide_by_active=...) differs between ranks (1 of 2 ranks passed True)" in message, message
+
+
+def differing_join_job(rank, world_size):
+    try:
+        uneven_job(rank, world_size, JOIN_METHODS[0], "rank 1 only", 0)
+    except GraceConfigError as error:
+        return str(error)
+    return "no error"
