@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -87,9 +88,7 @@ class Grace:
         ranks compare the whole plan at the next handshake, so a rank with one more (or one
         other) group is a :class:`GraceConfigError` on every rank before any exchange of it
         (DistributedOptimizer declares its buckets)."""
-        self.plan = repr(
-            [[(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in group] for group in groups]
-        )
+        self.plan = repr([handshake.tensor_list([n for n, _ in group], [t for _, t in group]) for group in groups])
         self._agreed.clear()  # the next group's first exchange checks the plan
 
     # -- the data path -------------------------------------------------------------
@@ -123,13 +122,11 @@ class Grace:
         Groups run one at a time in submission order, so ranks that submit the same groups
         in the same order issue matching collectives.
         """
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grace-comm")
         ready = None
         if any(t.is_cuda for t in tensors):  # the gradients are produced on the caller's stream
             ready = torch.cuda.Event()
             ready.record()
-        return self._worker.submit(self._exchange_or_fail, list(tensors), list(names), inplace, ready)
+        return self.run_in_order(partial(self._exchange_or_fail, list(tensors), list(names), inplace, ready))
 
     def run_in_order(self, fn: Any) -> Future[Any]:
         """Run ``fn()`` on the communication thread after the groups submitted before it:

@@ -4,10 +4,10 @@ run the same thing.
 Collectives match by order, so ranks that differ in what they run (another communicator,
 another seed, another parameter list) would hang, abort inside the runtime or diverge without
 a word. At the first exchange of each group (and again whenever a group's tensors change)
-every rank allgathers one int64 hash per field below (the plan: every group a step will
-exchange, when a DistributedOptimizer declared it, so that a rank with one more group meets
-the others in its first handshake instead of in a mismatched collective): a fixed-size message, so ranks that
-disagree still meet in it. On any difference every rank gathers the others' descriptions and
+every rank allgathers one int64 hash per field below: a fixed-size message, so ranks that
+disagree still meet in it. The plan is every group of one step, when a DistributedOptimizer
+declared it: a rank with one more group then differs at its first handshake, not in a
+mismatched collective later. On any difference every rank gathers the others' descriptions and
 raises a :class:`~grace_dgc.errors.GraceConfigError` naming the fields, the ranks and their
 values.
 """
@@ -32,6 +32,11 @@ FIELDS = (
 )
 
 
+def tensor_list(names, tensors):
+    """[(name, shape, dtype)] as the ranks compare them."""
+    return [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in zip(names, tensors)]
+
+
 def describe(grace, tensors, names):
     """This rank's value of each field, as text."""
     parts = {"compressor": grace.compressor, "memory": grace.memory, "communicator": grace.communicator}
@@ -39,7 +44,7 @@ def describe(grace, tensors, names):
     values = [str(grace.engine.size)]
     values += [getattr(part, "registered_name", type(part).__name__) for part in parts.values()]
     values += [repr(sorted(params.get(kind, {}).items())) for kind in parts]
-    values.append(repr([(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in zip(names, tensors)]))
+    values.append(repr(tensor_list(names, tensors)))
     values.append(getattr(grace, "plan", ""))
     values.append(str(getattr(grace, "nonfinite", "")))
     return dict(zip(FIELDS, values))

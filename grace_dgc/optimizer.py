@@ -303,13 +303,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         engine = self.grace.engine
         device = tensors[0].device if tensors else torch.device("cpu")
         counts = [int(c.item()) for c in engine.allgather(torch.tensor([steps], device=device))]
-        root = counts.index(max(counts))
-        with torch.no_grad():
-            for tensor in tensors:
-                buffer = tensor.contiguous()
-                engine.broadcast(buffer, root)
-                if buffer.data_ptr() != tensor.data_ptr():
-                    tensor.copy_(buffer)
+        broadcast_parameters(list(enumerate(tensors)), root_rank=counts.index(max(counts)), engine=engine)
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
