@@ -26,7 +26,7 @@ from . import handshake
 from .engines import AutoEngine, create_engine
 from .engines.base import Engine
 from .errors import GraceConfigError, GraceNonFiniteError, check_range, on_every_rank
-from .interfaces import Communicator, Compressor, Memory, Payload
+from .interfaces import Communicator, Compressor, Memory, Payload, StateMismatch
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry
 from .workspace import flat_span
 
@@ -73,6 +73,7 @@ class Grace:
         self._bound = False
         self._agreed: set[tuple] = set()  # group signatures the ranks agreed on (see handshake)
         self.plan = ""  # every group of one step, when declared (see expect_groups)
+        self.wrapper: dict[str, Any] = {}  # the optimizer wrapper's settings (DistributedOptimizer's)
         self.params: dict[str, dict[str, Any]] = {}  # constructor parameters per part, as build() routed them
         self.wire = compressor  # what compresses each gradient: the communicator's choice, set by bind
         self._wire_of = compressor
@@ -185,9 +186,14 @@ class Grace:
             if flat is not None:  # a bucket's flat buffer: compressed, reduced, decompressed at once
                 sources, outputs = [flat], [flat]
         keys = names if sources is tensors else [names[0] + "…"]
+        # a finite gradient may still overflow on the wire (fp16: beyond ±65504); the state
+        # this step changes is copied first, so a skipped step leaves it bitwise as it was
+        guard = None
+        if not rides and (comp.may_overflow or any(t.dtype == torch.float16 for t in tensors)):
+            guard = (memory.snapshot(keys), comm.snapshot(keys))
         if comm.aggregates:  # hierarchical: the node's sum is what gets compressed
             with self._timed("communicate"), self._counted():
-                sources = comm.prereduce(sources)
+                sources = comm.prereduce(sources, keys)
         with self._timed("compress"):
             compensated = [memory.compensate(t, n) for t, n in zip(sources, keys)]
             payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, keys))))
@@ -203,7 +209,7 @@ class Grace:
             if comp.average:
                 for out in outputs:
                     out.div_(self.engine.size)
-            return self._finish(tensors, outputs, names, keys, inplace, rides)
+            return self._finish(tensors, outputs, names, keys, inplace, rides, guard)
         gathered = self._communicate(payloads, keys, consume)
         active, rounds = list(range(len(sources))), 1
         while comp.rounds > 1 and active:  # multi-round methods (PowerSGD: P, then Q) see each round's sum
@@ -235,7 +241,7 @@ class Grace:
                     comp.decompress_aggregate_into(got, ctx, out)
                 if comp.average:
                     out.div_(self.engine.size)
-        return self._finish(tensors, outputs, names, keys, inplace, rides)
+        return self._finish(tensors, outputs, names, keys, inplace, rides, guard)
 
     def _finish(
         self,
@@ -245,6 +251,7 @@ class Grace:
         keys: list[str],
         inplace: bool,
         rides: bool,
+        guard: tuple[dict[str, Any], dict[str, Any]] | None,
     ) -> list[Tensor]:
         """Count the group, catch a non-finite average, and hand the averages back."""
         memory = self.memory
@@ -256,7 +263,10 @@ class Grace:
         # every rank holds the same average, so all see this alike: a NaN/Inf that rode along,
         # or a payload that overflowed (fp16 beyond ±65504) after the inputs passed the check
         if not all_finite(outputs):
-            if not rides:  # the memory's update already saw the overflow: forget it
+            if guard is not None:  # the state as it was before this step
+                memory.restore(guard[0], keys)
+                self.communicator.restore(guard[1], keys)
+            elif not rides:  # an fp32 sum beyond 3.4e38: the memory saw the overflow, forget it
                 for key in keys:
                     memory.reset(key)
                     self.communicator.reset(key)
@@ -325,6 +335,7 @@ class Grace:
                 f"built for world_size={self.expected_world_size} but the {self.engine.name} "
                 f"engine has {self.engine.size} ranks"
             )
+        handshake.agree_settings(self)  # before set-up runs collectives that depend on them
         parts_engine = self.communicator.setup()
         self.wire = self.communicator.wire_compressor(self.compressor)
         self._wire_of = self.compressor
@@ -390,17 +401,37 @@ class Grace:
             out.update(part.stats())
         return out
 
-    # -- checkpointing ----------------------------------------------------------
-    STATE_FORMAT = 1
+    # -- settings and checkpointing -----------------------------------------------
+    STATE_FORMAT = 2
+    READABLE_FORMATS = (1, 2)  # 1: grace_dgc 0.2, without the settings
+
+    def settings(self) -> dict[str, Any]:
+        """What the ranks compare (see :mod:`~grace_dgc.handshake`) and a checkpoint records:
+        each part's name and declared settings (as ``repr`` text), the non-finite policy and
+        the optimizer wrapper's settings."""
+        out: dict[str, Any] = {
+            kind: {
+                "name": getattr(part, "registered_name", type(part).__name__),
+                "settings": {key: repr(value) for key, value in part.agreed_settings().items()},
+            }
+            for kind, part in self._parts()
+        }
+        out["nonfinite"] = self.nonfinite
+        out["wrapper"] = {key: repr(value) for key, value in self.wrapper.items()}
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        """The compressor's and memory's state (copies), with what it belongs to: the
-        format version, the three method names and the world size. Plain tensors, numbers,
-        strings and containers only: it loads with ``torch.load(..., weights_only=True)``."""
+        """The compressor's, memory's and communicator's state (copies), with what it belongs
+        to: the format version, the three method names, the world size and the settings.
+        Plain tensors, numbers, strings and containers only: it loads with
+        ``torch.load(..., weights_only=True)``."""
+        if not self._bound:
+            self.bind()  # set-up makes the state some communicators keep (hierarchical's outer)
         return {
             "format": self.STATE_FORMAT,
             "methods": self._methods(),
             "world_size": self.world_size,
+            "settings": {kind: self.settings()[kind]["settings"] for kind in ("compressor", "memory", "communicator")},
             "compressor": self.compressor.state_dict(),
             "memory": self.memory.state_dict(),
             "communicator": self.communicator.state_dict(),
@@ -419,9 +450,10 @@ class Grace:
                 else f"load_state_dict needs a Grace.state_dict() dict, got {type(state).__name__}"
             )
         if "format" in state:
-            if state["format"] != self.STATE_FORMAT:
+            if state["format"] not in self.READABLE_FORMATS:
                 raise GraceConfigError(
-                    f"state format {state['format']!r} is not supported; accepted: {self.STATE_FORMAT}"
+                    f"state format {state['format']!r} is not supported; accepted: "
+                    f"{', '.join(map(str, self.READABLE_FORMATS))}"
                 )
             mine = self._methods()
             if state["methods"] != mine:
@@ -434,17 +466,45 @@ class Grace:
                     f"the state was saved on {state['world_size']} ranks; this run has "
                     f"{self.world_size}: per-rank state (residuals, momenta) does not carry over"
                 )
+            self._check_settings(state.get("settings"))
+        if not self._bound:
+            self.bind()  # the parts' state exists once they are set up
         try:
             # the communicator first: it may refuse a state of another configuration before
             # anything is loaded
             self.communicator.load_state_dict(state.get("communicator", {}))
             self.compressor.load_state_dict(state["compressor"])
             self.memory.load_state_dict(state["memory"])
-        except (KeyError, TypeError, AttributeError) as error:
+        except (KeyError, TypeError, AttributeError, StateMismatch) as error:
             raise GraceConfigError(
                 f"the state does not fit {_describe(self._methods())} ({type(error).__name__}: "
                 f"{error}); was it saved by another method?"
             ) from error
+
+    def _check_settings(self, saved: dict[str, dict[str, str]] | None) -> None:
+        """Refuse a state saved with other settings, unless a part declares that the
+        difference does not change its state's layout or meaning (``RESUME_MAY_DIFFER``)."""
+        if saved is None:  # format 1
+            return
+        mine = self.settings()
+        differing = []
+        for kind, part in self._parts():
+            now = mine[kind]["settings"]
+            for key in sorted(set(saved.get(kind, {})) | set(now)):
+                then = saved.get(kind, {}).get(key, "(not set)")
+                if then != now.get(key, "(not set)") and key not in part.RESUME_MAY_DIFFER:
+                    differing.append(
+                        f"{kind} {mine[kind]['name']} {key}: saved {then}, this run {now.get(key, '(not set)')}"
+                    )
+        if differing:
+            raise GraceConfigError(
+                "the state was saved with other settings, which change what it means: "
+                + "; ".join(differing)
+                + ". Build with the saved settings to resume"
+            )
+
+    def _parts(self) -> tuple[tuple[str, Any], ...]:
+        return (("compressor", self.compressor), ("memory", self.memory), ("communicator", self.communicator))
 
     def _methods(self) -> dict[str, str]:
         return {

@@ -1,15 +1,21 @@
-"""The configuration handshake: before a fusion group's first exchange, ranks check that they
-run the same thing.
+"""The configuration handshake: ranks check that they run the same thing.
 
 Collectives match by order, so ranks that differ in what they run (another communicator,
 another seed, another parameter list) would hang, abort inside the runtime or diverge without
-a word. At the first exchange of each group (and again whenever a group's tensors change)
-every rank allgathers one int64 hash per field below: a fixed-size message, so ranks that
-disagree still meet in it. The plan is every group of one step, when a DistributedOptimizer
-declared it: a rank with one more group then differs at its first handshake, not in a
-mismatched collective later. On any difference every rank gathers the others' descriptions and
-raises a :class:`~grace_dgc.errors.GraceConfigError` naming the fields, the ranks and their
-values.
+a word. Ranks compare one int64 hash per field below (an allgather: a fixed-size message,
+so ranks that disagree still meet in it):
+
+* when Grace binds, before any set-up runs collectives of its own (``hierarchical`` forms
+  node groups, ``auto`` measures the link): the settings fields, which every part derives
+  from its declaration (:class:`~grace_dgc.interfaces.Part`), so a new parameter cannot be
+  missed here and kept in the checkpoint, or the other way round;
+* at the first exchange of each group (and again whenever a group's tensors change): every
+  field, the group's tensors and the plan included. The plan is every group of one step,
+  when a DistributedOptimizer declared it: a rank with one more group then differs at its
+  first handshake, not in a mismatched collective later.
+
+On any difference every rank gathers the others' descriptions and raises a
+:class:`~grace_dgc.errors.GraceConfigError` naming the fields, the ranks and their values.
 """
 
 import hashlib
@@ -18,7 +24,7 @@ import torch
 
 from .errors import GraceConfigError, on_every_rank
 
-FIELDS = (
+SETTINGS_FIELDS = (
     "world size",
     "compressor",
     "memory",
@@ -26,10 +32,14 @@ FIELDS = (
     "compressor parameters",
     "memory parameters",
     "communicator parameters",
+    "non-finite policy",
+    "optimizer wrapper",
+)
+GROUP_FIELDS = (
     "tensors (name, shape, dtype)",
     "exchange plan (the groups of one step)",
-    "non-finite policy",
 )
+FIELDS = SETTINGS_FIELDS + GROUP_FIELDS
 
 
 def tensor_list(names, tensors):
@@ -37,39 +47,54 @@ def tensor_list(names, tensors):
     return [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in zip(names, tensors)]
 
 
-def describe(grace, tensors, names):
-    """This rank's value of each field, as text."""
-    parts = {"compressor": grace.compressor, "memory": grace.memory, "communicator": grace.communicator}
-    params = getattr(grace, "params", {})
+def describe(grace, tensors=None, names=None):
+    """This rank's value of each field, as text (the settings fields only without tensors)."""
+    settings = grace.settings()
     values = [str(grace.engine.size)]
-    values += [getattr(part, "registered_name", type(part).__name__) for part in parts.values()]
-    values += [repr(sorted(params.get(kind, {}).items())) for kind in parts]
+    values += [settings[kind]["name"] for kind in ("compressor", "memory", "communicator")]
+    values += [_listed(settings[kind]["settings"]) for kind in ("compressor", "memory", "communicator")]
+    values.append(str(settings["nonfinite"]))
+    values.append(_listed(settings["wrapper"]))
+    if tensors is None:
+        return dict(zip(SETTINGS_FIELDS, values))
     values.append(repr(tensor_list(names, tensors)))
-    values.append(getattr(grace, "plan", ""))
-    values.append(str(getattr(grace, "nonfinite", "")))
+    values.append(grace.plan)
     return dict(zip(FIELDS, values))
+
+
+def _listed(settings):
+    return ", ".join(f"{key}={value}" for key, value in sorted(settings.items())) or "(none)"
 
 
 def _hash(text):
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
+def agree_settings(grace):
+    """:func:`agree` on the settings fields, before the parts set up."""
+    engine = grace.engine
+    device = torch.device("cuda", torch.cuda.current_device()) if getattr(engine, "backend", "") == "nccl" else None
+    _compare(engine, describe(grace), SETTINGS_FIELDS, device)
+
+
 def agree(grace, tensors, names):
     """Raise on every rank if the ranks' fields differ; return quietly if they agree."""
-    engine = grace.engine
+    # on the gradients' device: the one every collective of this group uses (NCCL needs CUDA)
+    _compare(grace.engine, describe(grace, tensors, names), FIELDS, tensors[0].device)
+
+
+def _compare(engine, mine, fields, device):
     if engine.size == 1:
         return
-    mine = describe(grace, tensors, names)
-    # on the gradients' device: the one every collective of this group uses (NCCL needs CUDA)
-    hashes = torch.tensor([_hash(mine[field]) for field in FIELDS], dtype=torch.int64, device=tensors[0].device)
+    hashes = torch.tensor([_hash(mine[field]) for field in fields], dtype=torch.int64, device=device)
     table = torch.stack(engine.allgather(hashes)).cpu()
-    differing = [i for i, field in enumerate(FIELDS) if bool((table[:, i] != table[0, i]).any())]
+    differing = [i for i, field in enumerate(fields) if bool((table[:, i] != table[0, i]).any())]
     if not differing:
         return
     everyone = [engine.broadcast_object(mine if engine.rank == root else None, root) for root in range(engine.size)]
     details = []
     for i in differing:
-        field = FIELDS[i]
+        field = fields[i]
         shown = "; ".join(f"rank {rank}: {_short(d[field])}" for rank, d in enumerate(everyone))
         details.append(f"{field} — {shown}")
     raise on_every_rank(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
+from .errors import GraceConfigError
 from .workspace import Workspace
 
 if TYPE_CHECKING:
@@ -27,7 +28,145 @@ if TYPE_CHECKING:
 Payload = list[Tensor]  # the tensors one compressor puts on the wire for one gradient
 
 
-class Compressor:
+class StateMismatch(GraceConfigError):
+    """A state that lacks what a part keeps (saved by another method or version)."""
+
+
+class Part:
+    """What every compressor, memory and communicator declares about itself, in one place;
+    the handshake, the checkpoint and the skip of a non-finite step all read it:
+
+    ``SETTINGS``: attributes every rank must share (:meth:`agreed_settings`). The ranks
+        compare them before they set up and before each group's first exchange; a
+        checkpoint records them and a load compares them.
+    ``STATE``: attributes that live across steps. :meth:`state_dict`, :meth:`load_state_dict`,
+        :meth:`reset` (dicts keyed by tensor name) and :meth:`snapshot`/:meth:`restore`
+        derive from it; an attribute may hold a part (or a dict of parts), whose own state
+        nests.
+    ``RANK_LOCAL``: constructor parameters and long-lived attributes in neither, each with
+        why (scratch buffers, what a rank was handed by the optimizer).
+    ``RESUME_MAY_DIFFER``: settings a checkpoint may carry other values of, with why.
+
+    ``tests/test_declarations.py`` walks every registered part and fails on a constructor
+    parameter or a tensor kept across steps that none of these names.
+    """
+
+    SETTINGS: ClassVar[tuple[str, ...]] = ()
+    STATE: ClassVar[tuple[str, ...]] = ()
+    RANK_LOCAL: ClassVar[dict[str, str]] = {}
+    RESUME_MAY_DIFFER: ClassVar[dict[str, str]] = {}
+
+    def agreed_settings(self) -> dict[str, Any]:
+        """The values of ``SETTINGS``, as the ranks compare them (effective values: a
+        default taken from the environment is read here)."""
+        return {key: getattr(self, key) for key in self.SETTINGS}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of ``STATE``: plain tensors, numbers, strings and containers (loads with
+        ``torch.load(..., weights_only=True)``)."""
+        return {key: _saved(getattr(self, key)) for key in self.STATE}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [key for key in self.STATE if key not in state]
+        if missing:
+            raise StateMismatch(
+                f"{_name(self)}: the state lacks {', '.join(missing)} (it holds "
+                f"{', '.join(sorted(state)) or 'nothing'}); {_name(self)} keeps {', '.join(self.STATE)}"
+            )
+        for key in self.STATE:
+            setattr(self, key, _loaded(getattr(self, key, None), state[key]))
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget what was kept, for every tensor or only ``name``'s (deliberately, e.g.
+        after changing the model); the next step starts from zero state."""
+        for key in self.STATE:
+            _forget(getattr(self, key), name)
+
+    def snapshot(self, names: Sequence[str]) -> dict[str, Any]:
+        """Copies of the state kept for ``names`` (and of the state kept for no tensor):
+        Grace takes one before a step that may still be skipped after the state changed."""
+        return {key: _snapshot(getattr(self, key), names) for key in self.STATE}
+
+    def restore(self, snapshot: dict[str, Any], names: Sequence[str]) -> None:
+        """Put back what :meth:`snapshot` copied: ``names``' state is bitwise as it was."""
+        for key, saved in snapshot.items():
+            setattr(self, key, _restored(getattr(self, key), saved, names))
+
+
+def _name(part: Any) -> str:
+    return getattr(type(part), "registered_name", type(part).__name__)
+
+
+def _saved(value: Any) -> Any:
+    if isinstance(value, Part):
+        return value.state_dict()
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _saved(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_saved(v) for v in value)
+    return value
+
+
+def _loaded(current: Any, saved: Any) -> Any:
+    if isinstance(current, Part):
+        current.load_state_dict(saved)
+        return current
+    if isinstance(current, dict) and current and all(isinstance(v, Part) for v in current.values()):
+        if sorted(current) != sorted(saved):
+            raise StateMismatch(f"the state holds parts {sorted(saved)}; this one has {sorted(current)}")
+        for key, part in current.items():
+            part.load_state_dict(saved[key])
+        return current
+    return _saved(saved)  # copies: the caller's dict stays theirs
+
+
+def _forget(value: Any, name: str | None) -> None:
+    if isinstance(value, Part):
+        value.reset(name)
+    elif isinstance(value, dict) and value and all(isinstance(v, Part) for v in value.values()):
+        for part in value.values():
+            part.reset(name)
+    elif isinstance(value, dict):
+        if name is None:
+            value.clear()
+        else:
+            value.pop(name, None)
+
+
+def _per_tensor(value: Any) -> bool:
+    """A dict of tensors keyed by tensor name (a residual per gradient)."""
+    return isinstance(value, dict) and all(isinstance(v, Tensor) for v in value.values())
+
+
+def _snapshot(value: Any, names: Sequence[str]) -> Any:
+    if isinstance(value, Part):
+        return value.snapshot(names)
+    if isinstance(value, dict) and value and all(isinstance(v, Part) for v in value.values()):
+        return {key: part.snapshot(names) for key, part in value.items()}
+    if _per_tensor(value):
+        return {name: value[name].clone() for name in names if name in value}
+    return _saved(value)
+
+
+def _restored(current: Any, saved: Any, names: Sequence[str]) -> Any:
+    if isinstance(current, Part):
+        current.restore(saved, names)
+        return current
+    if isinstance(current, dict) and current and all(isinstance(v, Part) for v in current.values()):
+        for key, part in current.items():
+            part.restore(saved[key], names)
+        return current
+    if _per_tensor(current):
+        for name in names:
+            current.pop(name, None)
+        current.update(saved)
+        return current
+    return saved
+
+
+class Compressor(Part):
     """``compress(tensor, name) -> (payload, ctx)``; ``decompress(payload, ctx) -> tensor``.
 
     Class attributes:
@@ -45,9 +184,14 @@ class Compressor:
                 ``next_round`` with each round's payload summed over ranks, the last round
                 included; it returns the next payload, or None once the tensor is done.
                 Such payloads must be summable (with any communicator).
+      may_overflow: a finite input may come out of the exchange as Inf (fp16's ±65504):
+                Grace then copies the state a step changes, so a skipped step restores it.
     """
 
     registered_name: ClassVar[str]  # set by the registry's decorator
+    RANK_LOCAL: ClassVar[dict[str, str]] = {
+        "_workspace": "scratch buffers of one call, never part of a payload or of the state"
+    }
 
     summable = False
     average = True
@@ -55,6 +199,7 @@ class Compressor:
     elementwise = False
     sparse = False  # the payload is [values, int32 flat indices] and decompress scatters them
     chunkable = True  # compressing a tensor chunk by chunk is still this method (not top-k)
+    may_overflow = False  # a finite input can overflow the wire format (fp16)
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         raise NotImplementedError
@@ -144,14 +289,8 @@ class Compressor:
         """Method-specific figures merged into ``Grace.stats()`` (e.g. DGC's current ratio)."""
         return {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-class Memory:
+class Memory(Part):
     """Error feedback state kept between steps, keyed by tensor name.
 
     ``update`` learns what was sent only through the compressor's public methods
@@ -169,10 +308,6 @@ class Memory:
 
     def compensate(self, tensor: Tensor, name: str) -> Tensor:
         return tensor
-
-    def reset(self, name: str | None = None) -> None:
-        """Forget what was kept, for every tensor or only ``name``'s (deliberately, e.g.
-        after changing the model); the next step starts from zero state."""
 
     def update(self, tensor: Tensor, name: str, compressor: Compressor, payload: Payload, ctx: Any) -> None:
         pass
@@ -194,14 +329,8 @@ class Memory:
         """Method-specific figures merged into ``Grace.stats()``."""
         return {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-class Communicator:
+class Communicator(Part):
     """Moves payloads between ranks through an engine.
 
     ``exchange(payload, name)`` returns a list of payloads: every rank's (allgather,
@@ -246,9 +375,10 @@ class Communicator:
         forms its groups here); returns the engine the compressor and memory bind to."""
         return self.engine
 
-    def prereduce(self, tensors: list[Tensor]) -> list[Tensor]:
+    def prereduce(self, tensors: list[Tensor], names: list[str]) -> list[Tensor]:
         """Tensors to compress in place of the gradients (``hierarchical``: their sum over
-        the node). Default: the gradients themselves."""
+        the node; ``auto``: with a carried error folded in), never written in place.
+        Default: the gradients themselves."""
         return tensors
 
     def aggregate_many(
@@ -259,9 +389,6 @@ class Communicator:
         return, per tensor, the payload this rank's memory should count as sent (its own, or
         the part of it the aggregate kept)."""
         raise NotImplementedError
-
-    def reset(self, name: str | None = None) -> None:
-        """Forget state kept for ``name`` (or all): e.g. ``reduce_scatter``'s owner-side errors."""
 
     def aggregate_into(
         self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
@@ -277,12 +404,6 @@ class Communicator:
             else:
                 compressor.decompress_aggregate_into(got, ctx, out)
         return payloads
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
     def stats(self) -> dict[str, Any]:
         """Communicator-specific figures merged into ``Grace.stats()`` (``auto``'s choices)."""

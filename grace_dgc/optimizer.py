@@ -98,6 +98,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._joining: _Join | None = None  # inside join(): see there
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._names]
         # ranks compare every bucket at the first exchange, not bucket by bucket as they come
+        grace.wrapper = {"backward_passes_per_step": backward_passes_per_step, "fusion_bytes": fusion_bytes}
         grace.expect_groups([[(self._names[p], p) for p in bucket] for bucket in self._buckets])
         self._attach_memory()
 

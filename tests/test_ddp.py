@@ -222,9 +222,10 @@ def test_bad_input_and_pickling():
     # deliberate change (issue 10): a state says what it is: format, methods, world size
     assert pickle.loads(pickle.dumps(state.state_dict())) == {
         "grace": {
-            "format": 1,
+            "format": 2,
             "methods": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
             "world_size": 1,
+            "settings": {"compressor": {}, "memory": {}, "communicator": {}},  # issue 26
             "compressor": {},
             "memory": {},
             "communicator": {},  # issue 9: reduce_scatter's owner-side errors live here

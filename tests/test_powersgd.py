@@ -286,8 +286,14 @@ def test_state_dict_round_trip_resumes_exactly(warm_start):
     buffer = io.BytesIO()
     torch.save(a.state_dict(), buffer)
     buffer.seek(0)
-    b_ = make(2 if warm_start else 1)  # warm start: another seed, so Q must come from the checkpoint
-    b_.load_state_dict(torch.load(buffer, weights_only=False))
+    state = torch.load(buffer, weights_only=True)
+    with pytest.raises(grace_dgc.GraceConfigError, match="powersgd seed: saved 1, this run 2"):
+        make(2).load_state_dict(state)  # another seed draws other initial Qs: refused
+    b_ = make(1)
+    b_.step(torch.randn(12, 9), "w")  # a Q of its own, replaced by the checkpoint's
+    b_.load_state_dict(state)
+    assert b_.compressor.draws == a.compressor.draws
+    assert all(torch.equal(b_.compressor.q[k], a.compressor.q[k]) for k in a.compressor.q)
     for w, b in grads[2:]:
         assert torch.equal(a.step(w, "w"), b_.step(w, "w")) and torch.equal(a.step(b, "b"), b_.step(b, "b"))
     assert (a.compressor.draws["w"] == 1) == warm_start and ("w" in a.compressor.q) == warm_start

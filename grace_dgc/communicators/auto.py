@@ -42,9 +42,17 @@ class Auto(Communicator):
     0 decides for every rank (a broadcast, so all run the same collective), and decides
     again every ``interval`` steps from the running figures. ``grace.stats()["auto"]`` shows
     each bucket's choice and predicted seconds.
+
+    State: the plan (choices, each bucket's figures, the link used) and the members' own
+    state. When a bucket leaves ``reduce_scatter``, the errors its owners carried are not
+    left behind: each owner adds its ε (times N for averaging methods, so the average
+    carries ε) to its own gradient's chunk before the next exchange (:meth:`prereduce`),
+    where the memory keeps whatever of it the compressor does not send.
     """
 
     aggregates = True
+    SETTINGS = ("bandwidth", "latency", "interval")
+    STATE = ("choice", "buckets", "link", "members")
 
     def __init__(
         self, engine: Any, bandwidth: float | None = None, latency: float | None = None, interval: int = 200
@@ -55,6 +63,8 @@ class Auto(Communicator):
         self.interval = check_range("interval", interval, 1, kind=int)
         self.choice: dict[str, str] = {}  # tensor name -> communicator of its bucket
         self.buckets: dict[tuple[str, ...], dict[str, Any]] = {}
+        self.link = {"latency": latency, "bandwidth": bandwidth}  # in use: given, or measured at set-up
+        self.members: dict[str, Communicator] = {}
 
     @classmethod
     def refusal(cls, compressor: Compressor) -> str | None:
@@ -69,6 +79,25 @@ class Auto(Communicator):
         if self.bandwidth is None or self.latency is None:
             self._measure_link()
         return self.engine
+
+    def prereduce(self, tensors: list[Tensor], names: list[str]) -> list[Tensor]:
+        """Fold the owner errors of tensors whose bucket left ``reduce_scatter`` into this
+        rank's gradient (out of place): the error is sent by the next exchange instead of
+        being stranded in an idle member."""
+        errors: dict[str, Tensor] = getattr(self.members.get("reduce_scatter"), "errors", {})
+        if not errors:
+            return tensors
+        folded = list(tensors)
+        for i, name in enumerate(names):
+            if name in errors and self.choice.get(name, self._default()) != "reduce_scatter":
+                carried = errors.pop(name)
+                bounds = self.chunked.bounds(tensors[i].numel())
+                me = self.engine.rank
+                scale = self.engine.size if self.plain.average else 1
+                flat = tensors[i].reshape(-1).clone()
+                flat[bounds[me] : bounds[me + 1]].add_(carried.to(flat.dtype), alpha=scale)
+                folded[i] = flat.view(tensors[i].shape)
+        return folded
 
     def _measure_link(self) -> None:
         def timed(numel: int) -> float:
@@ -86,8 +115,10 @@ class Auto(Communicator):
         n = max(self.engine.size, 2)
         measured = torch.tensor([small, max(large - small, 1e-9) / (2 * (n - 1) / n * 4 * (1 << 20))])
         measured = self.engine.broadcast(measured, 0)  # rank 0's figures, so all decide alike
-        self.latency = float(measured[0]) / max(2 * (n - 1), 1) if self.latency is None else self.latency
-        self.bandwidth = 1 / float(measured[1]) if self.bandwidth is None else self.bandwidth
+        if self.latency is None:
+            self.link["latency"] = float(measured[0]) / max(2 * (n - 1), 1)
+        if self.bandwidth is None:
+            self.link["bandwidth"] = 1 / float(measured[1])
 
     def wire_compressor(self, compressor: Compressor) -> Compressor:
         self.plain = compressor
@@ -132,11 +163,12 @@ class Auto(Communicator):
             self.choice[name] = pick
 
     def _cheapest(self, bucket: dict[str, Any]) -> str:
-        assert self.bandwidth is not None and self.latency is not None
+        latency, bandwidth = self.link["latency"], self.link["bandwidth"]
+        assert latency is not None and bandwidth is not None
         n = self.engine.size
         costs = {}
         for name, (payload, seconds, dense) in bucket["seen"].items():
-            wire = predict(name, n, payload, dense, self.latency, 1 / self.bandwidth)
+            wire = predict(name, n, payload, dense, latency, 1 / bandwidth)
             costs[name] = wire + seconds
         bucket["predicted"] = costs
         return min(costs, key=costs.__getitem__)
@@ -150,7 +182,8 @@ class Auto(Communicator):
         }
 
     def reset(self, name: str | None = None) -> None:
-        for member in getattr(self, "members", {}).values():
+        """The members' state (owner errors); the plan stays."""
+        for member in self.members.values():
             member.reset(name)
 
 
@@ -161,6 +194,7 @@ class Switch(Compressor):
     def __init__(self, auto: Auto) -> None:
         self.auto = auto
         self.summable, self.average = auto.plain.summable, auto.plain.average
+        self.may_overflow = auto.plain.may_overflow
 
     def _part(self, ctx: Any) -> Compressor:
         return self.auto.chunked if isinstance(ctx[1], ChunkedContext) else self.auto.plain

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .. import environment
 from ..engines.base import Engine
 from ..errors import GraceConfigError, check_range
 from ..interfaces import Communicator, Compressor, Payload
@@ -37,6 +37,8 @@ class Hierarchical(Communicator):
     """
 
     aggregates = True
+    SETTINGS = ("outer", "group_size")
+    STATE = ("outer",)  # the outer communicator's own (reduce_scatter's owner errors)
 
     def __init__(self, engine: Engine, outer: str = "allgather", group_size: int | None = None) -> None:
         super().__init__(engine)
@@ -54,6 +56,15 @@ class Hierarchical(Communicator):
             return own
         reason = COMMUNICATORS.get(self.outer_name).refusal(compressor)
         return f"its outer communicator {self.outer_name!r} refuses it ({reason})" if reason else None
+
+    def agreed_settings(self) -> dict[str, Any]:
+        """The group size in effect (LOCAL_WORLD_SIZE's, when not given): ranks that read
+        another one from their environment would form other nodes."""
+        try:
+            size: Any = self.group_size or _local_world_size(self.engine.size)
+        except GraceConfigError as error:  # the ranks learn of it together at the handshake
+            size = f"invalid ({str(error).split(';')[0]})"
+        return {"outer": self.outer_name, "group_size": size}
 
     def setup(self) -> Engine:
         engine = self.engine
@@ -77,7 +88,7 @@ class Hierarchical(Communicator):
         assert self.outer is not None
         return self.outer.wire_compressor(compressor)
 
-    def prereduce(self, tensors: list[Tensor]) -> list[Tensor]:
+    def prereduce(self, tensors: list[Tensor], names: list[str]) -> list[Tensor]:
         sums: list[Tensor] = [t for t in tensors]
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
@@ -101,30 +112,18 @@ class Hierarchical(Communicator):
                 outs[i].view(-1).copy_(part)
         return sent
 
-    def reset(self, name: str | None = None) -> None:
-        if self.outer is not None:
-            self.outer.reset(name)
-
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.outer is None else self.outer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.outer is not None:
-            self.outer.load_state_dict(state)
+        if self.outer is None:
+            raise GraceConfigError("hierarchical has no state before it is set up (Grace binds it first)")
+        return super().state_dict()
 
 
 def _local_world_size(default: int) -> int:
     """torchrun's ``LOCAL_WORLD_SIZE`` (ranks per machine), checked: a launcher or a user
     setting it by hand gets a named error, not a ValueError or a division by zero."""
-    text = os.environ.get("LOCAL_WORLD_SIZE")
-    if text is None:
-        return default
-    if not text.strip().isdigit() or int(text) < 1:
-        raise GraceConfigError(
-            f"hierarchical: LOCAL_WORLD_SIZE={text!r} in the environment; accepted: a whole number >= 1 "
-            "(ranks per machine, set by torchrun), or pass group_size="
-        )
-    return int(text)
+    size = environment.read_int("LOCAL_WORLD_SIZE", default, low=1)
+    assert size is not None
+    return size
 
 
 class NodesView(Engine):

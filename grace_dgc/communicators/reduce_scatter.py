@@ -43,6 +43,8 @@ class ReduceScatter(Communicator):
     """
 
     aggregates = True
+    SETTINGS = ("error_feedback",)
+    STATE = ("errors",)
 
     def __init__(self, engine: Any, error_feedback: bool = True) -> None:
         super().__init__(engine)
@@ -109,23 +111,14 @@ class ReduceScatter(Communicator):
                 first += width
         return payloads
 
-    def reset(self, name: str | None = None) -> None:
-        if name is None:
-            self.errors.clear()
-        else:
-            self.errors.pop(name, None)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"errors": {name: e.clone() for name, e in self.errors.items()}}
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        errors = state.get("errors", {})
-        if errors and not self.error_feedback:  # they would be added again at every step
+        if state.get("errors") and not self.error_feedback:  # they would be added again at every step
             raise GraceConfigError(
-                f"this state carries the owner errors of {len(errors)} tensors (saved with error_feedback=True); "
-                "this reduce_scatter has error_feedback=False: build it with error_feedback=True to resume"
+                f"this state carries the owner errors of {len(state['errors'])} tensors (saved with "
+                "error_feedback=True); this reduce_scatter has error_feedback=False: build it with "
+                "error_feedback=True to resume"
             )
-        self.errors = {name: e.clone() for name, e in errors.items()}
+        super().load_state_dict(state)
 
 
 @dataclass
@@ -149,6 +142,7 @@ class Chunked(Compressor):
     def __init__(self, inner: Compressor, parts: int) -> None:
         self.inner, self.parts = inner, parts
         self.summable, self.average = inner.summable, inner.average
+        self.may_overflow = inner.may_overflow
 
     @property
     def workspace(self) -> Any:

@@ -58,6 +58,7 @@ class SparseAllreduce(Communicator):
     """
 
     aggregates = True
+    SETTINGS = ("global_topk",)
 
     def __init__(self, engine: Any, global_topk: bool = False) -> None:
         super().__init__(engine)

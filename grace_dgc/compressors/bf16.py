@@ -9,3 +9,4 @@ class BF16Compressor(FP16Compressor):
     """Cast to bfloat16 for the wire: fp32's range, 8 bits of mantissa (2 bytes/element)."""
 
     wire_dtype = torch.bfloat16
+    may_overflow = False  # the range of fp32

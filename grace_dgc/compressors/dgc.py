@@ -44,6 +44,22 @@ class DGCCompressor(SparseCompressor):
     every rank agrees).
     """
 
+    SETTINGS = (
+        "compress_ratio",
+        "sample_ratio",
+        "min_compress_size",
+        "dense_1d",
+        "fp16_values",
+        "warmup_epochs",
+        "warmup_steps",
+        "warmup_coeff",
+        "warmup_ratios",
+        "max_adaptation_iters",
+        "threshold_decay",
+        "seed",
+    )
+    STATE = ("epoch", "steps", "rng", "current_ratio")
+
     def __init__(
         self,
         compress_ratio=0.001,
@@ -187,15 +203,11 @@ class DGCCompressor(SparseCompressor):
             return torch.ones(shape, dtype=torch.bool, device=payload[0].device)
         return super().sent_mask(payload, ctx)
 
-    def state_dict(self):
-        return {
-            "epoch": self.epoch,
-            "steps": dict(self.steps),
-            "rng": self.rng.getstate(),
-            "current_ratio": self.current_ratio,
-        }
+    def state_dict(self):  # the sampling RNG as its state tuple
+        return dict(super().state_dict(), rng=self.rng.getstate())
 
     def load_state_dict(self, state):
-        self.epoch, self.steps = state["epoch"], dict(state["steps"])
-        self.rng.setstate(state["rng"])
-        self.current_ratio = state["current_ratio"]
+        rng = self.rng
+        super().load_state_dict(state)
+        self.rng = rng
+        rng.setstate(state["rng"])

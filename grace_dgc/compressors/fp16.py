@@ -19,7 +19,9 @@ class FP16Compressor(Compressor):
     summable = True
     elementwise = True
     wire_dtype = torch.float16
+    may_overflow = True  # beyond ±65504
     world_size = 1
+    RANK_LOCAL = dict(Compressor.RANK_LOCAL, world_size="the engine's, handed over by bind")
 
     def bind(self, engine):
         """Called by Grace: the payload is pre-divided by the world size."""

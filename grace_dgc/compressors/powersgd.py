@@ -73,13 +73,16 @@ class PowerSGDCompressor(Compressor):
     summable = True
     rounds = 2
 
+    SETTINGS = ("compress_rank", "min_compression_rate", "warm_start", "orthogonalization_epsilon", "seed")
+    STATE = ("q", "draws")
+
     def __init__(
         self, compress_rank=1, min_compression_rate=2.0, warm_start=True, orthogonalization_epsilon=0.0, seed=0
     ):
         self.compress_rank = check_range("compress_rank", compress_rank, 1, kind=int)
         self.min_compression_rate = check_range("min_compression_rate", min_compression_rate, 0)
         self.warm_start = check_bool("warm_start", warm_start)
-        self.epsilon = check_range("orthogonalization_epsilon", orthogonalization_epsilon, 0)
+        self.orthogonalization_epsilon = check_range("orthogonalization_epsilon", orthogonalization_epsilon, 0)
         self.seed = check_range("seed", seed, 0, kind=int)
         self.q = {}  # name -> Q_sum of the last step (the warm start), shape m × r
         self.draws = {}  # name -> how many initial Qs were drawn for it
@@ -109,14 +112,14 @@ class PowerSGDCompressor(Compressor):
         q = self.q.get(name) if self.warm_start else None
         if q is None or q.shape != (matrix.shape[1], rank):
             q = self.initial_q(name, matrix.shape[1], rank, tensor.dtype)
-        q = orthogonalize(q.to(device=tensor.device, dtype=tensor.dtype), self.epsilon)
+        q = orthogonalize(q.to(device=tensor.device, dtype=tensor.dtype), self.orthogonalization_epsilon)
         return [matrix @ q], Factors(name, tensor.shape, matrix, None)
 
     def next_round(self, summed_payload, ctx):
         if isinstance(ctx, Dense):  # sent whole: done after one round
             return None
         if ctx.p is None:  # got Σ P: send this rank's Q = Mᵀ P̂
-            p_hat = orthogonalize(summed_payload[0], self.epsilon)
+            p_hat = orthogonalize(summed_payload[0], self.orthogonalization_epsilon)
             return [ctx.matrix.t() @ p_hat], Factors(ctx.name, ctx.shape, None, p_hat)
         if self.warm_start:  # got Σ Q: next step starts from it
             self.q[ctx.name] = summed_payload[0].clone()
@@ -132,10 +135,3 @@ class PowerSGDCompressor(Compressor):
             return super().decompress_into(payload, ctx, out)
         torch.mm(ctx.p, payload[0].t(), out=out.view(ctx.shape[0], -1))
         return out
-
-    def state_dict(self):
-        return {"q": dict(self.q), "draws": dict(self.draws)}
-
-    def load_state_dict(self, state):
-        self.q = dict(state["q"])
-        self.draws = dict(state["draws"])

@@ -1,5 +1,6 @@
 import hashlib
 import math
+from typing import ClassVar
 
 import torch
 
@@ -25,6 +26,8 @@ class StochasticCompressor(Compressor):
     """
 
     rank = 0
+    SETTINGS: ClassVar[tuple[str, ...]] = ("seed",)
+    STATE = ("steps",)
 
     def __init__(self, seed=0):
         self.seed = check_range("seed", seed, 0, kind=int)
@@ -47,12 +50,6 @@ class StochasticCompressor(Compressor):
 
     def mask_sent_(self, tensor, payload, ctx):
         return tensor.zero_()  # every element was sent
-
-    def state_dict(self):
-        return {"steps": dict(self.steps)}
-
-    def load_state_dict(self, state):
-        self.steps = dict(state["steps"])
 
 
 def scaled_norms(rows):
@@ -89,6 +86,8 @@ class QSGDCompressor(StochasticCompressor):
     default, used by grace_dgc.compat) is the finest that still fits 8 bits. A bucket of zeros
     sends norm 0 and levels 0.
     """
+
+    SETTINGS = ("quantum_num", "bucket_size", "seed")
 
     def __init__(self, quantum_num=64, bucket_size=512, seed=0):
         super().__init__(seed)

@@ -56,6 +56,9 @@ class RandomKCompressor(Compressor):
     summable = True
     chunkable = False  # the k indices are drawn over the whole tensor
 
+    SETTINGS = ("compress_ratio", "seed")
+    STATE = ("steps",)
+
     def __init__(self, compress_ratio=0.01, seed=0):
         self.compress_ratio = check_range("compress_ratio", compress_ratio, 0, 1, low_open=True)
         self.seed = check_range("seed", seed, 0, kind=int)
@@ -95,9 +98,3 @@ class RandomKCompressor(Compressor):
         mask = torch.zeros(torch.Size(shape).numel(), dtype=torch.bool, device=payload[0].device)
         mask[indices] = True
         return mask.view(shape)
-
-    def state_dict(self):
-        return {"steps": dict(self.steps)}
-
-    def load_state_dict(self, state):
-        self.steps = dict(state["steps"])

@@ -26,6 +26,9 @@ class SignumCompressor(SignSGDCompressor):
     m_1 = (1 − β)·g_1; the first sign is the same, later ones may differ.
     """
 
+    SETTINGS = ("momentum",)
+    STATE = ("momentums",)
+
     def __init__(self, momentum=0.9):
         self.momentum = check_range("momentum", momentum, 0, 1, high_open=True)
         self.momentums = {}  # name -> m_t, updated in place (state_dict hands out copies)
@@ -48,9 +51,3 @@ class SignumCompressor(SignSGDCompressor):
             for_chunks(update, momentum.numel(), momentum.device)
             momentum = previous
         return super().compress(momentum, name)
-
-    def state_dict(self):
-        return {"momentums": {name: m.clone() for name, m in self.momentums.items()}}
-
-    def load_state_dict(self, state):
-        self.momentums = {name: m.clone() for name, m in state["momentums"].items()}

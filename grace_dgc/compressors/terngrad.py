@@ -29,6 +29,8 @@ class TernGradCompressor(StochasticCompressor):
     ⌈n/4⌉ + 4 bytes. Codes cannot be summed: allgather or broadcast.
     """
 
+    SETTINGS = ("clip_factor", "seed")
+
     def __init__(self, clip_factor=2.5, seed=0):
         super().__init__(seed)
         self.clip_factor = check_range("clip_factor", clip_factor, 0, low_open=True, allow_inf=True)

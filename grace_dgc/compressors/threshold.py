@@ -12,6 +12,8 @@ class ThresholdCompressor(SparseCompressor):
     Ranks send different sizes, so it needs allgather or broadcast.
     """
 
+    SETTINGS = ("threshold",)
+
     def __init__(self, threshold=0.01):
         self.threshold = check_range("threshold", threshold, 0, allow_inf=True)  # ∞: send nothing
 

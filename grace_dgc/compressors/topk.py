@@ -192,6 +192,8 @@ class TopKCompressor(SparseCompressor):
     candidates); of elements tied at the k-th magnitude, the lowest indices are sent.
     """
 
+    SETTINGS = ("compress_ratio",)
+
     def __init__(self, compress_ratio=0.01):
         self.compress_ratio = check_range("compress_ratio", compress_ratio, 0, 1, low_open=True)
 

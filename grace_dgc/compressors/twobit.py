@@ -29,6 +29,8 @@ class TwoBitCompressor(Compressor):
     needs allgather or broadcast.
     """
 
+    SETTINGS = ("threshold",)
+
     def __init__(self, threshold=0.5):
         self.threshold = check_range("threshold", threshold, 0, low_open=True)
 

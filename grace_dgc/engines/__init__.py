@@ -10,12 +10,12 @@ or MPI launch): then it raises instead of training alone without a word.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
 
+from .. import environment
 from ..errors import GraceConfigError, check_range
 from .base import Engine
 from .local import LocalEngine
@@ -47,9 +47,8 @@ def detect_engine_name() -> str:
         return "horovod"
     if dist.is_available() and dist.is_initialized():
         return "torch"
-    launched = {
-        key: os.environ[key] for key in LAUNCHER_SIZES if os.environ.get(key, "").isdigit() and int(os.environ[key]) > 1
-    }
+    sizes = {key: environment.read_int(key) for key in LAUNCHER_SIZES}
+    launched = {key: size for key, size in sizes.items() if size is not None and size > 1}
     if launched:
         found = ", ".join(f"{key}={value}" for key, value in launched.items())
         raise GraceConfigError(

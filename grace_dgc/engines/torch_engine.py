@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -10,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import environment
 from ..errors import GraceCommError, GraceConfigError, check_range
 from .base import Engine, pad_to
 
@@ -53,7 +53,9 @@ class TorchEngine(Engine):
     @property
     def local_rank(self) -> int:
         """torchrun's ``LOCAL_RANK`` (the rank itself when launched otherwise)."""
-        return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        rank = environment.read_int("LOCAL_RANK", dist.get_rank())
+        assert rank is not None
+        return rank
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)

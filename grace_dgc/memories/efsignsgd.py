@@ -30,6 +30,10 @@ class EFSignSGDMemory(Memory):
     this averages, and GRACE skips the lr on the first step).
     """
 
+    SETTINGS = ("lr",)
+    STATE = ("lr", "residuals")
+    RESUME_MAY_DIFFER = {"lr": "the checkpoint carries the lr the schedule had reached"}
+
     def __init__(self, lr=1.0):
         self.lr = check_range("lr", lr, 0, low_open=True)
         self.residuals = {}  # name -> e_t, in parameter units
@@ -40,16 +44,3 @@ class EFSignSGDMemory(Memory):
 
     def update(self, tensor, name, compressor, payload, ctx):
         self.residuals[name] = self.lr * (tensor - compressor.decompress(payload, ctx))
-
-    def reset(self, name=None):
-        if name is None:
-            self.residuals.clear()
-        else:
-            self.residuals.pop(name, None)
-
-    def state_dict(self):
-        return {"lr": self.lr, "residuals": dict(self.residuals)}
-
-    def load_state_dict(self, state):
-        self.lr = state["lr"]
-        self.residuals = dict(state["residuals"])

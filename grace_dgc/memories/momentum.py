@@ -33,6 +33,13 @@ class MomentumMemory(Memory):
     parameters and gets 0 instead, logged once — momentum must not be applied twice.
     """
 
+    SETTINGS = ("momentum", "nesterov", "weight_decay", "gradient_clipping", "momentum_masking")
+    STATE = ("momentums", "velocities")
+    RANK_LOCAL = {
+        "parameters": "the model's parameters, handed over by attach_optimizer (the model saves them)",
+        "settings": "taken from the optimizer's param groups by attach_optimizer, again on resume",
+    }
+
     def __init__(self, momentum=0.9, nesterov=False, weight_decay=0.0, gradient_clipping=None, momentum_masking=True):
         self.momentum = check_range("momentum", momentum, 0, 1, high_open=True)
         self.nesterov = check_bool("nesterov", nesterov)
@@ -123,21 +130,3 @@ class MomentumMemory(Memory):
         # nothing is left in v (one host sync on an accelerator)
         if self.momentum_masking and torch.count_nonzero(v):
             compressor.mask_sent_(u, payload, ctx)
-
-    def reset(self, name=None):
-        if name is None:
-            self.momentums.clear()
-            self.velocities.clear()
-        else:
-            self.momentums.pop(name, None)
-            self.velocities.pop(name, None)
-
-    def state_dict(self):  # copies: u and v are updated in place
-        return {
-            "momentums": {n: u.clone() for n, u in self.momentums.items()},
-            "velocities": {n: v.clone() for n, v in self.velocities.items()},
-        }
-
-    def load_state_dict(self, state):
-        self.momentums = {n: u.clone() for n, u in state["momentums"].items()}
-        self.velocities = {n: v.clone() for n, v in state["velocities"].items()}

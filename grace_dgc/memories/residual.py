@@ -18,6 +18,9 @@ class ResidualMemory(Memory):
     ``state_dict`` hands out copies.
     """
 
+    SETTINGS = ("beta", "gamma")
+    STATE = ("residuals",)
+
     def __init__(self, beta=1.0, gamma=1.0):
         self.beta = check_range("beta", beta, 0)
         self.gamma = check_range("gamma", gamma, 0)
@@ -35,15 +38,3 @@ class ResidualMemory(Memory):
         if tensor is not self.residuals.get(name):  # the first step: p_t is the input (or new)
             tensor = tensor.clone()
         self.residuals[name] = compressor.subtract_sent_(tensor, payload, ctx)
-
-    def reset(self, name=None):
-        if name is None:
-            self.residuals.clear()
-        else:
-            self.residuals.pop(name, None)
-
-    def state_dict(self):
-        return {"residuals": {name: r.clone() for name, r in self.residuals.items()}}
-
-    def load_state_dict(self, state):
-        self.residuals = {name: r.clone() for name, r in state["residuals"].items()}

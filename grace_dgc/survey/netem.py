@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 
+from ..errors import GraceConfigError
 from .units import format_rate, parse_latency, parse_rate
 
 ENV = "GRACE_DGC_NETEM"
@@ -51,7 +52,18 @@ class NetemUnavailable(RuntimeError):
 def current_shaping():
     """The shaping this process runs under (a dict), or None outside a shaped namespace."""
     value = os.environ.get(ENV)
-    return json.loads(value) if value else None
+    if not value:
+        return None
+    try:
+        shaping = json.loads(value)
+    except ValueError:
+        shaping = None
+    if not isinstance(shaping, dict):
+        raise GraceConfigError(
+            f"{ENV}={value[:80]!r} in the environment; accepted: the JSON object the survey sets "
+            "(unset it: it is not a user setting)"
+        )
+    return shaping
 
 
 def burst_bytes(bandwidth_bps):

@@ -51,6 +51,7 @@ import sys
 import torch
 
 # the survey's API, re-exported where it was before the split
+from .. import environment
 from .cell import Cell  # noqa: F401
 from .context import Context
 from .execute import execute_cell, netem_shaping, run_cell  # noqa: F401
@@ -91,7 +92,7 @@ def _init_runtime(launcher, backend):
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            torch.cuda.set_device((environment.read_int("LOCAL_RANK", 0) or 0) % torch.cuda.device_count())
         dist.init_process_group(backend)
     return launcher
 

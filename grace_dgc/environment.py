@@ -1,0 +1,52 @@
+"""Every environment variable grace_dgc reads: what it means, whether the ranks compare it,
+and one checked reader. A bad value is a one-line :class:`GraceConfigError` naming the
+variable and what is accepted, never a bare ``ValueError`` deep inside a step.
+
+``tests/test_declarations.py`` fails when the library reads a variable that is not listed
+here, or lists one it no longer reads.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import GraceConfigError
+
+VARIABLES = {
+    "LOCAL_WORLD_SIZE": "ranks per machine (torchrun): hierarchical's default group_size; the ranks compare "
+    "the group size in effect at the handshake",
+    "LOCAL_RANK": "this rank's index on its machine (torchrun): which GPU it uses; rank-local on purpose",
+    "WORLD_SIZE": "the launcher's number of ranks: engine='auto' refuses to train alone under a launcher",
+    "HOROVOD_SIZE": "as WORLD_SIZE, under horovodrun",
+    "OMPI_COMM_WORLD_SIZE": "as WORLD_SIZE, under Open MPI's mpirun",
+    "PMI_SIZE": "as WORLD_SIZE, under MPICH/Slurm's PMI",
+    "RANK": "torchrun's rank: the survey runner's launcher detection",
+    "HOROVOD_RANK": "horovodrun's rank: the survey runner's launcher detection",
+    "HOROVOD_HOSTNAME": "set by horovodrun: the survey runner's launcher detection",
+    "GRACE_DGC_DEBUG": "the command line prints full tracebacks (0/1); rank-local on purpose",
+    "GRACE_DGC_NETEM": "the link shaping a survey worker runs under (JSON, set by the survey itself)",
+}
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def read_int(name: str, default: int | None = None, low: int = 0) -> int | None:
+    """``name`` as a whole number >= ``low``, or ``default`` when unset."""
+    assert name in VARIABLES, name
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    if not text.strip().isdigit() or int(text) < low:
+        raise GraceConfigError(
+            f"{name}={text!r} in the environment; accepted: a whole number >= {low} ({VARIABLES[name]})"
+        )
+    return int(text)
+
+
+def read_flag(name: str) -> bool:
+    """``name`` as a boolean (unset, empty, 0, false, no, off: False)."""
+    assert name in VARIABLES, name
+    text = os.environ.get(name, "")
+    if text.strip().lower() not in _TRUE + _FALSE:
+        raise GraceConfigError(f"{name}={text!r} in the environment; accepted: {', '.join(_TRUE[:2] + _FALSE[1:3])}")
+    return text.strip().lower() in _TRUE
