@@ -5,6 +5,7 @@ optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_paramet
 """
 
 from . import communicators, compressors, memories  # noqa: F401  (register the built-ins)
+from .checkpoint import gather_state, load_gathered_state
 from .ddp import ddp_comm_hook
 from .engines import create_engine
 from .errors import GraceCommError, GraceConfigError
@@ -42,4 +43,6 @@ __all__ = [
     "GraceConfigError",
     "GraceCommError",
     "ddp_comm_hook",
+    "gather_state",
+    "load_gathered_state",
 ]

@@ -96,11 +96,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._skipped_mark = grace.skipped
         self.found_inf = False  # this step had a NaN/Inf gradient on some rank: step() skips it
         self._joining: _Join | None = None  # inside join(): see there
+        # before any hook is registered: a memory that refuses this optimizer leaves nothing behind
+        self._attach_memory()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._names]
         # ranks compare every bucket at the first exchange, not bucket by bucket as they come
         grace.wrapper = {"backward_passes_per_step": backward_passes_per_step, "fusion_bytes": fusion_bytes}
         grace.expect_groups([[(self._names[p], p) for p in bucket] for bucket in self._buckets])
-        self._attach_memory()
 
     @staticmethod
     def _make_buckets(params: list[torch.nn.Parameter], fusion_bytes: int) -> list[list[torch.nn.Parameter]]:

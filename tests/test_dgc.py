@@ -255,7 +255,7 @@ def test_momentum_memory_matches_reference(nesterov, clip):
     )
     grace.memory.bind(FakeEngine(world))  # clipping threshold scales with N^-1/2
     param = torch.zeros(n)
-    grace.memory.attach_optimizer(torch.optim.Adam([param]), grace, {"w": param})
+    grace.memory.attach_optimizer(None, grace, {"w": param})  # the parameters only (weight decay)
     for g, w, want in zip(grads, weights, expected):
         param.copy_(torch.from_numpy(w))
         out = grace.step(torch.from_numpy(g).float(), "w")
@@ -444,3 +444,29 @@ def test_plain_sgd_checkpoint_does_not_bring_momentum_back():
     opt.load_state_dict(plain)
     assert opt.param_groups[0]["momentum"] == 0
     assert all(s[0] == 0.9 for s in opt.grace.memory.settings.values())
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop])
+def test_the_momentum_memory_under_an_optimizer_with_moments_is_refused_unless_momentum_is_0(optimizer):
+    """Issue 26: DGC's momentum on top of Adam's moments applied momentum twice, silently."""
+    model = torch.nn.Linear(6, 3)
+    grace = grace_dgc.build("dgc", "momentum", "allgather", engine="local", compress_ratio=0.3, min_compress_size=1)
+    refused = rf"{optimizer.__name__} applies moments of its own.*momentum=0"
+    with pytest.raises(grace_dgc.GraceConfigError, match=refused):
+        grace_dgc.DistributedOptimizer(optimizer(model.parameters(), lr=0.01), grace, model.named_parameters())
+    # momentum=0: DGC's accumulation alone (u = g, v += u, masked), Adam's moments do the rest
+    accumulate = grace_dgc.build("topk", "momentum", "allgather", engine="local", compress_ratio=0.3, momentum=0)
+    residual = grace_dgc.build("topk", "residual", "allgather", engine="local", compress_ratio=0.3)
+    torch.manual_seed(0)
+    twin = torch.nn.Linear(6, 3)
+    twin.load_state_dict(model.state_dict())
+    a = grace_dgc.DistributedOptimizer(optimizer(model.parameters(), lr=0.01), accumulate, model.named_parameters())
+    b = grace_dgc.DistributedOptimizer(optimizer(twin.parameters(), lr=0.01), residual, twin.named_parameters())
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for opt, net in ((a, model), (b, twin)):
+            opt.zero_grad()
+            net(x).square().sum().backward()
+            opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)

@@ -330,17 +330,20 @@ def test_a_parameter_unused_on_one_rank_only_is_exchanged_as_zeros(fusion):
 # -- timeouts and dead ranks ---------------------------------------------------------------
 
 
-def failing_rank_job(rank, world_size, port, how, results):
-    """Rank ``world_size - 1`` stops (SIGSTOP) or dies before the second step; the others
-    must end in an error naming it within the timeout."""
+def failing_rank_job(rank, world_size, port, how, results, comm="allgather", victim=None):
+    """Rank ``victim`` (default: the last) stops (SIGSTOP) or dies before the second step;
+    the others must end in an error naming it within the timeout."""
     import signal
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    grace = grace_dgc.build("topk", "residual", "allgather", timeout=4, compress_ratio=0.5)
+    if comm == "allgather":
+        grace = grace_dgc.build("topk", "residual", "allgather", timeout=4, compress_ratio=0.5)
+    else:
+        grace = grace_dgc.build("qsgd", "residual", comm, timeout=4)
     grace.step(torch.ones(8), "w")
-    if rank == world_size - 1:
+    if rank == (world_size - 1 if victim is None else victim):
         if how == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         os._exit(3)
@@ -351,14 +354,25 @@ def failing_rank_job(rank, world_size, port, how, results):
         results.put((rank, str(error)))
 
 
-@pytest.mark.parametrize("how", ["stop", "die"])
-def test_a_rank_that_stops_or_dies_is_named_within_the_timeout(how):
+@pytest.mark.parametrize(
+    "how, comm, victim",
+    [
+        ("stop", "allgather", 2),
+        ("die", "allgather", 2),
+        # issue 26: a survivor still waiting for the dead rank blamed rank 0, which had exited after its own error
+        ("stop", "reduce_scatter", 2),
+        ("die", "reduce_scatter", 2),
+        ("die", "reduce_scatter", 1),
+    ],
+)
+def test_a_rank_that_stops_or_dies_is_named_within_the_timeout(how, comm, victim):
     import time
 
     ctx = mp.get_context("spawn")
     results, port, world = ctx.SimpleQueue(), free_port(), 3
     procs = [
-        ctx.Process(target=failing_rank_job, args=(r, world, port, how, results), daemon=True) for r in range(world)
+        ctx.Process(target=failing_rank_job, args=(r, world, port, how, results, comm, victim), daemon=True)
+        for r in range(world)
     ]
     for proc in procs:
         proc.start()
@@ -370,10 +384,11 @@ def test_a_rank_that_stops_or_dies_is_named_within_the_timeout(how):
                 continue
             rank, message = results.get()
             got[rank] = message
-        assert sorted(got) == [0, 1], f"survivors did not report within 90 s: {got}"
+        survivors = [r for r in range(world) if r != victim]
+        assert sorted(got) == survivors, f"survivors did not report within 90 s: {got}"
         for rank, message in got.items():
             assert f"failed on rank {rank} of 3" in message, message
-            assert "rank 2 did not answer" in message, message
+            assert f"rank {victim} did not answer" in message, message
     finally:
         for proc in procs:
             proc.kill()

@@ -198,3 +198,70 @@ def same(a, b):
 def test_resume_from_a_checkpoint_is_bit_exact_for_every_communicator(world):
     for rank, mismatches in enumerate(run_local(resume_job, world, (), timeout=300)):
         assert not mismatches, f"rank {rank}: {mismatches}"
+
+
+# -- checkpoints the way trainers write them -------------------------------------------------
+
+
+def rank0_checkpoint_job(rank, world_size, path, shared):
+    """A rank-0-only training script: 3 steps, rank 0 saves model, optimizer and every
+    rank's grace state in one file; fresh objects on every rank resume from it (reading the
+    file on every rank when ``shared``, else only rank 0) and take 3 more steps. Returns the
+    mismatches against the uninterrupted run."""
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
+        grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.2)
+        opt = grace_dgc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), grace, model.named_parameters()
+        )
+        return model, opt
+
+    def train(model, opt, steps):
+        for step in steps:
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+
+    model, opt = make()
+    train(model, opt, range(3))
+    gathered = grace_dgc.gather_state(opt)
+    assert (gathered is None) == (rank != 0)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "grace": gathered}, path)
+    torch.distributed.barrier()
+    train(model, opt, range(3, 6))
+
+    fresh, fresh_opt = make()
+    checkpoint = torch.load(path, weights_only=True) if shared or rank == 0 else None
+    if checkpoint is not None:
+        fresh.load_state_dict(checkpoint["model"])
+        fresh_opt.load_state_dict(checkpoint["optimizer"])  # rank 0's grace state, replaced below
+    grace_dgc.broadcast_parameters(fresh.state_dict())
+    grace_dgc.broadcast_optimizer_state(fresh_opt.optimizer)
+    grace_dgc.load_gathered_state(fresh_opt, checkpoint["grace"] if checkpoint is not None else None)
+    train(fresh, fresh_opt, range(3, 6))
+    residuals, resumed = opt.grace.memory.residuals, fresh_opt.grace.memory.residuals
+    return [name for (name, p), q in zip(model.named_parameters(), fresh.parameters()) if not torch.equal(p, q)] + [
+        f"residual {name}" for name, r in residuals.items() if not torch.equal(r, resumed[name])
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shared", [True, False], ids=["every rank reads the file", "rank 0 sends the parts"])
+def test_a_rank_0_only_checkpoint_resumes_every_rank_exactly(world, shared, tmp_path):
+    results = run_local(rank0_checkpoint_job, world, (str(tmp_path / "ckpt.pt"), shared), timeout=180)
+    assert results == [[]] * world, results
+
+
+def test_a_gathered_state_of_another_world_size_or_format_is_refused():
+    grace = grace_dgc.build("topk", "residual", "allgather", engine="local")
+    grace.step(torch.randn(20), "w")
+    gathered = grace_dgc.gather_state(grace)
+    assert gathered["world_size"] == 1 and "w" in gathered["ranks"][0]["memory"]["residuals"]
+    with pytest.raises(GraceConfigError, match="holds 2 ranks; this run has 1"):
+        grace_dgc.load_gathered_state(grace, dict(gathered, world_size=2))
+    with pytest.raises(GraceConfigError, match="needs gather_state"):
+        grace_dgc.load_gathered_state(grace, grace.state_dict())

@@ -129,10 +129,12 @@ class TorchEngine(Engine):
             posted = self._posted_error(store)  # a rank that failed while this one waited
             if posted:
                 return f"{what}; {posted}"
+            self._linger_as_host(store, [r for r in range(self.size) if r != self.rank and r not in missing])
         except Exception as store_error:
             return (
-                f"{what}; the store (hosted by rank 0) is unreachable too "
-                f"({type(store_error).__name__}): rank 0 may be the one that stopped or died"
+                f"{what}; the store (hosted by rank 0) is unreachable too ({type(store_error).__name__}): rank 0 "
+                "stopped or died, or already exited after an error of its own; this rank cannot tell which "
+                "rank failed first: look at rank 0's log"
             )
         if missing:
             return (
@@ -140,6 +142,20 @@ class TorchEngine(Engine):
                 f"answer (stopped, hung or dead): look at {'their' if len(missing) > 1 else 'its'} log"
             )
         return f"{what}; every rank is still answering, so the collective itself failed"
+
+    def _linger_as_host(self, store: Any, answering: list[int]) -> None:
+        """Say this rank is done with the store; the rank that hosts it (global rank 0) waits
+        (bounded) until the ranks that answered are done too, so that exiting after its own
+        error does not make a survivor still waiting for a dead rank blame rank 0."""
+        done = f"grace/diagnosed/{self._calls}/"
+        store.set(done + str(self._global(self.rank)), "1")
+        if self._global(self.rank) != 0:
+            return
+        for rank in answering:
+            try:
+                store.wait([done + str(self._global(rank))], timedelta(seconds=min(self.timeout, 10.0) + 5))
+            except Exception:  # that rank stopped using the store otherwise: nothing to wait for
+                continue
 
     def allreduce(self, tensor: Tensor) -> Tensor:
         self._count(tensor)

@@ -31,6 +31,11 @@ class MomentumMemory(Memory):
     With ``DistributedOptimizer`` over ``torch.optim.SGD``: every param group whose
     momentum or weight_decay is > 0 hands them (and nesterov) to this memory for its
     parameters and gets 0 instead, logged once — momentum must not be applied twice.
+
+    Under any other optimizer (Adam, AdamW, RMSprop … keep moments of their own) this
+    memory's momentum would be applied on top of the optimizer's, so it is refused unless
+    built with ``momentum=0``: then u = g and v accumulates what was not sent (DGC's local
+    gradient accumulation with factor masking), and the optimizer's moments do the rest.
     """
 
     SETTINGS = ("momentum", "nesterov", "weight_decay", "gradient_clipping", "momentum_masking")
@@ -61,7 +66,16 @@ class MomentumMemory(Memory):
     def attach_optimizer(self, optimizer, grace, named_parameters):
         """Called by DistributedOptimizer: learn the parameters; take over SGD's momentum."""
         self.parameters = dict(named_parameters)
+        if optimizer is None:  # the DDP hook without an optimizer: nothing to take over
+            return
         if not isinstance(optimizer, torch.optim.SGD):
+            if self.momentum > 0 or self.nesterov:
+                raise GraceConfigError(
+                    f"the momentum memory applies momentum={self.momentum} before compression (DGC's momentum "
+                    f"correction) and {type(optimizer).__name__} applies moments of its own: momentum would be "
+                    "applied twice. Accepted: torch.optim.SGD (its momentum is taken over), or momentum=0 for "
+                    f"DGC's gradient accumulation alone under {type(optimizer).__name__}"
+                )
             return
         names = {id(p): n for n, p in self.parameters.items()}
         moved = []

@@ -1,0 +1,104 @@
+"""Checkpoints the way trainers write them: rank 0 saves one file for every rank.
+
+grace's state is per rank (each rank's residuals, momenta, owner errors), while most
+training scripts (nanoGPT, the PyTorch examples) save from rank 0 only. The gathered form
+puts every rank's :meth:`Grace.state_dict` into rank 0's file; on resume each rank loads
+its own part::
+
+    gathered = grace_dgc.gather_state(optimizer)          # every rank (a collective)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "grace": gathered}, path)
+    ...
+    checkpoint = torch.load(path, weights_only=True) if readable else None
+    grace_dgc.load_gathered_state(optimizer, checkpoint["grace"] if checkpoint else None)
+
+``optimizer.state_dict()`` on rank 0 also holds rank 0's own grace state; loading it on
+every rank and then :func:`load_gathered_state` gives each rank its own. A rank that cannot
+read the file (no shared file system) passes None and receives its part from rank 0.
+
+The bytes move by one ``all_to_all``: rank r's state goes to rank 0 only (a gather), and on
+load rank 0 sends each rank its part only (a scatter), never everything to everyone.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from .errors import GraceConfigError
+from .grace import Grace
+
+FORMAT = "grace_dgc gathered state 1"
+
+
+def _grace(target: Any) -> Grace:
+    grace = target if isinstance(target, Grace) else getattr(target, "grace", None)
+    if not isinstance(grace, Grace):
+        raise GraceConfigError(
+            f"needs a Grace or a DistributedOptimizer / ddp_comm_hook state holding one, got {type(target).__name__}"
+        )
+    return grace
+
+
+def _encode(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+def gather_state(target: Any, root: int = 0) -> dict[str, Any] | None:
+    """Every rank's grace state, on ``root`` (None on the other ranks). Collective."""
+    grace = _grace(target)
+    engine, mine = grace.engine, _encode(grace.state_dict())
+    if engine.size == 1:
+        return {"format": FORMAT, "world_size": 1, "ranks": [_decode(mine)]}
+    lengths = [int(n) for n in engine.allgather(torch.tensor([mine.numel()], dtype=torch.int64))]
+    send = [mine.numel() if r == root else 0 for r in range(engine.size)]
+    received = engine.all_to_all(mine, send, lengths if engine.rank == root else [0] * engine.size)
+    if engine.rank != root:
+        return None
+    return {"format": FORMAT, "world_size": engine.size, "ranks": [_decode(p) for p in received.split(lengths)]}
+
+
+def load_gathered_state(target: Any, gathered: dict[str, Any] | None, root: int = 0) -> None:
+    """Each rank loads its own part of :func:`gather_state`'s output. Ranks that pass None
+    receive their part from ``root``, which must pass it. Collective."""
+    grace = _grace(target)
+    engine = grace.engine
+    if gathered is not None:
+        if not isinstance(gathered, dict) or gathered.get("format") != FORMAT:
+            raise GraceConfigError(
+                f"load_gathered_state needs gather_state()'s output (format {FORMAT!r}), got "
+                f"{type(gathered).__name__}"
+                + (f" with format {gathered.get('format')!r}" if isinstance(gathered, dict) else "")
+            )
+        if gathered["world_size"] != engine.size:
+            raise GraceConfigError(
+                f"the gathered state holds {gathered['world_size']} ranks; this run has {engine.size}: "
+                "per-rank state (residuals, momenta) does not carry over"
+            )
+    if engine.size == 1:
+        if gathered is None:
+            raise GraceConfigError("load_gathered_state on one rank needs the gathered state")
+        grace.load_state_dict(gathered["ranks"][0])
+        return
+    have = engine.allgather(torch.tensor([gathered is not None], dtype=torch.int64))
+    if all(bool(flag) for flag in have):
+        grace.load_state_dict(gathered["ranks"][engine.rank])  # type: ignore[index]
+        return
+    if not bool(have[root]):
+        raise GraceConfigError(f"load_gathered_state: rank {root} (the root) has no gathered state to send")
+    parts = [_encode(state) for state in gathered["ranks"]] if engine.rank == root else []  # type: ignore[index]
+    sizes = torch.tensor([p.numel() for p in parts] if parts else [0] * engine.size, dtype=torch.int64)
+    sizes = engine.broadcast(sizes, root)
+    send = [int(n) for n in sizes] if engine.rank == root else [0] * engine.size
+    recv = [int(sizes[engine.rank]) if r == root else 0 for r in range(engine.size)]
+    data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    grace.load_state_dict(_decode(engine.all_to_all(data, send, recv)))
