@@ -409,9 +409,10 @@ class Grace:
         """What the ranks compare (see :mod:`~grace_dgc.handshake`) and a checkpoint records:
         each part's name and declared settings (as ``repr`` text), the non-finite policy and
         the optimizer wrapper's settings."""
+        names = self._methods()
         out: dict[str, Any] = {
             kind: {
-                "name": getattr(part, "registered_name", type(part).__name__),
+                "name": names[kind],
                 "settings": {key: repr(value) for key, value in part.agreed_settings().items()},
             }
             for kind, part in self._parts()
@@ -427,11 +428,12 @@ class Grace:
         ``torch.load(..., weights_only=True)``."""
         if not self._bound:
             self.bind()  # set-up makes the state some communicators keep (hierarchical's outer)
+        settings = self.settings()
         return {
             "format": self.STATE_FORMAT,
             "methods": self._methods(),
             "world_size": self.world_size,
-            "settings": {kind: self.settings()[kind]["settings"] for kind in ("compressor", "memory", "communicator")},
+            "settings": {kind: settings[kind]["settings"] for kind, _ in self._parts()},
             "compressor": self.compressor.state_dict(),
             "memory": self.memory.state_dict(),
             "communicator": self.communicator.state_dict(),
@@ -507,14 +509,7 @@ class Grace:
         return (("compressor", self.compressor), ("memory", self.memory), ("communicator", self.communicator))
 
     def _methods(self) -> dict[str, str]:
-        return {
-            part: getattr(obj, "registered_name", type(obj).__name__)
-            for part, obj in (
-                ("compressor", self.compressor),
-                ("memory", self.memory),
-                ("communicator", self.communicator),
-            )
-        }
+        return {kind: getattr(part, "registered_name", type(part).__name__) for kind, part in self._parts()}
 
     def __repr__(self) -> str:
         return (

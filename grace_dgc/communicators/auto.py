@@ -87,13 +87,12 @@ class Auto(Communicator):
         errors: dict[str, Tensor] = getattr(self.members.get("reduce_scatter"), "errors", {})
         if not errors:
             return tensors
-        folded = list(tensors)
+        folded, me = list(tensors), self.engine.rank
+        scale = self.engine.size if self.plain.average else 1
         for i, name in enumerate(names):
             if name in errors and self.choice.get(name, self._default()) != "reduce_scatter":
                 carried = errors.pop(name)
                 bounds = self.chunked.bounds(tensors[i].numel())
-                me = self.engine.rank
-                scale = self.engine.size if self.plain.average else 1
                 flat = tensors[i].reshape(-1).clone()
                 flat[bounds[me] : bounds[me + 1]].add_(carried.to(flat.dtype), alpha=scale)
                 folded[i] = flat.view(tensors[i].shape)

@@ -61,14 +61,17 @@ class Hierarchical(Communicator):
         """The group size in effect (LOCAL_WORLD_SIZE's, when not given): ranks that read
         another one from their environment would form other nodes."""
         try:
-            size: Any = self.group_size or _local_world_size(self.engine.size)
+            size: Any = self._group_size()
         except GraceConfigError as error:  # the ranks learn of it together at the handshake
             size = f"invalid ({str(error).split(';')[0]})"
         return {"outer": self.outer_name, "group_size": size}
 
+    def _group_size(self) -> int:
+        return self.group_size or _local_world_size(self.engine.size)
+
     def setup(self) -> Engine:
         engine = self.engine
-        size = self.group_size or _local_world_size(engine.size)
+        size = self._group_size()
         if engine.size % size:
             raise GraceConfigError(
                 f"hierarchical: {engine.size} ranks do not form nodes of group_size={size}; "
