@@ -1,6 +1,9 @@
 # Two entry points for a fresh machine with Python 3.11:
 #   make test    — create .venv, install torch 2.13.0 (CPU), the project, Horovod; lint (ruff, mypy); run the tests
 #   make survey  — the main job: the quick comparative survey and its report
+#   make gpu-check — on a machine with a GPU: CUDA tests, GPU benchmarks and a short training run, one report under
+#                  docs/results/ (scripts/gpu_check.py; a CUDA build of torch, cu128, when nvidia-smi is present;
+#                  with a CUDA torch already installed: `python scripts/gpu_check.py`)
 # Every package is pinned by constraints.txt (build tools included), so a release upstream cannot break a fresh
 # machine. torch's build is chosen explicitly: TORCH=cpu (default) or a CUDA tag, e.g. `make TORCH=cu128 test`.
 PYTHON ?= python3.11
@@ -35,9 +38,13 @@ lint: venv
 test: venv horovod lint
 	$(PY) -m pytest -q
 
+gpu-check: TORCH = $(if $(shell command -v nvidia-smi),cu128,cpu)
+gpu-check: venv
+	$(PY) scripts/gpu_check.py
+
 survey: venv
 	$(VENV)/bin/grace-dgc list
 	$(VENV)/bin/grace-dgc survey --preset quick --out runs/quick
 	@echo "report: runs/quick/report.md (plots: runs/quick/*.png)"
 
-.PHONY: venv horovod lint test survey
+.PHONY: venv horovod lint test survey gpu-check

@@ -59,9 +59,10 @@ def gather_state(target: Any, root: int = 0) -> dict[str, Any] | None:
     engine, mine = grace.engine, _encode(grace.state_dict())
     if engine.size == 1:
         return {"format": FORMAT, "world_size": 1, "ranks": [_decode(mine)]}
-    lengths = [int(n) for n in engine.allgather(torch.tensor([mine.numel()], dtype=torch.int64))]
+    device = engine.control_device  # NCCL moves CUDA tensors only
+    lengths = [int(n) for n in engine.allgather(torch.tensor([mine.numel()], dtype=torch.int64, device=device))]
     send = [mine.numel() if r == root else 0 for r in range(engine.size)]
-    received = engine.all_to_all(mine, send, lengths if engine.rank == root else [0] * engine.size)
+    received = engine.all_to_all(mine.to(device), send, lengths if engine.rank == root else [0] * engine.size).cpu()
     if engine.rank != root:
         return None
     return {"format": FORMAT, "world_size": engine.size, "ranks": [_decode(p) for p in received.split(lengths)]}
@@ -89,16 +90,17 @@ def load_gathered_state(target: Any, gathered: dict[str, Any] | None, root: int 
             raise GraceConfigError("load_gathered_state on one rank needs the gathered state")
         grace.load_state_dict(gathered["ranks"][0])
         return
-    have = engine.allgather(torch.tensor([gathered is not None], dtype=torch.int64))
+    device = engine.control_device
+    have = engine.allgather(torch.tensor([gathered is not None], dtype=torch.int64, device=device))
     if all(bool(flag) for flag in have):
         grace.load_state_dict(gathered["ranks"][engine.rank])  # type: ignore[index]
         return
     if not bool(have[root]):
         raise GraceConfigError(f"load_gathered_state: rank {root} (the root) has no gathered state to send")
     parts = [_encode(state) for state in gathered["ranks"]] if engine.rank == root else []  # type: ignore[index]
-    sizes = torch.tensor([p.numel() for p in parts] if parts else [0] * engine.size, dtype=torch.int64)
-    sizes = engine.broadcast(sizes, root)
+    sizes = torch.tensor([p.numel() for p in parts] if parts else [0] * engine.size, dtype=torch.int64, device=device)
+    sizes = engine.broadcast(sizes, root).cpu()
     send = [int(n) for n in sizes] if engine.rank == root else [0] * engine.size
     recv = [int(sizes[engine.rank]) if r == root else 0 for r in range(engine.size)]
     data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    grace.load_state_dict(_decode(engine.all_to_all(data, send, recv)))
+    grace.load_state_dict(_decode(engine.all_to_all(data.to(device), send, recv).cpu()))

@@ -73,8 +73,7 @@ def _hash(text):
 def agree_settings(grace):
     """:func:`agree` on the settings fields, before the parts set up."""
     engine = grace.engine
-    device = torch.device("cuda", torch.cuda.current_device()) if getattr(engine, "backend", "") == "nccl" else None
-    _compare(engine, describe(grace), SETTINGS_FIELDS, device)
+    _compare(engine, describe(grace), SETTINGS_FIELDS, engine.control_device)
 
 
 def agree(grace, tensors, names):

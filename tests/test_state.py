@@ -143,15 +143,21 @@ RESUMED = [
 AUTO_PLAN = ["reduce_scatter", "allgather", "reduce_scatter"]
 
 
-def resume_job(rank, world_size):
+def resume_job(rank, world_size, device="cpu"):
     """Per method: run 3 steps, save, run 4 more; a fresh Grace loads the saved state
-    (weights_only) and runs the same 4 steps. Returns the mismatches."""
+    (weights_only) and runs the same 4 steps. Returns the mismatches. ``device="cuda"``
+    (tests/test_cuda.py) puts the gradients on the rank's GPU."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
     mismatches = []
     for comp, mem, comm, params in RESUMED:
         if comm == "hierarchical":
             params = dict(params, group_size=2 if world_size % 2 == 0 else 1)
         gen = torch.Generator().manual_seed(rank)
-        grads = [[torch.randn(40, generator=gen), torch.randn(7, 5, generator=gen)] for _ in range(7)]
+        grads = [
+            [torch.randn(40, generator=gen).to(device), torch.randn(7, 5, generator=gen).to(device)] for _ in range(7)
+        ]
 
         def run(grace, steps, plan=()):
             out = []
@@ -169,7 +175,7 @@ def resume_job(rank, world_size):
         torch.save(first.state_dict(), buffer)
         expected = run(first, grads[3:])
         resumed = grace_dgc.build(comp, mem, comm, **params)
-        resumed.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+        resumed.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True, map_location=device))
         got = run(resumed, grads[3:])
         label = f"{comp}+{mem} over {comm}"
         for step, (e, g) in enumerate(zip(expected, got)):

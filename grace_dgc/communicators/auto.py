@@ -99,12 +99,16 @@ class Auto(Communicator):
         return folded
 
     def _measure_link(self) -> None:
+        device = self.engine.control_device  # NCCL probes its own link, on the GPU
+
         def timed(numel: int) -> float:
-            buffer = torch.zeros(numel)
+            buffer = torch.zeros(numel, device=device)
             best = float("inf")
             for _ in range(3):
                 start = time.perf_counter()
                 self.engine.allreduce(buffer)
+                if device.type == "cuda":  # the collective is queued on the GPU: wait for it
+                    torch.cuda.synchronize(device)
                 best = min(best, time.perf_counter() - start)
             return best
 
@@ -112,7 +116,7 @@ class Auto(Communicator):
         small, large = timed(1), timed(1 << 20)
         self.engine.traffic.sent, self.engine.traffic.received = traffic  # set-up is not training traffic
         n = max(self.engine.size, 2)
-        measured = torch.tensor([small, max(large - small, 1e-9) / (2 * (n - 1) / n * 4 * (1 << 20))])
+        measured = torch.tensor([small, max(large - small, 1e-9) / (2 * (n - 1) / n * 4 * (1 << 20))], device=device)
         measured = self.engine.broadcast(measured, 0)  # rank 0's figures, so all decide alike
         if self.latency is None:
             self.link["latency"] = float(measured[0]) / max(2 * (n - 1), 1)
@@ -153,7 +157,7 @@ class Auto(Communicator):
         if untried and bucket["chosen"] is None:
             pick = untried[0]
         elif bucket["chosen"] is None or bucket["steps"] % self.interval == 0:
-            code = torch.tensor([self.fitting.index(self._cheapest(bucket))])
+            code = torch.tensor([self.fitting.index(self._cheapest(bucket))], device=self.engine.control_device)
             pick = self.fitting[int(self.engine.broadcast(code, 0)[0])]
             bucket["chosen"] = pick
         else:

@@ -89,6 +89,7 @@ class AutoEngine(Engine):
     size = property(lambda self: self.resolve().size)
     backend = property(lambda self: self.resolve().backend)
     local_rank = property(lambda self: self.resolve().local_rank)
+    control_device = property(lambda self: self.resolve().control_device)
     bytes_sent = property(lambda self: 0 if self._engine is None else self._engine.bytes_sent)
     bytes_received = property(lambda self: 0 if self._engine is None else self._engine.bytes_received)
     traffic = property(lambda self: self.resolve().traffic)

@@ -34,6 +34,14 @@ class Engine:
         return self.name
 
     @property
+    def control_device(self) -> torch.device:
+        """Where the engine's own small tensors (flags, fingerprints, link probes) live: the
+        rank's current GPU under NCCL (which takes CUDA tensors only), else the CPU."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
     def local_rank(self) -> int:
         """This rank's index on its machine (which GPU it takes)."""
         return self.rank

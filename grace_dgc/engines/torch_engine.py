@@ -208,7 +208,7 @@ class TorchEngine(Engine):
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         box = [obj if self.rank == root else None]
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        device = self.control_device if self.backend == "nccl" else None
         dist.broadcast_object_list(box, src=self._global(root), group=self.group, device=device)
         return box[0]
 

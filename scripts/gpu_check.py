@@ -1,0 +1,218 @@
+"""Prove the CUDA/NCCL path in one command and write one report (issue 22).
+
+    make gpu-check                      # on a machine with a GPU: venv (TORCH=cu128 by default there) + this
+    python scripts/gpu_check.py [--device cuda|cpu] [--out REPORT.md] [--step-timeout S]
+
+Steps, each in its own process group under a time limit (a step that hangs is killed and
+reported as such, and the check goes on to the next):
+
+  1. the CUDA tests (tests/test_cuda.py: the device fixture on cuda, NCCL, streams, the DDP
+     hook on a CUDA bucket, CUDA random streams across ranks, peak CUDA memory of a step);
+  2. benchmarks/bench_compressors.py --device cuda (compress+decompress as a multiple of one copy_);
+  3. benchmarks/bench_dgc.py --device cuda;
+  4. benchmarks/bench_overhead.py --backend nccl (DDP's allreduce vs DistributedOptimizer vs the
+     DDP hook, one rank per GPU);
+  5. a short DGC-vs-dense training survey on CUDA (benchmarks/configs/gpu-check.toml).
+
+The report (markdown: device, driver, torch/CUDA/NCCL versions, every step's command, exit
+status, seconds and output) goes to ``--out``, by default docs/results/gpu-check-<device>.md.
+The exit status is 1 if any step failed. ``--device cpu`` is the dry run CI keeps working: the
+same steps on tiny sizes, the GPU-only tests skipping with their reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTPUT_LINES = 160  # per step in the report; the whole output when shorter
+
+
+def environment(device):
+    """The machine and software the figures were taken on, as markdown lines."""
+    import torch
+
+    lines = [
+        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        f"- host: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPU cores",
+        f"- Python {platform.python_version()}, torch {torch.__version__}",
+    ]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        lines.append(f"- grace_dgc commit: {commit.stdout.strip() or 'unknown (not a git checkout)'}")
+    except OSError:
+        pass
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "absent"
+        lines += [
+            f"- GPU: {torch.cuda.device_count()} × {props.name}, {props.total_memory / 2**30:.0f} GiB, "
+            f"{props.multi_processor_count} SMs, compute capability {props.major}.{props.minor}",
+            f"- CUDA (torch's build) {torch.version.cuda}, NCCL {nccl}, cuDNN {torch.backends.cudnn.version()}",
+        ]
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        if smi.returncode == 0:
+            lines.append(f"- driver {smi.stdout.strip().splitlines()[0]}")
+    else:
+        lines.append("- device: CPU (dry run: tiny sizes; the GPU-only tests skip)")
+    return lines
+
+
+def steps(device, gpus, scratch):
+    """(title, argv) per step; sizes cut to a dry run on the CPU."""
+    py = sys.executable
+    survey_config = ROOT / "benchmarks/configs/gpu-check.toml"
+    if device == "cuda":
+        return [
+            ("CUDA tests", [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"]),
+            ("compress + decompress vs copy_", [py, "benchmarks/bench_compressors.py", "--device", "cuda"]),
+            ("DGC selection", [py, "benchmarks/bench_dgc.py", "--device", "cuda"]),
+            (
+                "dense-path overhead on NCCL",
+                [py, "benchmarks/bench_overhead.py", "--backend", "nccl", "--ranks", str(gpus), "--steps", "30"]
+                + ["--repeats", "2"],
+            ),
+            (
+                "DGC vs dense training",
+                [py, "-m", "grace_dgc.cli", "survey", "--config", str(survey_config)]
+                + ["--out", str(scratch / "survey"), "--no-progress"],
+            ),
+        ]
+    dry_config = scratch / "gpu-check-cpu.toml"
+    dry_config.write_text(survey_config.read_text().replace('device = "cuda"', 'device = "cpu"'))
+    return [
+        ("CUDA tests", [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"]),
+        (
+            "compress + decompress vs copy_",
+            [py, "benchmarks/bench_compressors.py", "--device", "cpu", "--sizes", "20000", "--repeats", "1"],
+        ),
+        ("DGC selection", [py, "benchmarks/bench_dgc.py", "--device", "cpu", "--sizes", "20000", "--repeats", "1"]),
+        (
+            "dense-path overhead on gloo",
+            [py, "benchmarks/bench_overhead.py", "--backend", "gloo", "--ranks", "1", "--steps", "2"]
+            + ["--repeats", "1", "--batch", "4"],
+        ),
+        (
+            "DGC vs dense training",
+            [py, "-m", "grace_dgc.cli", "survey", "--config", str(dry_config)]
+            + [
+                "--out",
+                str(scratch / "survey"),
+                "--no-progress",
+                "--workers",
+                "1",
+                "--epochs",
+                "1",
+                "--max-steps",
+                "3",
+            ],
+        ),
+    ]
+
+
+def run_step(argv, timeout):
+    """(exit status or 'timeout', seconds, output); the step's whole process group is killed
+    at the limit, so a hung collective ends here instead of hanging the check."""
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        status: int | str = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        status = "timeout"
+    return status, time.monotonic() - start, output
+
+
+def shown(argv):
+    """The command as a user would type it from the repository's root."""
+    words = [
+        "python" if a == sys.executable else os.path.relpath(a, ROOT) if a.startswith(str(ROOT)) else a for a in argv
+    ]
+    return " ".join(words)
+
+
+def trimmed(output):
+    lines = output.rstrip().splitlines()
+    if len(lines) <= OUTPUT_LINES:
+        return "\n".join(lines)
+    return "\n".join([f"[... {len(lines) - OUTPUT_LINES} earlier lines left out ...]"] + lines[-OUTPUT_LINES:])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when torch sees a GPU, else cpu")
+    parser.add_argument("--out", type=Path, help="the report (default: docs/results/gpu-check-<device>.md)")
+    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds before a step is killed")
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.device is None and not torch.cuda.is_available() and shutil.which("nvidia-smi"):
+        parser.error(
+            f"nvidia-smi is here but torch {torch.__version__} sees no GPU (a CPU build?): install a CUDA build "
+            "(make gpu-check TORCH=cu128 in a fresh venv), or pass --device cpu for the dry run"
+        )
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda, but torch {torch.__version__} sees no GPU (a CPU build, or no driver)")
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-") if gpus else "cpu-dry-run"
+    out = args.out or ROOT / "docs" / "results" / f"gpu-check-{name}.md"
+
+    report = [f"# GPU check: {name}", "", *environment(device), ""]
+    summary, details, failed = [], [], 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        for title, step in steps(device, gpus, Path(scratch)):
+            print(f"== {title}: {shown(step)}", flush=True)
+            status, seconds, output = run_step(step, args.step_timeout)
+            ok = status == 0
+            failed += not ok
+            verdict = (
+                "passed" if ok else ("killed at the time limit" if status == "timeout" else f"FAILED (exit {status})")
+            )
+            print(f"   {verdict} in {seconds:.0f} s", flush=True)
+            if not ok:
+                print(trimmed(output)[-4000:], flush=True)
+            summary.append(f"| {title} | {verdict} | {seconds:.0f} |")
+            written = Path(scratch) / "survey" / "report.md"
+            if "survey" in step and written.exists():  # the survey's own summary tables
+                output += "\n\n" + "\n".join(written.read_text().splitlines()[: OUTPUT_LINES // 2])
+            details += [
+                f"## {title}",
+                "",
+                f"`{shown(step)}` — {verdict} in {seconds:.0f} s",
+                "",
+                "```",
+                trimmed(output),
+                "```",
+                "",
+            ]
+            # written after every step: a check cut short still leaves what it measured
+            table = ["| step | result | seconds |", "| --- | --- | --- |", *summary, ""]
+            out.write_text("\n".join(report + table + details))
+    print(f"report: {out} ({failed} of {len(summary)} steps failed)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
