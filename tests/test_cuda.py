@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from method_params import PARAMS
 from test_state import resume_job
 
@@ -241,3 +243,40 @@ def checkpoint_job(rank, world_size):
 @pytest.mark.slow
 def test_rank0_checkpoint_on_nccl():
     assert all(run_local(checkpoint_job, GPUS, (), backend="nccl", timeout=300))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.0, 1.0, -2.0, 3.5, float("nan"), 7.0, 1e-30]), min_size=1, max_size=80),
+    st.data(),
+)
+def test_the_kth_smallest_by_topk_is_kthvalue(values, data):
+    """kth_smallest's CUDA form (the largest of the j smallest) picks kthvalue's element,
+    ties and NaNs (the largest) included: checked on the CPU, where both run."""
+    v = torch.tensor(values)
+    j = data.draw(st.integers(1, len(values)))
+    by_topk = torch.topk(v, j, largest=False, sorted=False).values.max()
+    assert same_value(by_topk, torch.kthvalue(v, j).values)
+
+
+def same_value(a, b):
+    return bool(torch.isnan(a) & torch.isnan(b)) or bool(a == b)
+
+
+def test_exact_top_k_on_the_device_is_torch_topk(device):
+    """The sampled path (n > 65536) on ``device``: the set torch.topk selects, ties at the
+    k-th magnitude to the lowest indices."""
+    from grace_dgc.compressors.topk import exact_top_k, kth_smallest
+    from grace_dgc.workspace import Workspace
+
+    gen = torch.Generator().manual_seed(3)
+    flat = torch.randn(300_000, generator=gen).round(decimals=2)  # many ties
+    k = 3_000
+    got = exact_top_k(flat.to(device), k, Workspace()).cpu()
+    magnitude = flat.abs()
+    kth = torch.topk(magnitude, k).values[-1]
+    above = torch.nonzero(magnitude > kth).view(-1)
+    tied = torch.nonzero(magnitude == kth).view(-1)[: k - above.numel()]
+    assert torch.equal(got, torch.cat([above, tied]).sort().values)
+    v = magnitude[:5000].to(device)
+    assert same_value(kth_smallest(v, 77).cpu(), torch.kthvalue(magnitude[:5000], 77).values)
