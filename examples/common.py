@@ -13,9 +13,9 @@ import grace_dgc
 from grace_dgc.errors import parse_value
 
 
-def parse_args(description, checkpoint=False):
+def parse_args(description, *options):
     """The command line; ``args.params`` holds the ``--param`` pairs as a dict (see ``method_params``).
-    With ``checkpoint``, ``--checkpoint DIR`` is accepted too."""
+    ``options``: a script's own, as ``(flag, add_argument keywords)`` pairs."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compressor", default="topk", help=f"one of {', '.join(grace_dgc.list_compressors())}")
     parser.add_argument("--memory", default="residual", help=f"one of {', '.join(grace_dgc.list_memories())}")
@@ -34,8 +34,8 @@ def parse_args(description, checkpoint=False):
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
-    if checkpoint:
-        parser.add_argument("--checkpoint", metavar="DIR", help="resume from / save to DIR/rank<r>.pt")
+    for flag, keywords in options:
+        parser.add_argument(flag, **keywords)
     args = parser.parse_args()
     args.params = method_params(args.param)
     return args

@@ -23,7 +23,7 @@ import grace_dgc
 
 
 def main():
-    args = parse_args(__doc__, checkpoint=True)
+    args = parse_args(__doc__, ("--checkpoint", {"metavar": "DIR", "help": "resume from / save to DIR/rank<r>.pt"}))
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -5,7 +5,7 @@ optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_paramet
 """
 
 from . import communicators, compressors, memories  # noqa: F401  (register the built-ins)
-from .checkpoint import gather_state, load_gathered_state
+from .checkpoint import PerRankState, gather_state, load_gathered_state
 from .ddp import ddp_comm_hook
 from .engines import create_engine
 from .errors import GraceCommError, GraceConfigError
@@ -44,5 +44,6 @@ __all__ = [
     "GraceCommError",
     "ddp_comm_hook",
     "gather_state",
+    "PerRankState",
     "load_gathered_state",
 ]

@@ -104,3 +104,58 @@ def load_gathered_state(target: Any, gathered: dict[str, Any] | None, root: int 
     recv = [int(sizes[engine.rank]) if r == root else 0 for r in range(engine.size)]
     data = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     grace.load_state_dict(_decode(engine.all_to_all(data.to(device), send, recv).cpu()))
+
+
+class PerRankState:
+    """grace's per-rank state as a ``torch.distributed.checkpoint`` (DCP) ``Stateful``::
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(model, optimizer.optimizer)   # the wrapped optimizer
+        dcp.save({"model": model_state, "optim": optim_state, "grace": grace_dgc.PerRankState(optimizer)},
+                 checkpoint_id=directory)
+        ...
+        model_state, optim_state = get_state_dict(model, optimizer.optimizer)
+        state = {"model": model_state, "optim": optim_state, "grace": grace_dgc.PerRankState(optimizer)}
+        dcp.load(state, checkpoint_id=directory)                                # grace's part loads itself
+        set_state_dict(model, optimizer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    Why a wrapper: DCP treats equal keys on different ranks as one replicated value and writes
+    it once, but each rank's residuals, momenta and owner errors are its own. Here each rank's
+    whole :meth:`Grace.state_dict` is one entry under a key of its own (``rank<r>``), written
+    as bytes (its size changes as tensors are first seen, so it cannot be a preallocated
+    tensor DCP loads into). The model and the wrapped optimizer's state are the same on every
+    rank and go through DCP as usual; ``DistributedOptimizer.state_dict()`` itself would put
+    rank-local tensors under shared keys, so it is not what to hand to DCP.
+
+    Loading into another world size: a rank with no entry of its own gets DCP's missing-key
+    error; a rank that finds one is refused by :meth:`Grace.load_state_dict` (the saved world
+    size differs), as are other methods or settings.
+    """
+
+    def __init__(self, target: Any) -> None:
+        self.grace = _grace(target)
+
+    def _key(self) -> str:
+        return f"rank{self.grace.engine.rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.grace.state_dict()  # binds first: the engine knows this rank
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        return {self._key(): buffer}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = self._key()
+        if key not in state_dict:
+            raise GraceConfigError(
+                f"the checkpoint holds no grace state for {key} (it has {', '.join(sorted(state_dict)) or 'none'})"
+            )
+        value = state_dict[key]
+        if isinstance(value, io.BytesIO):  # handed over unread
+            value = torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+        elif isinstance(value, (bytes, bytearray)):
+            value = torch.load(io.BytesIO(value), weights_only=True)
+        self.grace.load_state_dict(value)  # DCP has decoded it: a Grace.state_dict()

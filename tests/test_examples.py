@@ -148,6 +148,24 @@ def test_train_ddp_matches_and_resumes(torchrun_losses, tmp_path):
     assert losses(resumed) == {s: torchrun_losses[s] for s in range(10, 20)}
 
 
+@pytest.mark.parametrize(
+    "how",
+    [["--checkpoint", "{tmp}/ckpt.pt"], ["--checkpoint", "{tmp}/ckpt.pt", "--rank0-reads"], ["--dcp", "{tmp}/dcp"]],
+    ids=["rank0-file", "rank0-file-read-by-rank0-only", "torch-dcp"],
+)
+def test_train_checkpointed_resumes_exactly(torchrun_losses, tmp_path, how):
+    """Rank 0 writes one file (every rank's grace state gathered into it), or DCP writes a
+    directory: 10 steps, then 10 resumed, give the uninterrupted run's losses."""
+    how = [a.format(tmp=tmp_path) for a in how]
+    first = torchrun("train_checkpointed.py", *METHOD, "--steps", "10", *how)
+    assert "resumed" not in first and check_run(first, "torch", 10) == {s: torchrun_losses[s] for s in range(10)}
+    if how[0] == "--checkpoint":
+        assert os.listdir(tmp_path) == ["ckpt.pt"]  # one file, from rank 0
+    resumed = torchrun("train_checkpointed.py", *METHOD, "--steps", "10", *how)
+    assert "resumed at step 10" in resumed
+    assert losses(resumed) == {s: torchrun_losses[s] for s in range(10, 20)}
+
+
 def test_examples_reject_bad_input():
     proc = subprocess.run(
         [sys.executable, "examples/train_torchrun.py", "--param", "compress_ratio"],
