@@ -187,10 +187,11 @@ class Grace:
                 sources, outputs = [flat], [flat]
         keys = names if sources is tensors else [names[0] + "…"]
         # a finite gradient may still overflow on the wire (fp16: beyond ±65504); the state
-        # this step changes is copied first, so a skipped step leaves it bitwise as it was
+        # this step changes (memory, owner errors, the compressor's own: PowerSGD's Q) is
+        # copied first, so a skipped step leaves it bitwise as it was
         guard = None
         if not rides and (comp.may_overflow or any(t.dtype == torch.float16 for t in tensors)):
-            guard = (memory.snapshot(keys), comm.snapshot(keys))
+            guard = (memory.snapshot(keys), comm.snapshot(keys), self.compressor.snapshot(keys))
         if comm.aggregates:  # hierarchical: the node's sum is what gets compressed
             with self._timed("communicate"), self._counted():
                 sources = comm.prereduce(sources, keys)
@@ -251,7 +252,7 @@ class Grace:
         keys: list[str],
         inplace: bool,
         rides: bool,
-        guard: tuple[dict[str, Any], dict[str, Any]] | None,
+        guard: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None,
     ) -> list[Tensor]:
         """Count the group, catch a non-finite average, and hand the averages back."""
         memory = self.memory
@@ -266,10 +267,12 @@ class Grace:
             if guard is not None:  # the state as it was before this step
                 memory.restore(guard[0], keys)
                 self.communicator.restore(guard[1], keys)
+                self.compressor.restore(guard[2], keys)
             elif not rides:  # an fp32 sum beyond 3.4e38: the memory saw the overflow, forget it
                 for key in keys:
                     memory.reset(key)
                     self.communicator.reset(key)
+                    self.compressor.reset(key)
             return self._skip(tensors, outputs, names, inplace, None)
         if not inplace:
             return outputs
