@@ -353,7 +353,7 @@ def failing_rank_job(rank, world_size, port, how, results, comm, victim):
     comp, mem, name, params = VICTIM_SETUPS[comm]
     if comm == "hierarchical":
         params = dict(params, group_size=2 if world_size % 2 == 0 else 1)
-    grace = grace_dgc.build(comp, mem, name, timeout=3, **params)
+    grace = grace_dgc.build(comp, mem, name, timeout=2, **params)
     grace.step(torch.ones(8), "w")
     if rank == victim:
         os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
@@ -364,13 +364,27 @@ def failing_rank_job(rank, world_size, port, how, results, comm, victim):
         results.put((rank, str(error)))
 
 
-VICTIM_CASES = [
+ALL_VICTIM_CASES = [
     (world, comm, how, victim)
     for world in (3, 4)
     for comm in VICTIM_SETUPS
     for how in ("stop", "kill")
     for victim in range(world)
 ]
+# The whole matrix (98 scenarios) takes ~15 minutes on 2 cores: GRACE_KILL_MATRIX=full runs it. By
+# default a rotation of it: every communicator × world × how, the victim's position rotating so
+# that every position of every world is stopped and killed, rank 0 (the store's host) for each
+# communicator at least once.
+VICTIM_CASES = (
+    ALL_VICTIM_CASES
+    if os.environ.get("GRACE_KILL_MATRIX") == "full"
+    else [
+        (world, comm, how, victim)
+        for world, comm, how, victim in ALL_VICTIM_CASES
+        if victim in {(list(VICTIM_SETUPS).index(comm) + ("stop", "kill").index(how)) % world, 0}
+        and (victim != 0 or (list(VICTIM_SETUPS).index(comm) + world + ("stop", "kill").index(how)) % 2 == 0)
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -413,12 +427,12 @@ def test_a_rank_that_stops_or_dies_is_named_by_every_survivor(quick_processes, w
             assert f"failed on rank {rank} of {world}" in message, message
             named = f"rank {victim} did not answer" in message
             if victim == 0:  # the store died with rank 0: a survivor may only be able to say that
-                named = named or "the store (hosted by rank 0) is unreachable too" in message
+                named = named or "the store (hosted by rank 0)" in message
             assert named, message
             for other in survivors:
                 assert f"rank {other} did not answer" not in message, message
             if victim != 0:
-                assert "unreachable" not in message, message
+                assert "the store (hosted by rank 0)" not in message, message
     finally:
         for proc in procs:
             proc.kill()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -15,6 +16,30 @@ from .base import Engine, pad_to
 
 ERROR_KEY = "grace/error/"  # + global rank: the error a rank posted before leaving (see fail)
 SEEN_KEY = "grace/error-seen/"  # + global rank: it has read a posted error
+
+
+def bounded(fn: Callable[[], Any], seconds: float) -> Any:
+    """``fn()``, or TimeoutError after ``seconds``: the store lives in rank 0's process, and
+    while that process is stopped (SIGSTOP, a debugger, swapped out) a store call blocks for
+    the store's own timeout (30 minutes by default) instead of failing."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as error:  # handed to the caller
+            box["error"] = error
+
+    worker = threading.Thread(target=run, name="grace-store-call", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(f"no answer within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 DEFAULT_TIMEOUT = 300.0  # seconds: far below torch's 30 min, far above any sane step
 
 
@@ -81,14 +106,17 @@ class TorchEngine(Engine):
         if self._failed or isinstance(error, GraceCommError):
             return
         self._failed = True
+        store = dist.distributed_c10d._get_default_store()
+        text = str(error).splitlines()[0][:300] if str(error) else ""
         try:
-            store = dist.distributed_c10d._get_default_store()
-            text = str(error).splitlines()[0][:300] if str(error) else ""
-            store.set(f"{ERROR_KEY}{self._global(self.rank)}", f"{type(error).__name__}: {text}")
+            bounded(lambda: store.set(f"{ERROR_KEY}{self._global(self.rank)}", f"{type(error).__name__}: {text}"), 10)
+        except Exception:  # best effort: the store may be gone or its host stopped
+            pass
+        try:
             dist.distributed_c10d._abort_process_group(self.group)
             # rank 0 hosts the store: stay until the others have read the error (at most 5 s)
             others = [f"{SEEN_KEY}{self._global(r)}" for r in range(self.size) if r != self.rank]
-            store.wait(others, timedelta(seconds=min(self.timeout, 5.0)))
+            bounded(lambda: store.wait(others, timedelta(seconds=min(self.timeout, 5.0))), 10)
         except Exception:  # best effort: the group or the store may be gone already
             pass
 
@@ -109,33 +137,48 @@ class TorchEngine(Engine):
             f"{kind} #{self._calls} failed on rank {self.rank} of {self.size} "
             f"({type(error).__name__}: {str(error).splitlines()[0][:200]})"
         )
+        store = dist.distributed_c10d._get_default_store()
+        patience = min(self.timeout, 10.0)
+        # the meeting's waits are bounded (patience per rank; the host lingers patience + 5 per
+        # rank): only a stopped store host keeps a store call from returning
+        others = self.size - 1
+        limit = patience * others + 10 + ((patience + 5) * others if self._global(self.rank) == 0 else 0)
         try:
-            store = dist.distributed_c10d._get_default_store()
-            posted = self._posted_error(store)
-            if posted:
-                return f"{what}; {posted}"
-            prefix = f"grace/failed/{self._calls}/"
-            store.set(prefix + str(self._global(self.rank)), "1")
-            missing = []
-            for rank in range(self.size):
-                if rank == self.rank:
-                    continue
-                try:
-                    store.wait([prefix + str(self._global(rank))], timedelta(seconds=min(self.timeout, 10.0)))
-                except Exception as wait_error:
-                    if "timeout" not in str(wait_error).lower():
-                        raise  # not a timeout: the store itself is gone
-                    missing.append(rank)
-            posted = self._posted_error(store)  # a rank that failed while this one waited
-            if posted:
-                return f"{what}; {posted}"
-            self._linger_as_host(store, [r for r in range(self.size) if r != self.rank and r not in missing])
+            return bounded(lambda: self._meet_in_store(store, what, patience), limit)
+        except TimeoutError:
+            return (
+                f"{what}; the store (hosted by rank 0) does not answer either: rank 0 is stopped or hung (or "
+                "its machine is unreachable): look at rank 0's log"
+            )
         except Exception as store_error:
             return (
                 f"{what}; the store (hosted by rank 0) is unreachable too ({type(store_error).__name__}): rank 0 "
                 "stopped or died, or already exited after an error of its own; this rank cannot tell which "
                 "rank failed first: look at rank 0's log"
             )
+
+    def _meet_in_store(self, store: Any, what: str, patience: float) -> str:
+        """:meth:`_diagnose`'s meeting: a posted error, else each survivor sets a key for this
+        collective and waits ``patience`` for the others'; those missing did not answer."""
+        posted = self._posted_error(store)
+        if posted:
+            return f"{what}; {posted}"
+        prefix = f"grace/failed/{self._calls}/"
+        store.set(prefix + str(self._global(self.rank)), "1")
+        missing = []
+        for rank in range(self.size):
+            if rank == self.rank:
+                continue
+            try:
+                store.wait([prefix + str(self._global(rank))], timedelta(seconds=patience))
+            except Exception as wait_error:
+                if "timeout" not in str(wait_error).lower():
+                    raise  # not a timeout: the store itself is gone
+                missing.append(rank)
+        posted = self._posted_error(store)  # a rank that failed while this one waited
+        if posted:
+            return f"{what}; {posted}"
+        self._linger_as_host(store, [r for r in range(self.size) if r != self.rank and r not in missing])
         if missing:
             return (
                 f"{what}; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
