@@ -50,7 +50,9 @@ def environment(device):
     ]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        lines.append(f"- grace_dgc commit: {commit.stdout.strip() or 'unknown (not a git checkout)'}")
+        changed = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+        dirty = " + uncommitted changes" if changed.stdout.strip() else ""
+        lines.append(f"- grace_dgc commit: {commit.stdout.strip() or 'unknown (not a git checkout)'}{dirty}")
     except OSError:
         pass
     if device == "cuda":
