@@ -371,7 +371,7 @@ ALL_VICTIM_CASES = [
     for how in ("stop", "kill")
     for victim in range(world)
 ]
-# The whole matrix (98 scenarios) takes ~15 minutes on 2 cores: GRACE_KILL_MATRIX=full runs it. By
+# The whole matrix (98 scenarios) takes 10 minutes on 2 cores: GRACE_KILL_MATRIX=full runs it. By
 # default a rotation of it: every communicator × world × how, the victim's position rotating so
 # that every position of every world is stopped and killed, rank 0 (the store's host) for each
 # communicator at least once.
