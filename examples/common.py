@@ -1,13 +1,15 @@
-"""What the example scripts share: options, device, model, generated data and the printed report.
+"""What the example scripts share: options, device, model, generated data, the training loop and the printed report.
 
 Each script imports it with ``from common import ...``: ``python``, ``torchrun`` and
 ``horovodrun ... python`` put the script's own folder first on ``sys.path``.
 """
 
 import argparse
+import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 import grace_dgc
 from grace_dgc.errors import parse_value
@@ -75,6 +77,30 @@ def generated_data(steps, batch, rank, world_size, seed, device, dim=16, classes
     x = torch.randn(steps, batch * world_size, dim, generator=gen)
     y = (x @ teacher).argmax(dim=-1)
     return x[:, rank::world_size].to(device), y[:, rank::world_size].to(device)
+
+
+def start_torchrun(args):
+    """Under torchrun: the process group (NCCL when there is a GPU, else gloo), this rank's
+    device and the model. Returns (rank, world_size, device, model)."""
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = select_device(cuda, int(os.environ.get("LOCAL_RANK", 0)))
+    return rank, world_size, device, make_model(device, args.seed)
+
+
+def train(model, optimizer, data, steps, rank, world_size, log_every):
+    """The steps in ``steps`` on this rank's batches (``data``: generated_data's pair); rank 0
+    prints the loss averaged over ranks (torch.distributed)."""
+    inputs, labels = data
+    for step in steps:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(inputs[step]), labels[step])
+        loss.backward()
+        optimizer.step()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        report_loss(rank, step, steps[-1], log_every, mean_loss.item() / world_size)
 
 
 def say(line):

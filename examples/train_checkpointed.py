@@ -25,7 +25,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import generated_data, make_model, parse_args, report_done, report_loss, report_wire, say, select_device
+from common import generated_data, parse_args, report_done, report_wire, say, start_torchrun, train
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import grace_dgc
@@ -81,12 +81,7 @@ def main():
     )
     if bool(args.checkpoint) == bool(args.dcp):
         raise SystemExit("give one of --checkpoint FILE and --dcp DIR")
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = select_device(cuda, int(os.environ.get("LOCAL_RANK", 0)))
-
-    model = make_model(device, args.seed)
+    rank, world_size, device, model = start_torchrun(args)
     grace = grace_dgc.build(args.compressor, args.memory, args.communicator, **args.params)
     optimizer = grace_dgc.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), grace, model.named_parameters()
@@ -98,15 +93,8 @@ def main():
         say(f"{grace} on {world_size} ranks ({device.type}){resumed}")
 
     end = start + args.steps
-    inputs, labels = generated_data(end, args.batch, rank, world_size, args.seed, device)
-    for step in range(start, end):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(inputs[step]), labels[step])
-        loss.backward()
-        optimizer.step()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        report_loss(rank, step, end - 1, args.log_every, mean_loss.item() / world_size)
+    data = generated_data(end, args.batch, rank, world_size, args.seed, device)
+    train(model, optimizer, data, range(start, end), rank, world_size, args.log_every)
 
     save(args, rank, model, optimizer, end)
     report_wire(grace, rank)

@@ -17,7 +17,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import generated_data, make_model, parse_args, report_done, report_loss, report_wire, say, select_device
+from common import generated_data, make_model, parse_args, report_done, report_wire, say, select_device, train
 
 import grace_dgc
 
@@ -51,15 +51,8 @@ def main():
         say(f"{grace} in a DDP hook on {world_size} ranks ({device.type}){resumed}")
 
     end = start + args.steps
-    inputs, labels = generated_data(end, args.batch, rank, world_size, args.seed, device)
-    for step in range(start, end):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(inputs[step]), labels[step])
-        loss.backward()
-        optimizer.step()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        report_loss(rank, step, end - 1, args.log_every, mean_loss.item() / world_size)
+    data = generated_data(end, args.batch, rank, world_size, args.seed, device)
+    train(model, optimizer, data, range(start, end), rank, world_size, args.log_every)
 
     if path:
         torch.save(

@@ -8,23 +8,16 @@ anywhere: gloo on CPU, NCCL when every rank has a GPU. Rank 0 prints the loss (a
 over ranks) and, at the end, the bytes each rank put on the wire.
 """
 
-import os
-
 import torch
 import torch.distributed as dist
-from common import generated_data, make_model, parse_args, report_done, report_loss, report_wire, say, select_device
+from common import generated_data, parse_args, report_done, report_wire, say, start_torchrun, train
 
 import grace_dgc
 
 
 def main():
     args = parse_args(__doc__)
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = select_device(cuda, int(os.environ.get("LOCAL_RANK", 0)))
-
-    model = make_model(device, args.seed)
+    rank, world_size, device, model = start_torchrun(args)
     grace = grace_dgc.build(args.compressor, args.memory, args.communicator, **args.params)
     optimizer = grace_dgc.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), grace, model.named_parameters()
@@ -33,15 +26,8 @@ def main():
     if rank == 0:
         say(f"{grace} on {world_size} ranks ({device.type})")
 
-    inputs, labels = generated_data(args.steps, args.batch, rank, world_size, args.seed, device)
-    for step in range(args.steps):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(inputs[step]), labels[step])
-        loss.backward()
-        optimizer.step()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        report_loss(rank, step, args.steps - 1, args.log_every, mean_loss.item() / world_size)
+    data = generated_data(args.steps, args.batch, rank, world_size, args.seed, device)
+    train(model, optimizer, data, range(args.steps), rank, world_size, args.log_every)
 
     report_wire(grace, rank)
     dist.destroy_process_group()

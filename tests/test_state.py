@@ -282,6 +282,27 @@ def test_resume_from_a_checkpoint_is_bit_exact_for_every_communicator(world):
 # -- checkpoints the way trainers write them -------------------------------------------------
 
 
+def small_training(compressor, communicator, **params):
+    """A small model and its DistributedOptimizer (SGD with momentum, residual memory)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
+    grace = grace_dgc.build(compressor, "residual", communicator, **params)
+    opt = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), grace, model.named_parameters()
+    )
+    return model, opt
+
+
+def train_steps(model, opt, steps, rank):
+    """One step per entry of ``steps`` on a batch drawn from (step, rank); the parameters after."""
+    for step in steps:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def rank0_checkpoint_job(rank, world_size, path, shared):
     """A rank-0-only training script: 3 steps, rank 0 saves model, optimizer and every
     rank's grace state in one file; fresh objects on every rank resume from it (reading the
@@ -289,20 +310,10 @@ def rank0_checkpoint_job(rank, world_size, path, shared):
     mismatches against the uninterrupted run."""
 
     def make():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
-        grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.2)
-        opt = grace_dgc.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), grace, model.named_parameters()
-        )
-        return model, opt
+        return small_training("topk", "allgather", compress_ratio=0.2)
 
     def train(model, opt, steps):
-        for step in steps:
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
+        return train_steps(model, opt, steps, rank)
 
     model, opt = make()
     train(model, opt, range(3))
@@ -357,22 +368,12 @@ def dcp_job(rank, world_size, path, comm):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     def make():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3))
-        params = {"quantum_num": 4} if comm == "reduce_scatter" else {"compress_ratio": 0.2}
-        grace = grace_dgc.build("qsgd" if comm == "reduce_scatter" else "topk", "residual", comm, **params)
-        opt = grace_dgc.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), grace, model.named_parameters()
-        )
-        return model, opt
+        if comm == "reduce_scatter":
+            return small_training("qsgd", comm, quantum_num=4)
+        return small_training("topk", comm, compress_ratio=0.2)
 
     def train(model, opt, steps):
-        for step in steps:
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
-        return [p.detach().clone() for p in model.parameters()]
+        return train_steps(model, opt, steps, rank)
 
     model, opt = make()
     train(model, opt, range(3))
