@@ -143,7 +143,14 @@ class Grace:
         wakes them from the collective they wait in: every rank gets a named error now,
         instead of one error here and a timeout there."""
         try:
-            return self._exchange(tensors, names, inplace, ready)
+            averages = self._exchange(tensors, names, inplace, ready)
+            if ready is not None:
+                # the averages (a NaN fill of a skip, a copy back into a non-contiguous input
+                # included) are complete before the Future is: its consumer may read them on
+                # any stream of any thread. The finiteness check already waited for the
+                # exchange, so this costs no extra wait on the GPU.
+                torch.cuda.current_stream(tensors[0].device).synchronize()
+            return averages
         except BaseException as error:
             if not getattr(error, "on_every_rank", False):
                 self.engine.fail(error)
