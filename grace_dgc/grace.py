@@ -198,7 +198,7 @@ class Grace:
         # copied first, so a skipped step leaves it bitwise as it was
         guard = None
         if not rides and (comp.may_overflow or any(t.dtype == torch.float16 for t in tensors)):
-            guard = (memory.snapshot(keys), comm.snapshot(keys), self.compressor.snapshot(keys))
+            guard = {kind: part.snapshot(keys) for kind, part in self._parts()}
         if comm.aggregates:  # hierarchical: the node's sum is what gets compressed
             with self._timed("communicate"), self._counted():
                 sources = comm.prereduce(sources, keys)
@@ -259,10 +259,9 @@ class Grace:
         keys: list[str],
         inplace: bool,
         rides: bool,
-        guard: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None,
+        guard: dict[str, dict[str, Any]] | None,
     ) -> list[Tensor]:
         """Count the group, catch a non-finite average, and hand the averages back."""
-        memory = self.memory
         self._stats["groups"] += 1
         for tensor, name in zip(tensors, names):
             self._stats["tensors"] += 1
@@ -271,15 +270,12 @@ class Grace:
         # every rank holds the same average, so all see this alike: a NaN/Inf that rode along,
         # or a payload that overflowed (fp16 beyond ±65504) after the inputs passed the check
         if not all_finite(outputs):
-            if guard is not None:  # the state as it was before this step
-                memory.restore(guard[0], keys)
-                self.communicator.restore(guard[1], keys)
-                self.compressor.restore(guard[2], keys)
-            elif not rides:  # an fp32 sum beyond 3.4e38: the memory saw the overflow, forget it
-                for key in keys:
-                    memory.reset(key)
-                    self.communicator.reset(key)
-                    self.compressor.reset(key)
+            for kind, part in self._parts():
+                if guard is not None:  # the state as it was before this step
+                    part.restore(guard[kind], keys)
+                elif not rides:  # an fp32 sum beyond 3.4e38: the state saw the overflow, forget it
+                    for key in keys:
+                        part.reset(key)
             return self._skip(tensors, outputs, names, inplace, None)
         if not inplace:
             return outputs
