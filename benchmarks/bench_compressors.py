@@ -68,7 +68,7 @@ from timing import Competitor, Report, shown_argv, sync
 
 import grace_dgc
 from grace_dgc import wire
-from grace_dgc.compressors.qsgd import StochasticCompressor
+from grace_dgc.compressors.stochastic import StochasticCompressor
 from grace_dgc.registry import COMPRESSORS
 
 # parameters that make a method do its typical job on N(0, 1) data

@@ -6,10 +6,11 @@ optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_paramet
 
 from . import communicators, compressors, memories  # noqa: F401  (register the built-ins)
 from .checkpoint import PerRankState, gather_state, load_gathered_state
+from .compat import grace_from_params as from_params  # GRACE's dict and defaults: compat owns them
 from .ddp import ddp_comm_hook
 from .engines import create_engine
 from .errors import GraceCommError, GraceConfigError
-from .grace import Grace, build, from_params
+from .grace import Grace, build
 from .interfaces import Communicator, Compressor, Memory
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from .registry import (

@@ -5,11 +5,15 @@ A user's mistake (a misspelt name, a bad value, a missing file or folder) ends i
 stderr naming it and the fix, exit status 2; anything else is a bug and keeps its traceback.
 ``--debug`` (or ``GRACE_DGC_DEBUG=1``) shows the traceback of a user error too."""
 
+from __future__ import annotations
+
 import argparse
 import difflib
 import inspect
 import os
 import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from . import registry
 from .errors import GraceConfigError, GraceDataError
@@ -18,12 +22,12 @@ from .errors import GraceConfigError, GraceDataError
 USER_ERRORS: tuple[type[BaseException], ...] = (GraceConfigError, GraceDataError, FileNotFoundError, NotADirectoryError)
 
 
-def debug_requested(args=None):
+def debug_requested(args: argparse.Namespace | None = None) -> bool:
     """``--debug`` was given or ``GRACE_DGC_DEBUG`` is set (not to 0): show full tracebacks."""
     return bool(getattr(args, "debug", False)) or os.environ.get("GRACE_DGC_DEBUG", "") not in ("", "0")
 
 
-def error_line(error, prog="grace-dgc"):
+def error_line(error: object, prog: str = "grace-dgc") -> str:
     """The one line a user error ends in: ``grace-dgc: error: <message>`` (whitespace folded)."""
     return f"{prog}: error: {' '.join(str(error).split())}"
 
@@ -32,10 +36,10 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block: it points at ``--help`` instead) and
     a suggestion for a misspelt choice (a subcommand, ``--launcher`` ...)."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{error_line(message, self.prog)}; see {self.prog} --help\n")
 
-    def _check_value(self, action, value):
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
         if action.choices is not None and value not in action.choices:
             choices = [str(choice) for choice in action.choices]
             close = difflib.get_close_matches(str(value), choices, n=1)
@@ -43,7 +47,7 @@ class OneLineParser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint}; accepted: {', '.join(choices)}")
 
 
-def _params(cls):
+def _params(cls: type[object]) -> str:
     sig = inspect.signature(cls.__init__)
     return ", ".join(
         f"{p.name}={p.default!r}"
@@ -52,11 +56,11 @@ def _params(cls):
     )
 
 
-def _summary(cls):
+def _summary(cls: type[object]) -> str:
     return (inspect.getdoc(cls) or "").split("\n")[0].rstrip(".:")
 
 
-def registry_table(markdown=False):
+def registry_table(markdown: bool = False) -> str:
     """The methods table (as in the README): one row per registered name."""
     rows = []
     for kind, reg in (
@@ -86,11 +90,11 @@ def registry_table(markdown=False):
     return "\n".join(fmt.format(*r) for r in [header] + rows)
 
 
-def _cmd_list(args):
+def _cmd_list(args: argparse.Namespace) -> None:
     print(registry_table(markdown=args.markdown))
 
 
-def _add_demo(sub):
+def _add_demo(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     p = sub.add_parser("demo", help="2-rank demo training on generated data: loss and bytes per method")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=60)
@@ -102,14 +106,14 @@ def _add_demo(sub):
     p.set_defaults(func=_cmd_demo)
 
 
-def _cmd_demo(args):
+def _cmd_demo(args: argparse.Namespace) -> None:
     from .demo import plan, run_demo
 
     methods = plan(args.methods, args.workers, args.steps)  # named errors here, before any rank starts
     run_demo(methods, args.workers, args.steps)
 
 
-def _version():
+def _version() -> str:
     """The installed distribution's version, else the package's ``__version__``."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -121,7 +125,7 @@ def _version():
         return str(getattr(importlib.import_module("grace_dgc"), "__version__", "unknown"))
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int | None:
     parser = OneLineParser(prog="grace-dgc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"grace-dgc {_version()}")
     parser.add_argument(

@@ -14,9 +14,22 @@ depend on how DDP groups parameters into buckets (it regroups them after the fir
 iteration). Grace averages over ranks, which is the division DDP's built-in allreduce does.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
+
 import torch
+from torch import Tensor
 
 from .errors import GraceConfigError
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from torch.distributed import GradBucket
+
+    from .grace import Grace
 
 
 class GraceHookState:
@@ -32,9 +45,11 @@ class GraceHookState:
     picklable data: save it with the model and optimizer, ``load_state_dict`` it on resume.
     """
 
-    def __init__(self, grace, model=None, optimizer=None):
+    def __init__(
+        self, grace: Grace, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
         self.grace = grace
-        self.names = {}  # parameter -> name
+        self.names: dict[Tensor, str] = {}  # parameter -> name
         if model is not None:
             module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
             if not isinstance(module, torch.nn.Module):
@@ -42,13 +57,13 @@ class GraceHookState:
                     f"model must be a torch.nn.Module or its DDP wrapper, got {type(model).__name__}"
                 )
             self.names = {param: name for name, param in module.named_parameters()}
-            # e.g. the momentum memory takes over SGD's momentum
+            # e.g. the momentum memory takes over SGD's momentum (optimizer None: nothing to take over)
             grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self.names.items()})
         elif optimizer is not None:
             raise GraceConfigError("ddp_comm_hook(grace, model, optimizer): optimizer needs the model")
         self._named_by_model = model is not None
 
-    def name_of(self, param):
+    def name_of(self, param: Tensor) -> str:
         name = self.names.get(param)
         if name is None:
             if self._named_by_model:
@@ -59,20 +74,22 @@ class GraceHookState:
             name = self.names[param] = f"param.{len(self.names)}"
         return name
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {"grace": self.grace.state_dict()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.grace.load_state_dict(state["grace"])
 
-    def __getstate__(self):
+    def __getstate__(self) -> NoReturn:
         raise TypeError(
             "GraceHookState holds a live Grace (threads, process group) and is not picklable; "
             "checkpoint state.state_dict() and restore it with load_state_dict()"
         )
 
 
-def grace_hook(state, bucket):
+# Typed by a comment: DDP's register_comm_hook refuses any annotation of ``bucket`` but
+# dist.GradBucket itself (a string too), and that class is absent where torch.distributed is.
+def grace_hook(state, bucket):  # type: (GraceHookState, GradBucket) -> torch.futures.Future[Tensor]
     """DDP communication hook: exchange the parameters of ``bucket`` through grace.
 
     Returns a Future of the bucket's flat buffer, overwritten with the averaged gradients;
@@ -83,10 +100,12 @@ def grace_hook(state, bucket):
     # (and sums them where they lie when nothing else reads them).
     group = state.grace.step_group_async(grads, [state.name_of(param) for param in params], inplace=True)
     buffer = bucket.buffer()
-    result: torch.futures.Future = torch.futures.Future()
+    result: torch.futures.Future[Tensor] = torch.futures.Future()
 
-    def write_back(done):  # ``done``, not ``group``: a closure over the future would make a
-        try:  # cycle that keeps a rebuilt bucket's old buffer alive until gc
+    # ``done``, not ``group``: a closure over the future would make a cycle that keeps a
+    # rebuilt bucket's old buffer alive until gc
+    def write_back(done: Future[list[Tensor]]) -> None:
+        try:
             for grad, average in zip(grads, done.result()):
                 if average.data_ptr() != grad.data_ptr():
                     grad.copy_(average)
@@ -94,13 +113,15 @@ def grace_hook(state, bucket):
                 torch.cuda.current_stream(buffer.device).synchronize()
             result.set_result(buffer)
         except BaseException as error:  # DDP re-raises it from backward's end
-            result.set_exception(error)
+            result.set_exception(error)  # type: ignore[arg-type]  # torch's stub: the result's type
 
     group.add_done_callback(write_back)
     return result
 
 
-def ddp_comm_hook(grace, model=None, optimizer=None):
+def ddp_comm_hook(
+    grace: Grace, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[GraceHookState, Callable[[GraceHookState, GradBucket], torch.futures.Future[Tensor]]]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     ``model``: the DDP model (or the module it wraps) — names the parameters after

@@ -1,6 +1,10 @@
 """A small, complete distributed training run per method on generated data (no files)."""
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
+from torch import Tensor
 
 import grace_dgc
 from grace_dgc.errors import GraceConfigError
@@ -14,11 +18,11 @@ DEFAULT_PARAMS = {
 }
 
 
-def _communicator(compressor):
+def _communicator(compressor: str) -> str:
     return "allreduce" if grace_dgc.registry.COMPRESSORS.get(compressor).summable else "allgather"
 
 
-def plan(methods, workers=2, steps=60):
+def plan(methods: str, workers: int = 2, steps: int = 60) -> list[list[str]]:
     """The ``[compressor, memory]`` pairs of a ``--methods`` text (``compressor[:memory],...``),
     canonical names, each built on paper for ``workers`` ranks as :func:`train` builds it: a bad
     name, combination or count is a :class:`GraceConfigError` before any rank starts."""
@@ -44,7 +48,7 @@ def plan(methods, workers=2, steps=60):
     return pairs
 
 
-def make_data(seed=0, n=2048, dim=32, classes=4):
+def make_data(seed: int = 0, n: int = 2048, dim: int = 32, classes: int = 4) -> tuple[Tensor, Tensor]:
     """A seeded teacher task: labels from a random linear map of Gaussian inputs."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim, generator=gen)
@@ -52,7 +56,7 @@ def make_data(seed=0, n=2048, dim=32, classes=4):
     return x, y
 
 
-def train(rank, world_size, compressor, memory, steps, seed=0):
+def train(rank: int, world_size: int, compressor: str, memory: str, steps: int, seed: int = 0) -> dict[str, Any]:
     """Train an MLP for ``steps`` on this rank's shard; returns final loss and wire stats."""
     x, y = make_data(seed)
     torch.manual_seed(seed)
@@ -73,7 +77,7 @@ def train(rank, world_size, compressor, memory, steps, seed=0):
     return {"loss": full_loss, **grace.stats()}
 
 
-def run_demo(methods, workers=2, steps=60):
+def run_demo(methods: Sequence[Sequence[str]], workers: int = 2, steps: int = 60) -> None:
     print(f"{'method':24} {'final loss':>10} {'bytes/step':>12} {'ratio':>8}")
     for parts in methods:
         compressor, memory = parts[0], (parts[1] if len(parts) > 1 else "none")

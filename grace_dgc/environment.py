@@ -27,8 +27,6 @@ VARIABLES = {
     "GRACE_DGC_NETEM": "the link shaping a survey worker runs under (JSON, set by the survey itself)",
 }
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
 
 def read_int(name: str, default: int | None = None, low: int = 0) -> int | None:
     """``name`` as a whole number >= ``low``, or ``default`` when unset."""
@@ -41,12 +39,3 @@ def read_int(name: str, default: int | None = None, low: int = 0) -> int | None:
             f"{name}={text!r} in the environment; accepted: a whole number >= {low} ({VARIABLES[name]})"
         )
     return int(text)
-
-
-def read_flag(name: str) -> bool:
-    """``name`` as a boolean (unset, empty, 0, false, no, off: False)."""
-    assert name in VARIABLES, name
-    text = os.environ.get(name, "")
-    if text.strip().lower() not in _TRUE + _FALSE:
-        raise GraceConfigError(f"{name}={text!r} in the environment; accepted: {', '.join(_TRUE[:2] + _FALSE[1:3])}")
-    return text.strip().lower() in _TRUE

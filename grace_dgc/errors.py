@@ -6,8 +6,13 @@ Every part validates its parameters with these helpers: numbers with :func:`chec
 
 import math
 import numbers
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 import numpy as np
+
+E = TypeVar("E", bound=BaseException)
+N = TypeVar("N")  # check_range's kind: int or float
 
 
 class GraceConfigError(ValueError):
@@ -27,14 +32,51 @@ class GraceCommError(RuntimeError):
     """A collective failed or timed out; the message names the ranks that did not answer."""
 
 
-def on_every_rank(error):
+def on_every_rank(error: E) -> E:
     """Mark ``error`` as raised alike on every rank (a handshake mismatch, the non-finite
     policy "raise"): the ranks stay in step, so nothing needs to tear the group down."""
-    error.on_every_rank = True
+    error.on_every_rank = True  # type: ignore[attr-defined]  # read with getattr(error, "on_every_rank", False)
     return error
 
 
-def check_range(name, value, low=None, high=None, *, low_open=False, high_open=False, kind=float, allow_inf=False):
+@overload
+def check_range(
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    kind: Callable[[Any], N],
+    allow_inf: bool = False,
+) -> N: ...
+
+
+@overload
+def check_range(
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_inf: bool = False,
+) -> float: ...
+
+
+def check_range(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    kind: Callable[[Any], Any] = float,
+    allow_inf: bool = False,
+) -> Any:
     """Validate ``low <(=) value <(=) high`` and return ``kind(value)``.
 
     NaN is never accepted, infinity only with ``allow_inf`` (where it means something, e.g.
@@ -57,7 +99,7 @@ def check_range(name, value, low=None, high=None, *, low_open=False, high_open=F
     return converted
 
 
-def check_bool(name, value):
+def check_bool(name: str, value: object) -> bool:
     """``value`` if it is a real boolean (``True``/``False``, numpy's included), else an error:
     a truthy string such as ``"false"`` must not silently mean True."""
     if isinstance(value, (bool, np.bool_)):
@@ -65,7 +107,7 @@ def check_bool(name, value):
     raise GraceConfigError(f"{name}={value!r} must be True or False (a boolean, not {type(value).__name__})")
 
 
-def parse_value(text):
+def parse_value(text: str) -> Any:
     """A command-line or ``--param`` value: a Python literal (``0.01``, ``[1, 2]``, ``None``),
     ``true``/``false`` in any case as booleans, else the text itself."""
     import ast

@@ -1,21 +1,23 @@
 """``Grace``: one compressor, one memory and one communicator over one engine.
 
-The whole data path of one gradient is :meth:`Grace._exchange`, top to bottom:
+The whole data path is :meth:`Grace._exchange`, one path for every communicator:
 
-    grad → compensate → compress → exchange [→ next_round → exchange …] → memory update
-         → decompress → aggregate → average
+    grad → [prereduce] → compensate → compress → aggregate → memory update → average
 
-(the bracket: multi-round methods such as PowerSGD; see ``Compressor.rounds``). A fusion
-group of gradients takes the path together: each is compensated, compressed, remembered and
-decompressed on its own, and their payloads share each exchange.
+``aggregate`` is the communicator's :meth:`~grace_dgc.interfaces.Communicator.aggregate_into`:
+exchange and decompress (allreduce, allgather, broadcast; a multi-round method such as
+PowerSGD loops through :mod:`grace_dgc.rounds` there), or an aggregating collective
+(sparse_allreduce's owners, reduce_scatter's requantized chunks, hierarchical's nodes,
+auto's choice). A fusion group of gradients takes the path together: each is compensated,
+compressed and remembered on its own, and their payloads share each collective.
 """
 
 from __future__ import annotations
 
-import time
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
@@ -28,9 +30,9 @@ from .engines.base import Engine
 from .errors import GraceConfigError, GraceNonFiniteError, check_range, on_every_rank
 from .interfaces import Communicator, Compressor, Memory, Payload, StateMismatch
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry
+from .stats import COUNTERS, Clock
 from .workspace import flat_span
 
-TIMERS = ("compress", "communicate", "decompress")
 NONFINITE_POLICIES = ("skip", "raise")
 
 
@@ -82,6 +84,8 @@ class Grace:
         if not isinstance(engine, AutoEngine) or engine.name in ("torch", "horovod"):
             self.bind()
         self._worker: ThreadPoolExecutor | None = None
+        self._rides = False  # see _prepare
+        self._audited = False  # the parts' declarations checked against what they keep
         self.reset_stats()
 
     def expect_groups(self, groups: Sequence[Sequence[tuple[str, Tensor]]]) -> None:
@@ -159,97 +163,88 @@ class Grace:
     def _exchange(
         self, tensors: list[Tensor], names: list[str], inplace: bool = False, ready: Any = None
     ) -> list[Tensor]:
+        """The data path of one fusion group (module docstring). The averages land in the
+        inputs when they are handed over (a non-contiguous one through a temporary), else in
+        new tensors; a NaN/Inf on any rank skips the group alike on every rank."""
         if ready is not None:
             torch.cuda.current_stream(tensors[0].device).wait_event(ready)
+        self._prepare(tensors, names)
+        comp, memory, comm = self.wire, self.memory, self.communicator
+        outputs = [
+            t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            for t in tensors
+        ]
+        if not self._rides:  # ranks learn of a NaN/Inf before any state changes (one allgather)
+            bad = self._nonfinite_ranks(tensors)
+            if bad:
+                return self._skip(tensors, outputs, names, inplace, bad)
+        sources, keys, outputs, consume = self._sources(tensors, names, outputs, inplace)
+        guard = self._guard(tensors, keys)
+        with self._clock.running():
+            with self._timed("communicate"), self._counted():  # hierarchical: the node's sum
+                sources = comm.prereduce(sources, keys)  # (auto: an owner's stranded error folded in)
+            with self._timed("memory"):
+                compensated = [memory.compensate(t, n) for t, n in zip(sources, keys)]
+            with self._timed("compress"):
+                payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, keys))))
+            consume = consume and not _shares_storage(payloads, tensors, inplace)
+            outputs = [_apart(out, c, memory) for out, c in zip(outputs, compensated)]
+            with self._timed("communicate"), self._counted():
+                sent, sent_ctxs = comm.aggregate_into(comp, payloads, ctxs, keys, outputs, consume)
+            with self._timed("memory"):
+                for c, n, payload, ctx in zip(compensated, keys, sent, sent_ctxs):
+                    memory.update(c, n, comp, payload, ctx)
+            if comp.average:
+                for out in outputs:
+                    out.div_(self.engine.size)
+        return self._finish(tensors, outputs, names, keys, inplace, guard)
+
+    def _prepare(self, tensors: list[Tensor], names: list[str]) -> None:
+        """Before a group's exchange: bind at the first one, agree with the other ranks on a
+        group not seen before, follow a compressor or memory assigned after binding."""
         if not self._bound:
             self.bind()
         signature = tuple((n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors))
         if signature not in self._agreed:  # first exchange of this group: do ranks agree?
             handshake.agree(self, tensors, names)
             self._agreed.add(signature)
-        if self._wire_of is not self.compressor:  # a compressor assigned after binding
+        if self._wire_of is not self.compressor:
             self.wire, self._wire_of = self.communicator.wire_compressor(self.compressor), self.compressor
-        comp, memory, comm = self.wire, self.memory, self.communicator
-        # the averages land in the inputs when they are handed over (a non-contiguous one
-        # through a temporary), else in new tensors
-        outputs = [
-            t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            for t in tensors
-        ]
-        # Non-finite gradients: a NaN/Inf rides along in a plain sum to every rank; otherwise
-        # the ranks learn of it before any state changes (one small allgather of flags)
-        rides = memory.identity and comp.rounds == 1 and comm.reduces
-        if not rides:
-            bad = self._nonfinite_ranks(tensors)
-            if bad:
-                return self._skip(tensors, outputs, names, inplace, bad)
-        # Nothing reads a single-round payload after the exchange when the memory is the
-        # identity, so an in-place reduction may consume it: always when the inputs are
-        # handed over, else when no payload tensor shares memory with an input.
-        consume = comp.rounds == 1 and memory.identity
-        sources = tensors
-        if inplace and consume and comp.elementwise and len(tensors) > 1:
+        # a NaN/Inf rides along in a plain sum to every rank when nothing keeps state
+        self._rides = self.memory.identity and self.wire.rounds == 1 and self.communicator.propagates_nonfinite
+        if not self._audited and self._stats["groups"]:  # the parts' state exists by now
+            self._audited = True
+            for kind, part in self._parts():
+                undeclared = part.undeclared_state()
+                if undeclared:
+                    warnings.warn(
+                        f"{kind} {_name_of(part)} keeps {', '.join(undeclared)} across steps but declares "
+                        "it neither STATE nor RANK_LOCAL: checkpoints, reset() and skipped steps miss it. "
+                        "Name it in STATE (or RANK_LOCAL, with why), or override state_dict and reset",
+                        stacklevel=2,
+                    )
+
+    def _sources(
+        self, tensors: list[Tensor], names: list[str], outputs: list[Tensor], inplace: bool
+    ) -> tuple[list[Tensor], list[str], list[Tensor], bool]:
+        """What gets compressed, under which names, into which outputs, and whether the
+        payloads may be consumed by an in-place reduction (nothing reads a single-round
+        payload afterwards when the memory is the identity). A handed-over fusion bucket of
+        an elementwise method is compressed, reduced and decompressed as its flat buffer."""
+        consume = self.wire.rounds == 1 and self.memory.identity
+        if inplace and consume and self.wire.elementwise and len(tensors) > 1:
             flat = flat_span(tensors)
-            if flat is not None:  # a bucket's flat buffer: compressed, reduced, decompressed at once
-                sources, outputs = [flat], [flat]
-        keys = names if sources is tensors else [names[0] + "…"]
-        # a finite gradient may still overflow on the wire (fp16: beyond ±65504); the state
-        # this step changes (memory, owner errors, the compressor's own: PowerSGD's Q) is
-        # copied first, so a skipped step leaves it bitwise as it was
-        guard = None
-        if not rides and (comp.may_overflow or any(t.dtype == torch.float16 for t in tensors)):
-            guard = {kind: part.snapshot(keys) for kind, part in self._parts()}
-        if comm.aggregates:  # hierarchical: the node's sum is what gets compressed
-            with self._timed("communicate"), self._counted():
-                sources = comm.prereduce(sources, keys)
-        with self._timed("compress"):
-            compensated = [memory.compensate(t, n) for t, n in zip(sources, keys)]
-            payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, keys))))
-        if consume and not inplace:
-            inputs = {t.untyped_storage().data_ptr() for t in tensors}
-            consume = not any(p.untyped_storage().data_ptr() in inputs for payload in payloads for p in payload)
-        if comm.aggregates:  # the collective decompresses and aggregates (sparse sums, owners)
-            with self._timed("communicate"), self._counted():
-                sent = comm.aggregate_many(comp, payloads, ctxs, keys, outputs)
-            with self._timed("compress"):
-                for c, n, payload, ctx in zip(compensated, keys, sent, ctxs):
-                    memory.update(c, n, comp, payload, ctx)
-            if comp.average:
-                for out in outputs:
-                    out.div_(self.engine.size)
-            return self._finish(tensors, outputs, names, keys, inplace, rides, guard)
-        gathered = self._communicate(payloads, keys, consume)
-        active, rounds = list(range(len(sources))), 1
-        while comp.rounds > 1 and active:  # multi-round methods (PowerSGD: P, then Q) see each round's sum
-            following = {}
-            with self._timed("compress"):
-                for i in active:
-                    step = comp.next_round(self._sum_payloads(gathered[i]), ctxs[i])
-                    if step is not None:  # None: the round just exchanged was this tensor's last
-                        following[i] = step
-            if following and rounds == comp.rounds:
-                raise RuntimeError(
-                    f"{type(comp).__name__}.next_round asked for more than rounds={comp.rounds} exchanges"
-                )
-            active = sorted(following)
-            for i in active:
-                payloads[i], ctxs[i] = following[i]
-            if active:
-                for i, got in zip(active, self._communicate([payloads[i] for i in active], [keys[i] for i in active])):
-                    gathered[i] = got
-                rounds += 1
-        with self._timed("compress"):  # each tensor's local payload of its last round
-            for c, n, payload, ctx in zip(compensated, keys, payloads, ctxs):
-                memory.update(c, n, comp, payload, ctx)
-        with self._timed("decompress"):
-            for out, got, ctx in zip(outputs, gathered, ctxs):
-                if comm.reduces:  # payloads were already summed on the wire
-                    comp.decompress_into(got[0], ctx, out)
-                else:
-                    comp.decompress_aggregate_into(got, ctx, out)
-                if comp.average:
-                    out.div_(self.engine.size)
-        return self._finish(tensors, outputs, names, keys, inplace, rides, guard)
+            if flat is not None:
+                return [flat], [names[0] + "…"], [flat], consume
+        return tensors, names, outputs, consume
+
+    def _guard(self, tensors: list[Tensor], keys: list[str]) -> dict[str, dict[str, Any]] | None:
+        """A finite gradient may still overflow on the wire (fp16: beyond ±65504): then the
+        state this step changes (memory, owner errors, the compressor's own: PowerSGD's Q) is
+        copied first, so a skipped step leaves it bitwise as it was."""
+        if self._rides or not (self.wire.may_overflow or any(t.dtype == torch.float16 for t in tensors)):
+            return None
+        return {kind: part.snapshot(keys) for kind, part in self._parts()}
 
     def _finish(
         self,
@@ -258,7 +253,6 @@ class Grace:
         names: list[str],
         keys: list[str],
         inplace: bool,
-        rides: bool,
         guard: dict[str, dict[str, Any]] | None,
     ) -> list[Tensor]:
         """Count the group, catch a non-finite average, and hand the averages back."""
@@ -273,7 +267,7 @@ class Grace:
             for kind, part in self._parts():
                 if guard is not None:  # the state as it was before this step
                     part.restore(guard[kind], keys)
-                elif not rides:  # an fp32 sum beyond 3.4e38: the state saw the overflow, forget it
+                elif not self._rides:  # an fp32 sum beyond 3.4e38: the state saw the overflow, forget it
                     for key in keys:
                         part.reset(key)
             return self._skip(tensors, outputs, names, inplace, None)
@@ -320,19 +314,6 @@ class Grace:
             self._stats["bytes_sent"] += self.engine.bytes_sent - sent
             self._stats["bytes_received"] += self.engine.bytes_received - received
 
-    def _communicate(self, payloads: list[Payload], names: list[str], consume: bool = False) -> list[list[Payload]]:
-        with self._timed("communicate"), self._counted():
-            if consume and self.communicator.reduces_in_place:
-                gathered = self.communicator.exchange_many(payloads, names, consume=True)  # type: ignore[call-arg]
-            else:
-                gathered = self.communicator.exchange_many(payloads, names)
-        return gathered
-
-    def _sum_payloads(self, gathered: list[Payload]) -> Payload:
-        if self.communicator.reduces:
-            return gathered[0]
-        return [torch.stack(parts).sum(dim=0) for parts in zip(*gathered)]
-
     def bind(self) -> None:
         """Hand the engine to the parts that need the world size (fp16's pre-division,
         momentum's clipping): when built, or at the first exchange with ``engine="auto"``."""
@@ -367,24 +348,12 @@ class Grace:
             part.set_epoch(epoch)
 
     # -- stats -----------------------------------------------------------------
-    @contextmanager
-    def _timed(self, key: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._stats[key + "_seconds"] += time.perf_counter() - start
+    def _timed(self, key: str) -> AbstractContextManager[None]:
+        return self._clock.timed(key)
 
     def reset_stats(self) -> None:
-        self._stats: dict[str, float] = {
-            "tensors": 0,
-            "groups": 0,
-            "bytes_sent": 0,
-            "bytes_received": 0,
-            "dense_bytes": 0,
-            "skipped": 0,
-        }
-        self._stats.update({key + "_seconds": 0.0 for key in TIMERS})
+        self._stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self._clock = Clock()
         self._steps: dict[str, int] = {}
 
     def stats(self) -> dict[str, Any]:
@@ -400,6 +369,7 @@ class Grace:
         compression_ratio: bytes_sent / dense_bytes (0.001 = a thousandth is sent).
         """
         out: dict[str, Any] = dict(self._stats)
+        out.update({key + "_seconds": seconds for key, seconds in self._clock.seconds.items()})
         out["steps"] = max(self._steps.values(), default=0)
         out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
         out["bytes_per_step"] = out["bytes_sent"] / out["steps"] if out["steps"] else 0.0
@@ -515,7 +485,7 @@ class Grace:
         return (("compressor", self.compressor), ("memory", self.memory), ("communicator", self.communicator))
 
     def _methods(self) -> dict[str, str]:
-        return {kind: getattr(part, "registered_name", type(part).__name__) for kind, part in self._parts()}
+        return {kind: _name_of(part) for kind, part in self._parts()}
 
     def __repr__(self) -> str:
         return (
@@ -523,6 +493,28 @@ class Grace:
             f"memory={self.memory.registered_name!r}, "
             f"communicator={self.communicator.registered_name!r}, engine={self.engine.name!r})"
         )
+
+
+def _shares_storage(payloads: list[Payload], tensors: list[Tensor], inplace: bool) -> bool:
+    """Does a payload tensor share memory with an input that was not handed over (an
+    in-place reduction would then write into the caller's tensor)?"""
+    if inplace:
+        return False
+    inputs = {t.untyped_storage().data_ptr() for t in tensors}
+    return any(p.untyped_storage().data_ptr() in inputs for payload in payloads for p in payload)
+
+
+def _apart(output: Tensor, compensated: Tensor, memory: Memory) -> Tensor:
+    """``output``, or a new tensor when it shares memory with what the memory's ``update``
+    reads after the aggregate is written (a plugin memory whose ``compensate`` returned a
+    handed-over input); Grace then copies the average back."""
+    if memory.identity or output.untyped_storage().data_ptr() != compensated.untyped_storage().data_ptr():
+        return output
+    return torch.empty(output.shape, dtype=output.dtype, device=output.device)
+
+
+def _name_of(part: Any) -> str:
+    return getattr(type(part), "registered_name", type(part).__name__)
 
 
 def _describe(methods: dict[str, str]) -> str:
@@ -602,13 +594,3 @@ def build(
     )
     grace.params = routed
     return grace
-
-
-def from_params(params: dict[str, Any], engine: str | Engine = "auto") -> Grace:
-    """Build from a GRACE-style dict with GRACE's defaults and keys (see
-    :func:`grace_dgc.compat.grace_from_params`): ``{'compressor': 'topk', 'memory':
-    'residual', 'communicator': 'allgather'}`` keeps 30 % as GRACE does. :func:`build` is
-    the native API (grace_dgc's defaults, one keyword per parameter)."""
-    from .compat import grace_from_params
-
-    return grace_from_params(params, engine=engine)

@@ -18,11 +18,20 @@ On any difference every rank gathers the others' descriptions and raises a
 :class:`~grace_dgc.errors.GraceConfigError` naming the fields, the ranks and their values.
 """
 
+from __future__ import annotations
+
 import hashlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from .errors import GraceConfigError, on_every_rank
+
+if TYPE_CHECKING:
+    from .engines.base import Engine
+    from .grace import Grace
 
 SETTINGS_FIELDS = (
     "world size",
@@ -42,12 +51,14 @@ GROUP_FIELDS = (
 FIELDS = SETTINGS_FIELDS + GROUP_FIELDS
 
 
-def tensor_list(names, tensors):
+def tensor_list(names: Sequence[str], tensors: Sequence[Tensor]) -> list[tuple[str, tuple[int, ...], str]]:
     """[(name, shape, dtype)] as the ranks compare them."""
     return [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in zip(names, tensors)]
 
 
-def describe(grace, tensors=None, names=None):
+def describe(
+    grace: Grace, tensors: Sequence[Tensor] | None = None, names: Sequence[str] | None = None
+) -> dict[str, str]:
     """This rank's value of each field, as text (the settings fields only without tensors)."""
     settings = grace.settings()
     values = [str(grace.engine.size)]
@@ -57,32 +68,33 @@ def describe(grace, tensors=None, names=None):
     values.append(_listed(settings["wrapper"]))
     if tensors is None:
         return dict(zip(SETTINGS_FIELDS, values))
+    assert names is not None  # given with the tensors
     values.append(repr(tensor_list(names, tensors)))
     values.append(grace.plan)
     return dict(zip(FIELDS, values))
 
 
-def _listed(settings):
+def _listed(settings: Mapping[str, object]) -> str:
     return ", ".join(f"{key}={value}" for key, value in sorted(settings.items())) or "(none)"
 
 
-def _hash(text):
+def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def agree_settings(grace):
+def agree_settings(grace: Grace) -> None:
     """:func:`agree` on the settings fields, before the parts set up."""
     engine = grace.engine
     _compare(engine, describe(grace), SETTINGS_FIELDS, engine.control_device)
 
 
-def agree(grace, tensors, names):
+def agree(grace: Grace, tensors: Sequence[Tensor], names: Sequence[str]) -> None:
     """Raise on every rank if the ranks' fields differ; return quietly if they agree."""
     # on the gradients' device: the one every collective of this group uses (NCCL needs CUDA)
     _compare(grace.engine, describe(grace, tensors, names), FIELDS, tensors[0].device)
 
 
-def _compare(engine, mine, fields, device):
+def _compare(engine: Engine, mine: dict[str, str], fields: Sequence[str], device: torch.device) -> None:
     if engine.size == 1:
         return
     hashes = torch.tensor([_hash(mine[field]) for field in fields], dtype=torch.int64, device=device)
@@ -104,5 +116,5 @@ def _compare(engine, mine, fields, device):
     )
 
 
-def _short(text, limit=240):
+def _short(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"

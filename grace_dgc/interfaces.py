@@ -12,6 +12,7 @@ caller's ``out``.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .errors import GraceConfigError
+from .stats import phase
 from .workspace import Workspace
 
 if TYPE_CHECKING:
@@ -26,6 +28,11 @@ if TYPE_CHECKING:
     from .grace import Grace
 
 Payload = list[Tensor]  # the tensors one compressor puts on the wire for one gradient
+# a fusion group on the data path: per tensor, its payload, its ctx, its output
+Payloads = list[Payload]
+Ctxs = list[Any]
+Tensors = list[Tensor]
+Sent = tuple[Payloads, Ctxs]  # per tensor, what the memory counts as sent (payload, ctx)
 
 
 class StateMismatch(GraceConfigError):
@@ -91,6 +98,43 @@ class Part:
         """Put back what :meth:`snapshot` copied: ``names``' state is bitwise as it was."""
         for key, saved in snapshot.items():
             setattr(self, key, _restored(getattr(self, key), saved, names))
+
+    def undeclared_state(self) -> list[str]:
+        """Attributes (of this part and of the parts it holds) that keep tensors or random
+        streams across steps but are declared neither ``STATE`` nor ``RANK_LOCAL``: a
+        checkpoint, a skipped step and ``reset`` would silently miss them. Grace warns about
+        them after a group's first exchange (a plugin that overrides ``state_dict`` and
+        ``reset`` handles its state itself and is not asked)."""
+        own = type(self)
+        if own.state_dict is not Part.state_dict and own.reset is not Part.reset:
+            return []
+        found = []
+        for attribute, value in vars(self).items():
+            if isinstance(value, Part):
+                found += [f"{attribute}.{inner}" for inner in value.undeclared_state()]
+            elif _keeps(value) and attribute not in self.STATE and attribute not in self.RANK_LOCAL:
+                found.append(attribute)
+        return found
+
+    # -- optional hooks: no-ops unless a part needs them ----------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """The current epoch, from ``Grace.set_epoch`` (e.g. DGC's warm-up)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Part-specific figures merged into ``Grace.stats()`` (DGC's current ratio, auto's
+        choices)."""
+        return {}
+
+
+def _keeps(value: Any) -> bool:
+    """Does ``value`` hold something that lives across steps (a tensor, a random stream)?"""
+    if isinstance(value, (Tensor, torch.Generator, random.Random)):
+        return True
+    if isinstance(value, dict):
+        return any(_keeps(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_keeps(v) for v in value)
+    return False
 
 
 def _name(part: Any) -> str:
@@ -169,7 +213,7 @@ def _restored(current: Any, saved: Any, names: Sequence[str]) -> Any:
 class Compressor(Part):
     """``compress(tensor, name) -> (payload, ctx)``; ``decompress(payload, ctx) -> tensor``.
 
-    Class attributes:
+    Class attributes (the safe value is the default: a plugin declares what it allows):
       summable: two ranks' payloads may be summed elementwise (only then is allreduce valid).
       average:  divide the aggregate by the world size (False for majority vote).
       elementwise: compress and decompress act element by element with a ctx that depends on
@@ -177,13 +221,18 @@ class Compressor(Part):
                 buffer as one tensor instead of its tensors one by one.
       sparse:   the payload is ``[values, indices]`` (int32 indices into the flattened tensor,
                 each at most once) and ``decompress`` scatters the values into zeros, so
-                payloads can be summed index by index (``sparse_allreduce``).
+                payloads can be summed index by index (``sparse_allreduce``); ctx is a
+                :class:`~grace_dgc.compressors.sparse.SparseContext` (DGC's tensors sent whole
+                say so in it).
       chunkable: compressing the chunks of a tensor one by one is still the method (true of
-                quantizers, false of top-k selections): ``reduce_scatter`` needs it.
-      rounds:   the most exchanges per tensor. With rounds > 1 (PowerSGD) Grace calls
+                quantizers, false of selections over the whole tensor): ``reduce_scatter``
+                and ``auto`` chunk only a compressor that declares it.
+      sends_all: every element travels (a quantizer, a cast), even one that decodes to 0:
+                ``sent_mask`` is then all True and ``mask_sent_`` zeroes the whole tensor.
+      rounds:   the most exchanges per tensor. With rounds > 1 (PowerSGD) the exchange calls
                 ``next_round`` with each round's payload summed over ranks, the last round
-                included; it returns the next payload, or None once the tensor is done.
-                Such payloads must be summable (with any communicator).
+                included (:mod:`grace_dgc.rounds`); it returns the next payload, or None once
+                the tensor is done. Such payloads must be summable (with any communicator).
       may_overflow: a finite input may come out of the exchange as Inf (fp16's ±65504):
                 Grace then copies the state a step changes, so a skipped step restores it.
     """
@@ -197,9 +246,10 @@ class Compressor(Part):
     average = True
     rounds = 1
     elementwise = False
-    sparse = False  # the payload is [values, int32 flat indices] and decompress scatters them
-    chunkable = True  # compressing a tensor chunk by chunk is still this method (not top-k)
-    may_overflow = False  # a finite input can overflow the wire format (fp16)
+    sparse = False
+    chunkable = False
+    sends_all = False
+    may_overflow = False
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         raise NotImplementedError
@@ -207,7 +257,7 @@ class Compressor(Part):
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         raise NotImplementedError
 
-    def next_round(self, summed_payload: Payload, ctx: Any) -> tuple[Payload, Any]:
+    def next_round(self, summed_payload: Payload, ctx: Any) -> tuple[Payload, Any] | None:
         """``(payload, ctx)`` of the next round, given the round just exchanged summed over
         ranks; or None when that round was the last (its payloads are then decompressed with
         ``ctx``, and the memory is updated with this rank's payload of that round). Seeing the
@@ -225,6 +275,10 @@ class Compressor(Part):
     def dequantize_into(self, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
         """Inverse of :meth:`requantize`, into ``out``. Default: :meth:`decompress_into`."""
         return self.decompress_into(payload, ctx, out)
+
+    def aggregate(self, tensors: Sequence[Tensor]) -> Tensor:
+        """Combine the decompressed tensors of all ranks (default: their sum)."""
+        return torch.stack(list(tensors)).sum(dim=0) if len(tensors) > 1 else tensors[0]
 
     def decompress_aggregate(self, payloads: Sequence[Payload], ctx: Any) -> Tensor:
         """``aggregate`` of every rank's decompressed payload. Sparse methods override it to
@@ -248,9 +302,21 @@ class Compressor(Part):
         scratch = self.workspace.like("decompressed", tensor)
         return tensor.sub_(self.decompress_into(payload, ctx, scratch))
 
+    def sent_mask(self, payload: Payload, ctx: Any) -> Tensor:
+        """Bool tensor shaped like the gradient: True where this rank's own payload carried
+        the element (used by memories such as ``momentum`` for momentum factor masking).
+
+        Default: all True with ``sends_all``, else ``decompress(payload, ctx) != 0`` (a sent
+        exact zero reads as not sent); sparsifiers override it with their exact index set.
+        """
+        decompressed = self.decompress(payload, ctx)
+        return torch.ones_like(decompressed, dtype=torch.bool) if self.sends_all else decompressed != 0
+
     def mask_sent_(self, tensor: Tensor, payload: Payload, ctx: Any) -> Tensor:
         """``tensor ⊙ ¬sent_mask(payload, ctx)`` in place (momentum factor masking); returns
-        ``tensor``. Methods that send every element zero it; sparsifiers zero their indices."""
+        ``tensor``. With ``sends_all`` it is zeroed; sparsifiers zero their indices."""
+        if self.sends_all:
+            return tensor.zero_()
         return tensor.masked_fill_(self.sent_mask(payload, ctx).view(tensor.shape), 0)
 
     @property
@@ -262,41 +328,21 @@ class Compressor(Part):
             workspace = self.__dict__["_workspace"] = Workspace()
         return workspace
 
-    def aggregate(self, tensors: Sequence[Tensor]) -> Tensor:
-        """Combine the decompressed tensors of all ranks (default: their sum)."""
-        return torch.stack(list(tensors)).sum(dim=0) if len(tensors) > 1 else tensors[0]
-
-    def sent_mask(self, payload: Payload, ctx: Any) -> Tensor:
-        """Bool tensor shaped like the gradient: True where this rank's own payload carried
-        the element (used by memories such as ``momentum`` for momentum factor masking).
-
-        Default: ``decompress(payload, ctx) != 0``, so a sent exact zero reads as not sent;
-        sparsifiers (topk, threshold, dgc) override it with their exact index set, and a
-        method that sends every element should return all True.
-        """
-        return self.decompress(payload, ctx) != 0
-
-    # -- optional hooks: no-ops unless a method needs them ------------------------------
     def bind(self, engine: Engine) -> None:
         """Called by Grace with its engine (when built, or at the first exchange with
         ``engine="auto"``): keep what the method needs, e.g. the world size (fp16's
-        pre-division) or the rank (the stochastic methods' streams)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        """The current epoch, from ``Grace.set_epoch`` (e.g. DGC's warm-up)."""
-
-    def stats(self) -> dict[str, Any]:
-        """Method-specific figures merged into ``Grace.stats()`` (e.g. DGC's current ratio)."""
-        return {}
+        pre-division) or the rank (the stochastic methods' streams). Default: nothing."""
 
 
 class Memory(Part):
     """Error feedback state kept between steps, keyed by tensor name.
 
     ``update`` learns what was sent only through the compressor's public methods
-    (``decompress``, ``subtract_sent_``, ``sent_mask``; never the ctx's layout), so any
-    memory works with any compressor. ``compensate`` may return the memory's own buffer
-    (updated in place); it never writes to its input.
+    (``decompress``, ``subtract_sent_``, ``mask_sent_``; never the ctx's layout), so any
+    memory works with any compressor. ``compensate`` may return its input or the memory's own
+    buffer (updated in place); it never writes to its input. ``update`` runs after the
+    aggregate is written, and reads what ``compensate`` returned: Grace never writes the
+    aggregate over it (an output that shares memory with it goes through a temporary).
 
     ``identity = True`` declares that ``compensate`` returns its input and ``update`` does
     nothing (the ``none`` memory): Grace may then reduce payloads in place.
@@ -312,38 +358,35 @@ class Memory(Part):
     def update(self, tensor: Tensor, name: str, compressor: Compressor, payload: Payload, ctx: Any) -> None:
         pass
 
-    # -- optional hooks: no-ops unless a method needs them ------------------------------
     def bind(self, engine: Engine) -> None:
         """Called by Grace with its engine (see :meth:`Compressor.bind`); e.g. the momentum
         memory's clipping threshold scales with the world size."""
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, grace: Grace, named_parameters: Any) -> None:
+    def attach_optimizer(
+        self, optimizer: torch.optim.Optimizer | None, grace: Grace, named_parameters: dict[str, Tensor]
+    ) -> None:
         """Called by ``DistributedOptimizer`` and the DDP hook with the optimizer (or None)
         and ``{name: parameter}``: for memories that read parameters or take over the
         optimizer's momentum (``momentum``)."""
 
-    def set_epoch(self, epoch: int) -> None:
-        """The current epoch, from ``Grace.set_epoch``."""
-
-    def stats(self) -> dict[str, Any]:
-        """Method-specific figures merged into ``Grace.stats()``."""
-        return {}
-
 
 class Communicator(Part):
-    """Moves payloads between ranks through an engine.
+    """Moves payloads between ranks through an engine and aggregates them.
 
-    ``exchange(payload, name)`` returns a list of payloads: every rank's (allgather,
-    broadcast) or a single summed one when ``reduces`` is True (allreduce).
-    ``exchange_many`` moves several tensors' payloads in one exchange (a fusion group).
+    The data path calls one method, :meth:`aggregate_into`: write the aggregate over ranks of
+    each tensor's decompressed payload (the compressor's ``aggregate``: a sum, or a vote)
+    into an output, and say what this rank's memory should count as sent. Grace divides by
+    the world size afterwards, for averaging methods. Communicators that move whole payloads
+    (allreduce, allgather, broadcast) derive from :class:`ExchangeCommunicator`, which
+    provides it from GRACE's ``exchange``.
     """
 
     registered_name: ClassVar[str]  # set by the registry's decorator
 
-    reduces = False
-    needs_summable = False
-    reduces_in_place = False  # exchange_many accepts consume=True (see Allreduce)
-    aggregates = False  # the collective itself aggregates: Grace calls aggregate_many instead
+    needs_summable = False  # refuse compressors whose payloads cannot be summed
+    # every rank's aggregate holds any NaN/Inf a rank sent (a plain sum on the wire): Grace
+    # may then leave a non-finite gradient to the exchange instead of exchanging flags first
+    propagates_nonfinite = False
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -354,10 +397,11 @@ class Communicator(Part):
 
     @classmethod
     def refusal(cls, compressor: Compressor) -> str | None:
-        """:meth:`refuse` with the communicator's default parameters."""
+        """:meth:`refuse` with the communicator's default parameters. Default: only summable
+        payloads with ``needs_summable``; a single round unless the class carries rounds."""
         if cls.needs_summable and not compressor.summable:
             return "its payloads cannot be summed"
-        if cls.aggregates and compressor.rounds > 1:
+        if compressor.rounds > 1 and not issubclass(cls, ExchangeCommunicator):
             return "it exchanges several rounds per step (allgather, broadcast and allreduce carry those)"
         return None
 
@@ -365,15 +409,15 @@ class Communicator(Part):
     def fits(cls, compressor: Compressor) -> bool:
         return cls.refusal(compressor) is None
 
-    def wire_compressor(self, compressor: Compressor) -> Compressor:
-        """The compressor Grace runs on each gradient (``reduce_scatter`` compresses chunk by
-        chunk); called by Grace when it binds."""
-        return compressor
-
     def setup(self) -> Engine:
         """Called by Grace when it binds, on every rank (it may run collectives: ``hierarchical``
         forms its groups here); returns the engine the compressor and memory bind to."""
         return self.engine
+
+    def wire_compressor(self, compressor: Compressor) -> Compressor:
+        """The compressor Grace runs on each gradient (``reduce_scatter`` compresses chunk by
+        chunk); called by Grace when it binds, after :meth:`setup`."""
+        return compressor
 
     def prereduce(self, tensors: list[Tensor], names: list[str]) -> list[Tensor]:
         """Tensors to compress in place of the gradients (``hierarchical``: their sum over
@@ -381,49 +425,62 @@ class Communicator(Part):
         Default: the gradients themselves."""
         return tensors
 
-    def aggregate_many(
-        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
-    ) -> list[Payload]:
-        """For ``aggregates = True``: write Σ over ranks of each decompressed payload (the
-        compressor's ``aggregate``, before Grace divides by the world size) into ``outs``, and
-        return, per tensor, the payload this rank's memory should count as sent (its own, or
-        the part of it the aggregate kept)."""
+    def aggregate_into(
+        self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False
+    ) -> Sent:
+        """Write Σ over ranks of each decompressed payload (the compressor's ``aggregate``,
+        before Grace divides by the world size) into ``outputs``; return, per tensor, the
+        payload and ctx this rank's memory should count as sent (its own; the part of it the
+        aggregate kept, gTop-k; its last round's, PowerSGD). ``consume=True``: nothing reads
+        the payloads afterwards, so they may be reduced where they lie."""
         raise NotImplementedError
 
-    def aggregate_into(
-        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
-    ) -> list[Payload]:
-        """:meth:`aggregate_many` for any single-round communicator: an aggregating one does it
-        itself; the others exchange, then decompress the sum (or each rank's payload) into
-        ``outs``. Used where one communicator runs inside another (``hierarchical``, ``auto``)."""
-        if self.aggregates:
-            return self.aggregate_many(compressor, payloads, ctxs, names, outs)
-        for out, got, ctx in zip(outs, self.exchange_many(payloads, names), ctxs):
-            if self.reduces:
-                compressor.decompress_into(got[0], ctx, out)
-            else:
-                compressor.decompress_aggregate_into(got, ctx, out)
-        return payloads
 
-    def stats(self) -> dict[str, Any]:
-        """Communicator-specific figures merged into ``Grace.stats()`` (``auto``'s choices)."""
-        return {}
-
-    def set_epoch(self, epoch: int) -> None:
-        """The current epoch, from ``Grace.set_epoch`` (no built-in communicator needs it)."""
+class ExchangeCommunicator(Communicator):
+    """A communicator that moves whole payloads: ``exchange(payload, name)`` returns every
+    rank's payload (allgather, broadcast), or the single payload summed over ranks
+    (allreduce, which overrides :meth:`combine` and :meth:`decompress_exchanged`).
+    :meth:`aggregate_into` exchanges a fusion group's payloads together, then decompresses
+    (multi-round methods go through :func:`grace_dgc.rounds.aggregate_rounds`)."""
 
     def exchange(self, payload: Payload, name: str) -> list[Payload]:
         raise NotImplementedError
 
-    def exchange_many(self, payloads: list[Payload], names: list[str]) -> list[list[Payload]]:
+    def exchange_many(self, payloads: list[Payload], names: list[str], consume: bool = False) -> list[list[Payload]]:
         """Exchange several payloads at once: they travel as one payload (their tensors
         concatenated into one list), so one size exchange and one data collective serve the
         whole group. Returns, per payload, what :meth:`exchange` would have returned."""
         if len(payloads) == 1:
             return [self.exchange(payloads[0], names[0])]
-        gathered = self.exchange([t for payload in payloads for t in payload], ",".join(names))
-        out, start = [], 0
-        for payload in payloads:
-            out.append([tensors[start : start + len(payload)] for tensors in gathered])
-            start += len(payload)
-        return out
+        return regroup(payloads, self.exchange([t for payload in payloads for t in payload], ",".join(names)))
+
+    def combine(self, exchanged: list[Payload]) -> Payload:
+        """One tensor's exchanged payloads summed over ranks (what ``next_round`` sees)."""
+        return [torch.stack(parts).sum(dim=0) for parts in zip(*exchanged)]
+
+    def decompress_exchanged(self, compressor: Compressor, exchanged: list[Payload], ctx: Any, out: Tensor) -> None:
+        """One tensor's aggregate from what :meth:`exchange` returned for it, into ``out``."""
+        compressor.decompress_aggregate_into(exchanged, ctx, out)
+
+    def aggregate_into(
+        self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False
+    ) -> Sent:
+        if comp.rounds > 1:
+            from .rounds import aggregate_rounds
+
+            return aggregate_rounds(self, comp, payloads, ctxs, names, outs)
+        exchanged = self.exchange_many(payloads, names, consume)
+        with phase("decompress"):
+            for out, got, ctx in zip(outs, exchanged, ctxs):
+                self.decompress_exchanged(comp, got, ctx, out)
+        return payloads, ctxs
+
+
+def regroup(payloads: list[Payload], exchanged: list[Payload]) -> list[list[Payload]]:
+    """Split what one exchange of the payloads' concatenated tensors returned (one list per
+    rank, or one summed list) back into, per payload, the list :meth:`exchange` returns."""
+    out, start = [], 0
+    for payload in payloads:
+        out.append([tensors[start : start + len(payload)] for tensors in exchanged])
+        start += len(payload)
+    return out

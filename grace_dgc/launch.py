@@ -5,22 +5,39 @@ Results come back in rank order; a rank that raises makes the whole call raise w
 traceback, and a run that exceeds ``timeout`` is killed rather than left hanging.
 """
 
+from __future__ import annotations
+
 import os
 import pickle
 import socket
 import time
 import traceback
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch.multiprocessing as mp
 
+if TYPE_CHECKING:
+    from multiprocessing.queues import SimpleQueue
 
-def free_port():
+T = TypeVar("T")
+
+
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, results):
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    fn: Callable[..., object],
+    args: Sequence[object],
+    results: SimpleQueue[tuple[int, bool, bytes | str]],
+) -> None:
     import torch.distributed as dist
 
     os.environ.update(
@@ -44,7 +61,9 @@ def _worker(rank, world_size, port, backend, fn, args, results):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_local(fn, world_size, args=(), backend="gloo", timeout=300):
+def run_local(
+    fn: Callable[..., T], world_size: int, args: Sequence[object] = (), backend: str = "gloo", timeout: float = 300
+) -> list[T]:
     """``[fn(rank, world_size, *args) for each rank]``, computed in ``world_size`` processes.
 
     ``fn`` must be importable (a module-level function) and return something picklable.
@@ -58,7 +77,7 @@ def run_local(fn, world_size, args=(), backend="gloo", timeout=300):
     ]
     for proc in procs:
         proc.start()
-    collected: dict[int, object] = {}
+    collected: dict[int, T] = {}
     failures: list[tuple[int, str]] = []
     deadline = time.monotonic() + timeout
     while len(collected) + len(failures) < world_size:

@@ -8,19 +8,22 @@ same compressor, so only the leading dimension may differ between ranks.
 
 import numbers
 import struct
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from .workspace import for_chunks
+from .workspace import Workspace, for_chunks
 
 
-def as_bytes(tensor):
+def as_bytes(tensor: Tensor) -> Tensor:
     """The raw bytes of ``tensor`` as a 1-D uint8 view (a copy only if not contiguous)."""
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def encode(payload):
+def encode(payload: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     """``payload -> (buffer, header)``: uint8 buffer and int64 per-tensor byte lengths."""
     chunks = [as_bytes(t) for t in payload]
     device = payload[0].device
@@ -29,7 +32,7 @@ def encode(payload):
     return buffer, header
 
 
-def decode(buffer, header, template):
+def decode(buffer: Tensor, header: Tensor, template: Sequence[Tensor]) -> list[Tensor]:
     """Inverse of :func:`encode`, shaped like ``template`` (this rank's own payload)."""
     lengths = header.tolist()
     out, start = [], 0
@@ -43,7 +46,7 @@ def decode(buffer, header, template):
     return out
 
 
-def nbytes(payload):
+def nbytes(payload: Sequence[Tensor]) -> int:
     """Bytes of a payload as it sits in memory (no header)."""
     return sum(t.numel() * t.element_size() for t in payload)
 
@@ -53,7 +56,7 @@ def nbytes(payload):
 MAX_BITS = 32
 
 
-def _check_bits(bits):
+def _check_bits(bits: object) -> None:
     if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 1 <= int(bits) <= MAX_BITS:
         raise ValueError(f"bits={bits!r} is out of range; accepted: integers 1..{MAX_BITS}")
 
@@ -72,13 +75,15 @@ _SWAR_MASKS = {
 _PACKED_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
-def _scratch(workspace, slot, numel, dtype, device):
+def _scratch(
+    workspace: Workspace | None, slot: str, numel: int, dtype: torch.dtype, device: torch.device | str
+) -> Tensor:
     if workspace is None:
         return torch.empty(numel, dtype=dtype, device=device)
     return workspace.get(slot, numel, dtype, device)
 
 
-def _pack_words(codes, bits, workspace):
+def _pack_words(codes: Tensor, bits: int, workspace: Workspace | None) -> Tensor:
     """One chunk of :func:`_pack_aligned`: ``codes`` (uint8, one per byte) → packed bytes."""
     n = codes.numel()
     count = -(-n // 8)
@@ -94,7 +99,7 @@ def _pack_words(codes, bits, workspace):
     return words.to(_PACKED_WORD[bits]).view(torch.uint8)[: packed_nbytes(n, bits)]
 
 
-def _pack_host(codes, bits):
+def _pack_host(codes: Tensor, bits: int) -> Tensor:
     """:func:`_pack_words` on a CPU, by numpy (``packbits``; lanes OR-ed for 2 and 4 bits):
     a handful of C loops where the SWAR stages cost a dozen torch calls, which dominate below
     ~1M elements and were measured 2-10x slower at every size."""
@@ -111,7 +116,7 @@ def _pack_host(codes, bits):
     return torch.from_numpy(packed)
 
 
-def _unpack_host(packed, bits, count):
+def _unpack_host(packed: Tensor, bits: int, count: int) -> Tensor:
     """Inverse of :func:`_pack_host`: the first ``count`` codes of ``packed`` as uint8."""
     array = packed.numpy()
     if bits == 1:
@@ -123,7 +128,13 @@ def _unpack_host(packed, bits, count):
     return torch.from_numpy(codes.reshape(-1)[:count])
 
 
-def pack_chunks(n, bits, encode, device, workspace=None):
+def pack_chunks(
+    n: int,
+    bits: int,
+    encode: Callable[[int, int], Tensor],
+    device: torch.device | str,
+    workspace: Workspace | None = None,
+) -> Tensor:
     """:func:`pack_bits` of ``n`` codes of 1, 2 or 4 bits that ``encode(start, stop)`` makes
     chunk by chunk (uint8 or bool, one per byte; ``start`` a multiple of 8): a method's
     encoding and the packing then both run in cache, chunks at once on the CPU's workers
@@ -139,7 +150,7 @@ def pack_chunks(n, bits, encode, device, workspace=None):
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=device)
     host = torch.device(device).type == "cpu"
 
-    def pack(start, stop):
+    def pack(start: int, stop: int) -> None:
         codes = encode(start, stop)
         codes = codes.view(torch.uint8) if codes.dtype in (torch.uint8, torch.bool) else codes.to(torch.uint8)
         first = start // 8 * bits
@@ -150,13 +161,13 @@ def pack_chunks(n, bits, encode, device, workspace=None):
     return out
 
 
-def _pack_aligned(codes, bits, workspace):
+def _pack_aligned(codes: Tensor, bits: int, workspace: Workspace | None) -> Tensor:
     """:func:`pack_bits` for bits ∈ {1, 2, 4} (see :func:`pack_chunks`)."""
     flat = codes.reshape(-1)
     return pack_chunks(flat.numel(), bits, lambda start, stop: flat[start:stop], codes.device, workspace)
 
 
-def _unpack_words(packed, bits, start, stop, workspace):
+def _unpack_words(packed: Tensor, bits: int, start: int, stop: int, workspace: Workspace | None) -> Tensor:
     """Codes ``start:stop`` (``start`` a multiple of 8) of a packed stream, as uint8; a
     workspace buffer when one is given."""
     first, size = start // 8 * bits, packed_nbytes(stop - start, bits)
@@ -178,7 +189,13 @@ def _unpack_words(packed, bits, start, stop, workspace):
     return words.view(torch.uint8)[: stop - start]
 
 
-def unpack_chunks(packed, bits, n, decode, workspace=None):
+def unpack_chunks(
+    packed: Tensor,
+    bits: int,
+    n: int,
+    decode: Callable[[int, int, Tensor], object],
+    workspace: Workspace | None = None,
+) -> None:
     """Inverse of :func:`pack_chunks`: ``decode(start, stop, codes)`` for each chunk of the
     ``n`` codes (uint8; a workspace buffer when one is given, free to modify), so a method
     decodes chunk by chunk in cache, chunks at once on the CPU's workers
@@ -187,7 +204,7 @@ def unpack_chunks(packed, bits, n, decode, workspace=None):
         raise ValueError(f"bits={bits!r}; unpack_chunks unpacks 1, 2 or 4 bits")
     host = packed.device.type == "cpu"
 
-    def unpack(start, stop):
+    def unpack(start: int, stop: int) -> object:
         if host:
             first = start // 8 * bits
             codes = _unpack_host(packed[first : first + packed_nbytes(stop - start, bits)], bits, stop - start)
@@ -198,18 +215,18 @@ def unpack_chunks(packed, bits, n, decode, workspace=None):
     for_chunks(unpack, n, packed.device, multiple=8)
 
 
-def _unpack_aligned(packed, bits, n, workspace):
+def _unpack_aligned(packed: Tensor, bits: int, n: int, workspace: Workspace | None) -> Tensor:
     """:func:`unpack_bits` for bits ∈ {1, 2, 4}: ``n`` codes as uint8."""
     out = _scratch(workspace, "unpacked", n, torch.uint8, packed.device)
 
-    def copy(start, stop, codes):
+    def copy(start: int, stop: int, codes: Tensor) -> None:
         out[start:stop] = codes
 
     unpack_chunks(packed, bits, n, copy, workspace)
     return out
 
 
-def _pack_wide(codes, bits):
+def _pack_wide(codes: Tensor, bits: int) -> Tensor:
     """:func:`pack_bits` for 8 < bits ≤ 32, the same bit stream.
 
     Eight codes fill exactly ``bits`` bytes, and code j of a group starts at the fixed bit
@@ -227,27 +244,31 @@ def _pack_wide(codes, bits):
     return torch.stack(columns, dim=1).to(torch.uint8).reshape(-1)[: packed_nbytes(n, bits)]
 
 
-def _unpack_wide(packed, bits, n):
+def _unpack_wide(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of :func:`_pack_wide`: ``n`` codes as int64."""
     size = packed_nbytes(n, bits)
     groups = torch.nn.functional.pad(packed[:size], (0, (-size) % bits)).to(torch.int64).reshape(-1, bits)
     codes = []
     for j in range(8):
         start = j * bits
-        window = 0  # the bytes code j touches, little-endian
+        window: Tensor | int = 0  # the bytes code j touches, little-endian
         for byte in range(start // 8, (start + bits - 1) // 8 + 1):
             window = window | (groups[:, byte] << (8 * (byte - start // 8)))
-        codes.append((window >> (start % 8)) & ((1 << bits) - 1))
+        codes.append((cast(Tensor, window) >> (start % 8)) & ((1 << bits) - 1))  # a Tensor: code j touches a byte
     return torch.stack(codes, dim=1).reshape(-1)[:n]
 
 
-def pack_bits(codes, bits, workspace=None):
+def pack_bits(codes: Tensor, bits: int, workspace: Workspace | None = None) -> Tensor:
     """Pack unsigned integer ``codes`` (each < 2**bits, 1 ≤ bits ≤ 32) into uint8 bytes.
 
     Element i occupies bits [i·bits, (i+1)·bits) of the little-endian bit stream, so
     ⌈n·bits/8⌉ bytes hold n codes (e.g. 8 one-bit codes per byte, 4 two-bit codes).
     The result is a new tensor; a :class:`~grace_dgc.workspace.Workspace` given as
     ``workspace`` holds the temporaries.
+
+    Plain reference: ``tests/test_quantizers.py::reference_pack`` (each code's bits listed one
+    by one, then grouped eight to a byte), equal bit for bit for every width in ``test_pack_bits_roundtrip_every_width``
+    (hypothesis); the chunked forms against it in ``tests/test_data_path.py``.
     """
     _check_bits(bits)
     if bits > 8:
@@ -265,7 +286,7 @@ def pack_bits(codes, bits, workspace=None):
     return (stream.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.uint8) if n else stream
 
 
-def unpack_bits(packed, bits, n, workspace=None):
+def unpack_bits(packed: Tensor, bits: int, n: int, workspace: Workspace | None = None) -> Tensor:
     """Inverse of :func:`pack_bits`: the first ``n`` codes, as uint8 (bits ≤ 8) or int64.
 
     With a ``workspace`` the codes of 1, 2 and 4 bits are one of its buffers (valid until
@@ -284,7 +305,7 @@ def unpack_bits(packed, bits, n, workspace=None):
     return (stream.reshape(n, bits) * weights).sum(dim=1, dtype=torch.uint8)
 
 
-def packed_nbytes(n, bits):
+def packed_nbytes(n: int, bits: int) -> int:
     """Bytes :func:`pack_bits` produces for ``n`` codes of ``bits`` bits."""
     return (n * bits + 7) // 8
 
@@ -292,30 +313,27 @@ def packed_nbytes(n, bits):
 # -- signs: the 1-bit format of the sign family (signsgd, signum, efsignsgd, onebit) -----
 
 
-def pack_signs(tensor, workspace=None):
+def pack_signs(tensor: Tensor, workspace: Workspace | None = None) -> Tensor:
     """Bit i = 1 where ``tensor_i ≥ 0``, else 0, packed by :func:`pack_bits` (8 per byte).
 
     One bit cannot say 0, so an exact zero travels as +1 (as in GRACE).
     """
     flat = tensor.reshape(-1)
 
-    def encode(start, stop):
+    def encode(start: int, stop: int) -> Tensor:
         return torch.ge(flat[start:stop], 0, out=_scratch(workspace, "signs", stop - start, torch.bool, flat.device))
 
     return pack_chunks(flat.numel(), 1, encode, flat.device, workspace)
 
 
-def unpack_signs(packed, n, dtype=torch.float32):
-    """Inverse of :func:`pack_signs`: ``n`` values of ±1 in ``dtype`` (1-D)."""
-    return unpack_bits(packed, 1, n).to(dtype) * 2 - 1
-
-
-def _float_bits(value):
+def _float_bits(value: float) -> int:
     """The fp32 bit pattern of ``value`` as a signed 32-bit Python int."""
     return struct.unpack("<i", struct.pack("<f", float(value)))[0]
 
 
-def unpack_select(packed, out, if_set, if_clear, workspace=None):
+def unpack_select(
+    packed: Tensor, out: Tensor, if_set: float, if_clear: float, workspace: Workspace | None = None
+) -> Tensor:
     """``out_i = if_set`` where bit i of the :func:`pack_bits` stream is 1, else ``if_clear``
     (two fp32 values), written into ``out`` and returned: the decoder of the sign methods.
 
@@ -329,7 +347,7 @@ def unpack_select(packed, out, if_set, if_clear, workspace=None):
     words = target.view(-1).view(torch.int32)
     set_bits, clear_bits = _float_bits(if_set), _float_bits(if_clear)
 
-    def select(start, stop, bits):
+    def select(start: int, stop: int, bits: Tensor) -> None:
         word = words[start:stop].copy_(bits)
         word.neg_().bitwise_and_(set_bits ^ clear_bits).bitwise_xor_(clear_bits)
 

@@ -6,8 +6,13 @@ so the data path keeps its temporaries here instead of allocating them every ste
 """
 
 import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
+from torch import Tensor
+
+T = TypeVar("T")
 
 
 class Workspace:
@@ -20,29 +25,29 @@ class Workspace:
     Copies and pickles start empty (buffers are not state).
     """
 
-    def __init__(self):
-        self._buffers = {}
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device, int], Tensor] = {}
 
-    def get(self, slot, numel, dtype, device):
+    def get(self, slot: str, numel: int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
         key = (slot, dtype, torch.device(device), _lane_index())
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return buffer[:numel]
 
-    def like(self, slot, tensor, dtype=None):
+    def like(self, slot: str, tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """A scratch shaped like ``tensor`` (its dtype unless ``dtype`` is given)."""
         dtype = tensor.dtype if dtype is None else dtype
         return self.get(slot, tensor.numel(), dtype, tensor.device).view(tensor.shape)
 
-    def nbytes(self):
+    def nbytes(self) -> int:
         """Bytes held by all buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, object]:
         return {"_buffers": {}}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Workspace({len(self._buffers)} buffers, {self.nbytes()} bytes)"
 
 
@@ -52,7 +57,7 @@ CPU_CHUNK = 1 << 19  # elements; a chunk's fp32 temporaries (2 MiB) stay in a co
 PARALLEL_GRAIN = 1 << 15
 
 
-def chunks(numel, device, multiple=1):
+def chunks(numel: int, device: torch.device | str, multiple: int = 1) -> list[tuple[int, int]]:
     """``(start, stop)`` pairs covering ``range(numel)`` in order: chunks of at most
     ``CPU_CHUNK`` elements (a multiple of ``multiple``) on a CPU, where temporaries of one
     chunk stay in the cache, and at least one per intra-op thread once a tensor is above
@@ -66,7 +71,7 @@ def chunks(numel, device, multiple=1):
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 
-def for_chunks(body, numel, device, multiple=1):
+def for_chunks(body: Callable[[int, int], T], numel: int, device: torch.device | str, multiple: int = 1) -> list[T]:
     """``[body(start, stop) for (start, stop) in chunks(numel, device, multiple)]``, the
     chunks run at once on the CPU's workers when there are several.
 
@@ -103,13 +108,13 @@ class _ChunkPool:
     """Worker threads with one intra-op thread each, started as first needed, kept for the
     process (daemons, idle on a queue: they cost nothing between calls)."""
 
-    def __init__(self):
-        self.tasks = []
+    def __init__(self) -> None:
+        self.tasks: list[Callable[[], None]] = []
         self.lock = threading.Lock()
         self.ready = threading.Condition(self.lock)
         self.workers = 0
 
-    def _grow(self, workers):
+    def _grow(self, workers: int) -> None:
         with self.lock:
             started = []
             while self.workers < workers:
@@ -125,7 +130,7 @@ class _ChunkPool:
             # later take: give it back (each thread keeps its own count once it has started)
             torch.set_num_threads(threads)
 
-    def _work(self, index, started):
+    def _work(self, index: int, started: threading.Event) -> None:
         _lane.index = index
         torch.get_num_threads()  # torch sets a thread's count on its first use: before ours
         torch.set_num_threads(1)
@@ -137,7 +142,7 @@ class _ChunkPool:
                 call = self.tasks.pop()
             call()
 
-    def run(self, body, spans, workers):
+    def run(self, body: Callable[[int, int], T], spans: list[tuple[int, int]], workers: int) -> list[T]:
         """The chunks on ``workers`` threads: the caller (one intra-op thread meanwhile) and
         ``workers − 1`` pool workers, each taking the next chunk when done. The caller works
         too and waits only for chunks a worker has taken, never for a worker to wake up (a
@@ -148,7 +153,7 @@ class _ChunkPool:
         errors: list[BaseException] = []
         idle = threading.Condition(self.lock)
 
-        def runner():
+        def runner() -> None:
             while True:
                 with self.lock:
                     at = state["next"]
@@ -188,7 +193,7 @@ CALLER_LANE = -1  # the calling thread's lane while it runs chunks (pool workers
 _POOL = _ChunkPool()
 
 
-def flat_span(tensors):
+def flat_span(tensors: Sequence[Tensor]) -> Tensor | None:
     """A 1-D tensor over the memory of ``tensors`` when they are contiguous, of one dtype and
     device, and lie back to back in one storage in this order (the views of a fusion
     bucket's flat buffer, or DDP's bucket); else None."""
@@ -208,4 +213,4 @@ def flat_span(tensors):
         total += tensor.numel()
     if len(tensors) == 1:
         return first.view(-1)
-    return first.new_empty(0).set_(storage, offset, (total,))
+    return first.new_empty(0).set_(storage, offset, (total,))  # type: ignore[call-overload]  # stub: stride required

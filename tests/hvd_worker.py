@@ -75,8 +75,11 @@ def gradients(rank, step):
 
 
 def record_payloads(grace):
-    """Wrap the communicator's exchange to log each payload's (tensor count, dtypes, numels)."""
-    log, exchange = [], grace.communicator.exchange
+    """Wrap the communicator's exchange to log each payload's (tensor count, dtypes, numels);
+    the aggregating communicators have no ``exchange`` (they log nothing, as before)."""
+    log, exchange = [], getattr(grace.communicator, "exchange", None)
+    if exchange is None:
+        return log
 
     def logged(payload, name):
         log.append([(t.dtype, t.numel()) for t in payload])

@@ -406,3 +406,42 @@ def test_a_stochastic_compressor_draws_from_its_engines_rank():
     bound.bind(Rank1())
     x = torch.randn(300, generator=torch.Generator().manual_seed(0))
     assert all(torch.equal(a, b) for a, b in zip(seeded.compress(x, "w")[0], bound.compress(x, "w")[0]))
+
+
+IN_PLACE_CASES = [
+    ("topk", "residual", "allgather"),
+    ("topk", "residual", "broadcast"),
+    ("topk", "residual", "sparse_allreduce"),
+    ("topk", "residual", "auto"),
+    ("qsgd", "residual", "reduce_scatter"),
+    ("qsgd", "residual", "hierarchical"),
+    ("efsignsgd", "efsignsgd", "allgather"),
+    ("efsignsgd", "efsignsgd", "reduce_scatter"),
+    ("dgc", "momentum", "sparse_allreduce"),
+    ("powersgd", "powersgd", "allreduce"),
+]
+
+
+@pytest.mark.parametrize("name, memory, comm", IN_PLACE_CASES)
+def test_handing_the_gradients_over_loses_no_memory_state(name, memory, comm):
+    """With ``inplace=True`` the average is written into the gradients, which the memory's
+    ``compensate`` may have returned (the residual memory's first step): its ``update``
+    must still see the compensated gradient, on every communicator (a bug of the
+    aggregating communicators until the single data path: their residual came out 0)."""
+    params = dict(PARAMS.get(name, {}), **({"group_size": 1} if comm == "hierarchical" else {}))
+    copying = grace_dgc.build(name, memory, comm, engine="local", **params)
+    inplace = grace_dgc.build(name, memory, comm, engine="local", **params)
+    gen = torch.Generator().manual_seed(3)
+    names = ["w", "b"]
+    for _ in range(3):
+        grads = [torch.randn(8, 6, generator=gen), torch.randn(5, generator=gen)]
+        expected = copying.step_group_async([g.clone() for g in grads], names).result()
+        handed = [g.clone() for g in grads]
+        got = inplace.step_group_async(handed, names, inplace=True).result()
+        assert all(torch.equal(g, e) for g, e in zip(got, expected))
+        state, reference = inplace.memory.state_dict(), copying.memory.state_dict()
+        for key in reference:
+            for tensor_name, kept in reference[key].items() if isinstance(reference[key], dict) else []:
+                assert torch.equal(state[key][tensor_name], kept), (key, tensor_name)
+    if memory in ("residual", "efsignsgd") and name != "powersgd":  # something was held back
+        assert any(r.abs().sum() > 0 for r in inplace.memory.residuals.values())

@@ -1,10 +1,10 @@
 from .. import wire
-from ..interfaces import Communicator, Payload
+from ..interfaces import ExchangeCommunicator, Payload
 from ..registry import register_communicator
 
 
 @register_communicator("allgather")
-class Allgather(Communicator):
+class Allgather(ExchangeCommunicator):
     """Every rank receives every rank's payload, sizes may differ.
 
     1. allgather the headers (per-tensor byte lengths, int64): the size exchange;

@@ -1,12 +1,17 @@
-import torch
+from __future__ import annotations
 
-from ..interfaces import Communicator, Payload
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..interfaces import Compressor, ExchangeCommunicator, Payload, regroup
 from ..registry import register_communicator
 from ..workspace import flat_span
 
 
 @register_communicator("allreduce")
-class Allreduce(Communicator):
+class Allreduce(ExchangeCommunicator):
     """Sum every payload tensor over ranks. Valid only for summable compressors
     (e.g. none, fp16, randomk), whose payloads can be added elementwise.
 
@@ -17,26 +22,29 @@ class Allreduce(Communicator):
     in one storage (a fusion bucket's flat gradient buffer), are summed where they are.
     """
 
-    reduces = True
     needs_summable = True
-    reduces_in_place = True
-    _consume = False  # set by exchange_many for its exchange: GRACE's exchange(payload, name) stays
+    propagates_nonfinite = True
 
     def exchange(self, payload: Payload, name: str) -> list[Payload]:
-        summed: list = [None] * len(payload)
+        return [self._sum(payload, consume=False)]
+
+    def exchange_many(self, payloads: list[Payload], names: list[str], consume: bool = False) -> list[list[Payload]]:
+        return regroup(payloads, [self._sum([t for payload in payloads for t in payload], consume)])
+
+    def _sum(self, payload: Payload, consume: bool) -> Payload:
+        summed: list[Any] = [None] * len(payload)
         for dtype in dict.fromkeys(t.dtype for t in payload):
             members = [i for i, t in enumerate(payload) if t.dtype == dtype]
-            span = flat_span([payload[i] for i in members]) if self._consume else None
+            span = flat_span([payload[i] for i in members]) if consume else None
             if span is None:  # a copy: the inputs stay intact
                 span = torch.cat([payload[i].reshape(-1) for i in members])
             span = self.engine.allreduce(span)
             for i, part in zip(members, span.split([payload[i].numel() for i in members])):
                 summed[i] = part.view(payload[i].shape)
-        return [summed]
+        return summed
 
-    def exchange_many(self, payloads: list[Payload], names: list[str], consume: bool = False) -> list[list[Payload]]:
-        self._consume = consume
-        try:
-            return super().exchange_many(payloads, names)
-        finally:
-            self._consume = False
+    def combine(self, exchanged: list[Payload]) -> Payload:
+        return exchanged[0]  # summed on the wire
+
+    def decompress_exchanged(self, compressor: Compressor, exchanged: list[Payload], ctx: Any, out: Tensor) -> None:
+        compressor.decompress_into(exchanged[0], ctx, out)

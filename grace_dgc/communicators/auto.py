@@ -6,10 +6,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..costmodel import collective_steps, wire_bytes
 from ..errors import check_range
-from ..interfaces import Communicator, Compressor, Payload
+from ..interfaces import Communicator, Compressor, Ctxs, Payloads, Sent, Tensors
 from ..registry import COMMUNICATORS, register_communicator
-from .reduce_scatter import Chunked, ChunkedContext
+from .chunked import Chunked
+from .switch import Switch, SwitchContext
 
 CANDIDATES = ("allreduce", "allgather", "sparse_allreduce", "reduce_scatter")
 
@@ -18,9 +20,7 @@ def predict(name: str, n: int, payload: float, dense: float, alpha: float, beta:
     """Seconds the α-β model gives one bucket's exchange on ``n`` ranks (wire time only):
     α per collective step, β per byte on this rank's busiest direction. ``payload`` is one
     rank's compressed bytes, ``dense`` the bucket's fp32 bytes. The formulas are those of
-    :func:`grace_dgc.survey.project.wire_bytes`, with the steps a ring needs."""
-    from ..survey.project import collective_steps, wire_bytes
-
+    :mod:`grace_dgc.costmodel`, shared with ``grace-dgc project``."""
     return alpha * collective_steps(name, n) + beta * wire_bytes(name, n, payload, dense)
 
 
@@ -50,7 +50,6 @@ class Auto(Communicator):
     where the memory keeps whatever of it the compressor does not send.
     """
 
-    aggregates = True
     SETTINGS = ("bandwidth", "latency", "interval")
     STATE = ("choice", "buckets", "link", "members")
 
@@ -129,24 +128,24 @@ class Auto(Communicator):
         self.fitting = [c for c in CANDIDATES if COMMUNICATORS.get(c).fits(compressor)]
         return Switch(self)
 
-    def aggregate_many(
-        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
-    ) -> list[Payload]:
+    def aggregate_into(
+        self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False
+    ) -> Sent:
         key = tuple(names)
         bucket = self.buckets.setdefault(key, {"steps": 0, "seen": {}, "chosen": None})
         chosen = self.choice.get(names[0], self._default())
         member = self.members[chosen]
         start, waited = time.perf_counter(), self.engine.traffic.seconds
         inner = self.chunked if chosen == "reduce_scatter" else self.plain
-        sent = member.aggregate_into(inner, payloads, [c[1] for c in ctxs], names, outs)
+        sent, sent_ctxs = member.aggregate_into(inner, payloads, [c.ctx for c in ctxs], names, outs)
         # local compute: compress, and the exchange's time outside collectives (decompress, sums)
         waited = self.engine.traffic.seconds - waited
-        seconds = time.perf_counter() - start - waited + sum(c[2] for c in ctxs)
+        seconds = time.perf_counter() - start - waited + sum(c.seconds for c in ctxs)
         payload_bytes = sum(t.numel() * t.element_size() for p in payloads for t in p)
         bucket["seen"][chosen] = (payload_bytes, seconds, sum(o.numel() * 4 for o in outs))
         bucket["steps"] += 1
         self._decide(key, bucket)
-        return sent
+        return sent, [SwitchContext(c.part, ctx, c.seconds) for c, ctx in zip(ctxs, sent_ctxs)]
 
     def _default(self) -> str:
         return "allreduce" if "allreduce" in self.fitting else "allgather"
@@ -188,44 +187,3 @@ class Auto(Communicator):
         """The members' state (owner errors); the plan stays."""
         for member in self.members.values():
             member.reset(name)
-
-
-class Switch(Compressor):
-    """The compressor under ``auto``: the plain one, or chunk by chunk while the tensor's
-    bucket goes by reduce_scatter; ctx = (kind, ctx, compress seconds)."""
-
-    def __init__(self, auto: Auto) -> None:
-        self.auto = auto
-        self.summable, self.average = auto.plain.summable, auto.plain.average
-        self.may_overflow = auto.plain.may_overflow
-
-    def _part(self, ctx: Any) -> Compressor:
-        return self.auto.chunked if isinstance(ctx[1], ChunkedContext) else self.auto.plain
-
-    @property
-    def workspace(self) -> Any:
-        return self.auto.plain.workspace
-
-    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
-        part = self.auto.chunked if self.auto.choice.get(name) == "reduce_scatter" else self.auto.plain
-        start = time.perf_counter()
-        payload, ctx = part.compress(tensor, name)
-        return payload, ("chunked" if part is self.auto.chunked else "plain", ctx, time.perf_counter() - start)
-
-    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
-        return self._part(ctx).decompress(payload, ctx[1])
-
-    def decompress_into(self, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
-        return self._part(ctx).decompress_into(payload, ctx[1], out)
-
-    def subtract_sent_(self, tensor: Tensor, payload: Payload, ctx: Any) -> Tensor:
-        return self._part(ctx).subtract_sent_(tensor, payload, ctx[1])
-
-    def mask_sent_(self, tensor: Tensor, payload: Payload, ctx: Any) -> Tensor:
-        return self._part(ctx).mask_sent_(tensor, payload, ctx[1])
-
-    def sent_mask(self, payload: Payload, ctx: Any) -> Tensor:
-        return self._part(ctx).sent_mask(payload, ctx[1])
-
-    def bind(self, engine: Any) -> None:
-        self.auto.plain.bind(engine)

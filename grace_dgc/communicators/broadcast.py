@@ -1,10 +1,10 @@
 from .. import wire
-from ..interfaces import Communicator, Payload
+from ..interfaces import ExchangeCommunicator, Payload
 from ..registry import register_communicator
 
 
 @register_communicator("broadcast")
-class Broadcast(Communicator):
+class Broadcast(ExchangeCommunicator):
     """Each rank broadcasts its payload in turn (rank 0 first).
 
     1. allgather the headers so every rank knows every payload's byte length;

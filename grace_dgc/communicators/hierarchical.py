@@ -7,8 +7,9 @@ from torch import Tensor
 
 from .. import environment
 from ..engines.base import Engine
+from ..engines.nodes import NodesView
 from ..errors import GraceConfigError, check_range
-from ..interfaces import Communicator, Compressor, Payload
+from ..interfaces import Communicator, Compressor, Ctxs, Payloads, Sent, Tensors
 from ..registry import COMMUNICATORS, register_communicator
 
 
@@ -36,7 +37,6 @@ class Hierarchical(Communicator):
     with dynamic process sets.
     """
 
-    aggregates = True
     SETTINGS = ("outer", "group_size")
     STATE = ("outer",)  # the outer communicator's own (reduce_scatter's owner errors)
 
@@ -100,13 +100,13 @@ class Hierarchical(Communicator):
                 sums[i] = part.view(tensors[i].shape)
         return sums
 
-    def aggregate_many(
-        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
-    ) -> list[Payload]:
-        outer, sent = self.outer, payloads
+    def aggregate_into(
+        self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False
+    ) -> Sent:
+        outer, sent = self.outer, (payloads, ctxs)
         assert outer is not None
         if self.leader:
-            sent = outer.aggregate_into(compressor, payloads, ctxs, names, outs)
+            sent = outer.aggregate_into(comp, payloads, ctxs, names, outs)
         for dtype in dict.fromkeys(o.dtype for o in outs):  # 3. the leader's result to its node
             members = [i for i, o in enumerate(outs) if o.dtype == dtype]
             flat = torch.cat([outs[i].reshape(-1) for i in members])
@@ -127,17 +127,3 @@ def _local_world_size(default: int) -> int:
     size = environment.read_int("LOCAL_WORLD_SIZE", default, low=1)
     assert size is not None
     return size
-
-
-class NodesView(Engine):
-    """The world as the compressor and memory see it under ``hierarchical``: one rank per
-    node (``rank`` = the node's index), no collectives of its own."""
-
-    def __init__(self, rank: int, size: int, name: str) -> None:
-        super().__init__()
-        self.rank, self.size, self.name = rank, size, name
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise GraceConfigError("only a node's leader exchanges between nodes")
-
-    allreduce = allgather = broadcast = all_to_all = broadcast_object = _refuse

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -8,8 +7,9 @@ from torch import Tensor
 
 from .. import wire
 from ..errors import GraceConfigError, check_bool
-from ..interfaces import Communicator, Compressor, Payload
+from ..interfaces import Communicator, Compressor, Ctxs, Payloads, Sent, Tensors
 from ..registry import register_communicator
+from .chunked import Chunked
 
 
 @register_communicator("reduce_scatter", aliases=("reducescatter", "sra"))
@@ -42,7 +42,6 @@ class ReduceScatter(Communicator):
     last bucket, TernGrad's scale, 1-bit's means are per chunk).
     """
 
-    aggregates = True
     SETTINGS = ("error_feedback",)
     STATE = ("errors",)
 
@@ -53,22 +52,23 @@ class ReduceScatter(Communicator):
 
     @classmethod
     def refusal(cls, compressor: Compressor) -> str | None:
-        if compressor.sparse or not compressor.chunkable:
-            return (
+        reason = super().refusal(compressor)  # several rounds per step
+        if reason is None and (compressor.sparse or not compressor.chunkable):
+            reason = (
                 "it selects elements across the whole tensor, so it cannot be compressed chunk by chunk "
-                "(sparse payloads go by sparse_allreduce)"
+                "(sparse payloads go by sparse_allreduce; a plugin quantizer declares chunkable = True)"
             )
-        return super().refusal(compressor)
+        return reason
 
     def wire_compressor(self, compressor: Compressor) -> Compressor:
         return Chunked(compressor, self.engine.size)
 
-    def aggregate_many(
-        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
-    ) -> list[Payload]:
-        assert isinstance(compressor, Chunked)
-        engine, inner, n, me = self.engine, compressor.inner, self.engine.size, self.engine.rank
-        parts = [compressor.split(p, c) for p, c in zip(payloads, ctxs)]  # parts[i][j]: tensor i, chunk j
+    def aggregate_into(
+        self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False
+    ) -> Sent:
+        assert isinstance(comp, Chunked)
+        engine, inner, n, me = self.engine, comp.inner, self.engine.size, self.engine.rank
+        parts = [comp.split(p, c) for p, c in zip(payloads, ctxs)]  # parts[i][j]: tensor i, chunk j
         # 1. chunk j of every tensor to rank j: per-tensor byte lengths first, then the bytes
         blocks, heads = zip(*(wire.encode([t for chunks in parts for t in chunks[j]]) for j in range(n)))
         mine = [t for chunks in parts for t in chunks[me]]  # the template of what owner me receives
@@ -109,7 +109,7 @@ class ReduceScatter(Communicator):
                 if inner.average:
                     chunk.mul_(n)
                 first += width
-        return payloads
+        return payloads, ctxs
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("errors") and not self.error_feedback:  # they would be added again at every step
@@ -119,96 +119,3 @@ class ReduceScatter(Communicator):
                 "error_feedback=True to resume"
             )
         super().load_state_dict(state)
-
-
-@dataclass
-class ChunkedContext:
-    """What :class:`Chunked` needs to undo its compression: the tensor's shape and dtype,
-    the chunk bounds, and each chunk's ctx and payload length."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    bounds: list[int]
-    parts: list[Any]
-    widths: list[int]
-
-
-class Chunked(Compressor):
-    """``inner`` applied to ``parts`` consecutive chunks of the flattened tensor (chunk j of
-    ``name`` is compressed as ``name#j``); its payload is the chunks' payloads in order. The
-    memory contract (``decompress``, ``subtract_sent_``, ``sent_mask``) acts chunk by
-    chunk, so any memory keeps a rank's own error exactly."""
-
-    def __init__(self, inner: Compressor, parts: int) -> None:
-        self.inner, self.parts = inner, parts
-        self.summable, self.average = inner.summable, inner.average
-        self.may_overflow = inner.may_overflow
-
-    @property
-    def workspace(self) -> Any:
-        return self.inner.workspace
-
-    def bounds(self, numel: int) -> list[int]:
-        return [numel * j // self.parts for j in range(self.parts + 1)]
-
-    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
-        flat, bounds = tensor.reshape(-1), self.bounds(tensor.numel())
-        payload: Payload = []
-        ctxs, widths = [], []
-        for j in range(self.parts):
-            part, ctx = self.inner.compress(flat[bounds[j] : bounds[j + 1]], f"{name}#{j}")
-            payload += part
-            ctxs.append(ctx)
-            widths.append(len(part))
-        return payload, ChunkedContext(tensor.shape, tensor.dtype, bounds, ctxs, widths)
-
-    def split(self, payload: Payload, ctx: ChunkedContext) -> list[Payload]:
-        """The payload of each chunk."""
-        out, first = [], 0
-        for width in ctx.widths:
-            out.append(payload[first : first + width])
-            first += width
-        return out
-
-    def _chunks(self, tensor: Tensor, payload: Payload, ctx: ChunkedContext) -> Any:
-        flat = tensor.view(-1)
-        for j, part in enumerate(self.split(payload, ctx)):
-            yield flat[ctx.bounds[j] : ctx.bounds[j + 1]], part, ctx.parts[j]
-
-    def decompress(self, payload: Payload, ctx: ChunkedContext) -> Tensor:
-        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=payload[0].device if payload else None)
-        return self.decompress_into(payload, ctx, out)
-
-    def decompress_into(self, payload: Payload, ctx: ChunkedContext, out: Tensor) -> Tensor:
-        for chunk, part, part_ctx in self._chunks(out, payload, ctx):
-            self.inner.decompress_into(part, part_ctx, chunk)
-        return out
-
-    def subtract_sent_(self, tensor: Tensor, payload: Payload, ctx: ChunkedContext) -> Tensor:
-        for chunk, part, part_ctx in self._chunks(tensor, payload, ctx):
-            self.inner.subtract_sent_(chunk, part, part_ctx)
-        return tensor
-
-    def mask_sent_(self, tensor: Tensor, payload: Payload, ctx: ChunkedContext) -> Tensor:
-        for chunk, part, part_ctx in self._chunks(tensor, payload, ctx):
-            self.inner.mask_sent_(chunk, part, part_ctx)
-        return tensor
-
-    def sent_mask(self, payload: Payload, ctx: ChunkedContext) -> Tensor:
-        masks = [self.inner.sent_mask(part, c).reshape(-1) for part, c in zip(self.split(payload, ctx), ctx.parts)]
-        return torch.cat(masks).view(ctx.shape)
-
-    def bind(self, engine: Any) -> None:
-        self.inner.bind(engine)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.inner.set_epoch(epoch)
-
-    def stats(self) -> dict[str, Any]:
-        return self.inner.stats()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)

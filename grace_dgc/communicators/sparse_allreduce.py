@@ -5,8 +5,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..compressors.sparse import sent_whole
 from ..errors import check_bool
-from ..interfaces import Communicator, Compressor, Payload
+from ..interfaces import Communicator, Compressor, Ctxs, Payload, Payloads, Sent, Tensors
 from ..registry import register_communicator
 
 SPARSE, DENSE = 0, 1  # how an owner sends its summed region back
@@ -31,8 +32,8 @@ class SparseAllreduce(Communicator):
        pairs, or as |R_j| dense values when that is smaller (SparCML's dense switch:
        |U_j|·(b+4) > |R_j|·b bytes, b the value's size).
 
-    A payload of one tensor is dense (DGC sends tensors below ``min_compress_size`` whole):
-    those are summed by one allreduce. 16-bit values are summed, and sent back, in fp32.
+    A tensor whose ctx says it went whole (a ``SparseContext`` with ``whole``: DGC's tensors
+    below ``min_compress_size``) is summed by one allreduce. 16-bit values are summed, and sent back, in fp32.
 
     The result equals allgather's Σ_r scatter(payload_r) up to the order of the sums, and
     every rank receives the same bits (each region is summed by one rank). Bytes per rank:
@@ -57,7 +58,6 @@ class SparseAllreduce(Communicator):
     (N−1)/N·K_t pairs in step 3 instead of (N−1)/N of the union: O(k), not O(N·k).
     """
 
-    aggregates = True
     SETTINGS = ("global_topk",)
 
     def __init__(self, engine: Any, global_topk: bool = False) -> None:
@@ -70,26 +70,26 @@ class SparseAllreduce(Communicator):
             return "its payloads are not sparse ([values, indices]); sparse_allreduce sums sparse payloads only"
         return super().refusal(compressor)
 
-    def aggregate_many(
-        self, compressor: Compressor, payloads: list[Payload], ctxs: list[Any], names: list[str], outs: list[Tensor]
-    ) -> list[Payload]:
+    def aggregate_into(
+        self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False
+    ) -> Sent:
         sent = list(payloads)
-        dense = [i for i, p in enumerate(payloads) if len(p) == 1]  # DGC sends small tensors whole
+        dense = [i for i, ctx in enumerate(ctxs) if sent_whole(ctx)]  # DGC sends small tensors whole
         if dense:
             summed = self.engine.allreduce(torch.cat([payloads[i][0].reshape(-1).to(outs[i].dtype) for i in dense]))
             for i, part in zip(dense, summed.split([outs[i].numel() for i in dense])):
-                compressor.decompress_into([part], ctxs[i], outs[i])
-        sparse = [i for i, p in enumerate(payloads) if len(p) != 1]
+                comp.decompress_into([part], ctxs[i], outs[i])
+        sparse = [i for i, ctx in enumerate(ctxs) if not sent_whole(ctx)]
         for dtype in dict.fromkeys(payloads[i][0].dtype for i in sparse):  # one index space per value dtype
             members = [i for i in sparse if payloads[i][0].dtype == dtype]
             kept = self._reduce([payloads[i] for i in members], [outs[i].numel() for i in members], dtype)
             for i, (values, indices) in zip(members, kept):
-                compressor.decompress_into([values, indices], ctxs[i], outs[i])
+                comp.decompress_into([values, indices], ctxs[i], outs[i])
                 if self.global_topk:
                     own = payloads[i][1]
                     keep = torch.isin(own, indices)
                     sent[i] = [payloads[i][0][keep], own[keep]]
-        return sent
+        return sent, ctxs
 
     def _reduce(self, payloads: list[Payload], numels: list[int], dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
         """Steps 1–3 for tensors whose values share ``dtype``: per tensor, the summed

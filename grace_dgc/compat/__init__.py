@@ -46,14 +46,16 @@ Where GRACE contradicts the paper, grace_dgc follows the paper:
 import logging
 import warnings
 import weakref
+from typing import Any
 
 import numpy as np
 
 from ..engines import create_engine
+from ..engines.base import Engine
 from ..errors import GraceConfigError, check_range
 from ..grace import Grace, build
 from ..interfaces import Compressor, Memory
-from ..registry import COMMUNICATORS, COMPRESSORS, MEMORIES
+from ..registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry
 
 log = logging.getLogger("grace_dgc")
 
@@ -97,7 +99,7 @@ NATIVE_KEYS = ("engine", "process_group", "timeout", "nonfinite")
 _made_with: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # part -> the parameters its constructor was given
 
 
-def grace_from_params(params, engine="auto"):
+def grace_from_params(params: dict[str, Any], engine: str | Engine = "auto") -> Grace:
     """GRACE's ``grace_from_params``: a :class:`~grace_dgc.Grace` from GRACE's dict, with
     GRACE's defaults and keys (module docstring). Keys whose value is None are absent."""
     if not isinstance(params, dict):
@@ -134,7 +136,7 @@ def grace_from_params(params, engine="auto"):
     return build(compressor, memory, communicator, world_size=world_size, **native, **settings)
 
 
-def _carrier(name, compressor):
+def _carrier(name: object, compressor: str) -> str:
     """GRACE's communicator name → the grace_dgc communicator that carries ``compressor``."""
     if not isinstance(name, str):
         raise GraceConfigError(f"communicator must be given by name (a str), got {name!r}")
@@ -146,60 +148,60 @@ def _carrier(name, compressor):
     return wanted
 
 
-def _check_kernel(kernel):
+def _check_kernel(kernel: object) -> None:
     if kernel not in GRACE_KERNELS:
         raise GraceConfigError(
             f"kernel={kernel!r}; accepted: {', '.join(GRACE_KERNELS)} (all compute the exact top-k in grace_dgc)"
         )
 
 
-def _clipping(value):
+def _clipping(value: object) -> float | None:
     if isinstance(value, (bool, np.bool_)):  # numpy's booleans too
         return GRACE_CLIP_NORM if value else None
     return check_range("gradient_clipping", value, 0, low_open=True)
 
 
 # -- GRACE's constructors -------------------------------------------------------------
-def _part(registry, name, **params):
+def _part(registry: Registry, name: str, **params: object) -> Any:
     part = registry.get(name)(**params)
     _made_with[part] = params
     return part
 
 
-def NoneCompressor():
+def NoneCompressor() -> Compressor:
     return _part(COMPRESSORS, "none")
 
 
-def FP16Compressor():
+def FP16Compressor() -> Compressor:
     return _part(COMPRESSORS, "fp16")
 
 
-def TopKCompressor(compress_ratio=0.3, kernel="torch"):
+def TopKCompressor(compress_ratio: float = 0.3, kernel: str = "torch") -> Compressor:
     _check_kernel(kernel)
     return _part(COMPRESSORS, "topk", compress_ratio=compress_ratio)
 
 
-def RandomKCompressor(compress_ratio=0.3):
+def RandomKCompressor(compress_ratio: float = 0.3) -> Compressor:
     return _part(COMPRESSORS, "randomk", compress_ratio=compress_ratio)
 
 
-def DgcCompressor(compress_ratio=0.3):
+def DgcCompressor(compress_ratio: float = 0.3) -> Compressor:
     return _part(COMPRESSORS, "dgc", compress_ratio=compress_ratio)
 
 
-def ThresholdCompressor(threshold=0.01):
+def ThresholdCompressor(threshold: float = 0.01) -> Compressor:
     return _part(COMPRESSORS, "threshold", threshold=threshold)
 
 
-def QSGDCompressor(quantum_num=127, bucket_size=128):
+def QSGDCompressor(quantum_num: int = 127, bucket_size: int = 128) -> Compressor:
     return _part(COMPRESSORS, "qsgd", quantum_num=quantum_num, bucket_size=bucket_size)
 
 
-def TernGradCompressor():
+def TernGradCompressor() -> Compressor:
     return _part(COMPRESSORS, "terngrad")
 
 
-def NaturalCompressor():
+def NaturalCompressor() -> Compressor:
     return _part(COMPRESSORS, "natural")
 
 
@@ -207,46 +209,46 @@ QSGDCompressor_CUDA = QSGDCompressor  # GRACE's CUDA kernels: the same methods h
 NaturalCompressor_CUDA = NaturalCompressor
 
 
-def OneBitCompressor():
+def OneBitCompressor() -> Compressor:
     return _part(COMPRESSORS, "onebit")
 
 
-def SignSGDCompressor():
+def SignSGDCompressor() -> Compressor:
     return _part(COMPRESSORS, "signsgd")
 
 
-def SignumCompressor(momentum=0.9):
+def SignumCompressor(momentum: float = 0.9) -> Compressor:
     return _part(COMPRESSORS, "signum", momentum=momentum)
 
 
-def EFSignSGDCompressor(lr=0.1):
+def EFSignSGDCompressor(lr: float = 0.1) -> Compressor:
     """GRACE divides the aggregate by ``lr`` here and multiplies by it in the memory; in
     grace_dgc the memory carries ``lr`` alone (give the same lr to EFSignSGDMemory)."""
     check_range("lr", lr, 0, low_open=True)
     return _part(COMPRESSORS, "efsignsgd")
 
 
-def PowerSGDCompressor(compress_rank=1):
+def PowerSGDCompressor(compress_rank: int = 1) -> Compressor:
     part = _part(COMPRESSORS, "powersgd", compress_rank=compress_rank)
     part.q_memory = part  # GRACE hands compressor.q_memory to PowerSGDMemory: Q lives here
     return part
 
 
-def NoneMemory():
+def NoneMemory() -> Memory:
     return _part(MEMORIES, "none")
 
 
-def ResidualMemory(beta=1.0, gamma=1.0):
+def ResidualMemory(beta: float = 1.0, gamma: float = 1.0) -> Memory:
     return _part(MEMORIES, "residual", beta=beta, gamma=gamma)
 
 
-def DgcMemory(momentum=0.9, gradient_clipping=False, world_size=None):
+def DgcMemory(momentum: float = 0.9, gradient_clipping: bool | float = False, world_size: int | None = None) -> Memory:
     """GRACE's DGC memory: grace_dgc's ``momentum`` memory (``world_size`` comes from the
     engine; ``gradient_clipping`` as in the module docstring)."""
     return _part(MEMORIES, "momentum", momentum=momentum, gradient_clipping=_clipping(gradient_clipping))
 
 
-def PowerSGDMemory(q_memory=None, compress_rank=1):
+def PowerSGDMemory(q_memory: Any = None, compress_rank: int = 1) -> Memory:
     """``q_memory`` is GRACE's shared Q store: the PowerSGDCompressor that owns Q here; its
     rank is set to ``compress_rank`` as GRACE's memory decides the rank."""
     rank = check_range("compress_rank", compress_rank, 1, kind=int)
@@ -260,11 +262,11 @@ def PowerSGDMemory(q_memory=None, compress_rank=1):
     return _part(MEMORIES, "powersgd")
 
 
-def EFSignSGDMemory(lr=0.1):
+def EFSignSGDMemory(lr: float = 0.1) -> Memory:
     return _part(MEMORIES, "efsignsgd", lr=lr)
 
 
-def _compose(communicator, compressor, memory, world_size):
+def _compose(communicator: str, compressor: Compressor, memory: Memory, world_size: int | None) -> Grace:
     for what, part, base in (("compressor", compressor, Compressor), ("memory", memory, Memory)):
         if not isinstance(part, base):
             raise GraceConfigError(
@@ -282,19 +284,19 @@ def _compose(communicator, compressor, memory, world_size):
     return grace
 
 
-def Allreduce(compressor, memory, world_size=None):
+def Allreduce(compressor: Compressor, memory: Memory, world_size: int | None = None) -> Grace:
     return _compose("allreduce", compressor, memory, world_size)
 
 
-def Allgather(compressor, memory, world_size=None):
+def Allgather(compressor: Compressor, memory: Memory, world_size: int | None = None) -> Grace:
     return _compose("allgather", compressor, memory, world_size)
 
 
-def Broadcast(compressor, memory, world_size=None):
+def Broadcast(compressor: Compressor, memory: Memory, world_size: int | None = None) -> Grace:
     return _compose("broadcast", compressor, memory, world_size)
 
 
-def AllToAll(compressor, memory, world_size=None):
+def AllToAll(compressor: Compressor, memory: Memory, world_size: int | None = None) -> Grace:
     return _compose("alltoall", compressor, memory, world_size)
 
 

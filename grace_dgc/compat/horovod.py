@@ -6,6 +6,9 @@ GRACE's second argument, the ``grc`` object, as GRACE's patched Horovod does:
     optimizer = hvd.DistributedOptimizer(optimizer, grc, named_parameters=model.named_parameters())
 """
 
+from collections.abc import Iterable
+
+import torch
 from horovod.torch import *  # noqa: F403  (the stock API, as GRACE's patched module had)
 from horovod.torch import Average, Compression
 from horovod.torch import DistributedOptimizer as _horovod_optimizer
@@ -16,15 +19,15 @@ from ..optimizer import DistributedOptimizer as _grace_optimizer
 
 
 def DistributedOptimizer(
-    optimizer,
-    grace=None,
-    named_parameters=None,
-    compression=Compression.none,
-    backward_passes_per_step=1,
-    op=Average,
-    gradient_predivide_factor=1.0,
-    num_groups=0,
-):
+    optimizer: torch.optim.Optimizer,
+    grace: Grace | None = None,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    compression: type = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+) -> torch.optim.Optimizer:
     """GRACE's signature. With ``grace=None`` this is Horovod's own optimizer; with a
     :class:`~grace_dgc.Grace` it is grace_dgc's, which averages through the Grace (Horovod's
     ``compression``/``op``/``gradient_predivide_factor``/``num_groups`` do not apply to it and

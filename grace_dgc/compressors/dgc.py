@@ -1,11 +1,14 @@
 import math
 import random
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..errors import GraceConfigError, check_bool, check_range
+from ..interfaces import Payload
 from ..registry import register_compressor
-from .topk import SparseCompressor, at_least, sparse_payload
+from .sparse import SparseCompressor, SparseContext, at_least, sparse_payload
 
 
 @register_compressor("dgc")
@@ -62,19 +65,19 @@ class DGCCompressor(SparseCompressor):
 
     def __init__(
         self,
-        compress_ratio=0.001,
-        sample_ratio=0.01,
-        min_compress_size=1024,
-        dense_1d=True,
-        fp16_values=False,
-        warmup_epochs=0,
-        warmup_steps=0,
-        warmup_coeff=None,
-        warmup_ratios=None,
-        max_adaptation_iters=10,
-        threshold_decay=0.8,
-        seed=0,
-    ):
+        compress_ratio: float = 0.001,
+        sample_ratio: float = 0.01,
+        min_compress_size: int = 1024,
+        dense_1d: bool = True,
+        fp16_values: bool = False,
+        warmup_epochs: int = 0,
+        warmup_steps: int = 0,
+        warmup_coeff: float | None = None,
+        warmup_ratios: list[float] | tuple[float, ...] | None = None,
+        max_adaptation_iters: int = 10,
+        threshold_decay: float = 0.8,
+        seed: int = 0,
+    ) -> None:
         self.compress_ratio = check_range("compress_ratio", compress_ratio, 0, 1, low_open=True)
         self.sample_ratio = check_range("sample_ratio", sample_ratio, 0, 1, low_open=True)
         self.min_compress_size = check_range("min_compress_size", min_compress_size, 0, kind=int)
@@ -84,7 +87,7 @@ class DGCCompressor(SparseCompressor):
         self.warmup_steps = check_range("warmup_steps", warmup_steps, 0, kind=int)
         if self.warmup_epochs and self.warmup_steps:
             raise GraceConfigError("give warmup_epochs or warmup_steps, not both")
-        self.warmup_ratios = None
+        self.warmup_ratios: list[float] | None = None
         if warmup_ratios is not None:
             if warmup_coeff is not None or not isinstance(warmup_ratios, (list, tuple)) or not warmup_ratios:
                 raise GraceConfigError(
@@ -108,11 +111,11 @@ class DGCCompressor(SparseCompressor):
         self.seed = check_range("seed", seed, 0, kind=int)
         self.rng = random.Random(self.seed)  # own RNG: the global one is left alone
         self.epoch = 0
-        self.steps = {}  # name -> compress calls so far
+        self.steps: dict[str, int] = {}  # name -> compress calls so far
         self.current_ratio = self.ratio_at(0)
 
     # -- warm-up schedule --------------------------------------------------------------
-    def ratio_at(self, position):
+    def ratio_at(self, position: int) -> float:
         length = self.warmup_steps or self.warmup_epochs
         if position >= length:
             return self.compress_ratio
@@ -122,20 +125,20 @@ class DGCCompressor(SparseCompressor):
             return max(self.warmup_coeff ** (position + 1), self.compress_ratio)
         return self.compress_ratio ** ((position + 1) / length)
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         self.epoch = check_range("epoch", epoch, 0, kind=int)
         if not self.warmup_steps:
             self.current_ratio = self.ratio_at(self.epoch)
 
-    def stats(self):
+    def stats(self) -> dict[str, Any]:
         return {"dgc_compress_ratio": self.current_ratio}
 
     # -- selection --------------------------------------------------------------------
-    def is_dense(self, tensor):
+    def is_dense(self, tensor: Tensor) -> bool:
         n = tensor.numel()
         return n == 0 or n < self.min_compress_size or (self.dense_1d and tensor.dim() <= 1)
 
-    def select(self, values, k):
+    def select(self, values: Tensor, k: int) -> Tensor:
         """Indices (int64) of between k and ⌊13k/10⌋ elements of the 1-D ``values`` by
         magnitude (``values`` may be the gradient or its magnitudes: |·| is taken)."""
         n = values.numel()
@@ -159,54 +162,25 @@ class DGCCompressor(SparseCompressor):
         return candidates
 
     # -- the compressor interface ----------------------------------------------------------
-    def compress(self, tensor, name):
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, SparseContext]:
         step = self.steps.get(name, 0)
         self.steps[name] = step + 1
         if self.warmup_steps:
             self.current_ratio = self.ratio_at(step)
         dense = self.is_dense(tensor)
-        ctx = (tensor.shape, tensor.dtype, dense)
+        ctx = SparseContext(tensor.shape, tensor.dtype, whole=dense)
         values_dtype = torch.float16 if self.fp16_values else tensor.dtype
         flat = tensor.reshape(-1)
-        if dense:  # a copy: the payload must not alias a memory's state updated in place
-            return [flat.to(values_dtype, copy=True)], ctx
+        if dense:  # may alias the input (interfaces: aliasing); memories update after the aggregate
+            return [flat.to(values_dtype)], ctx
         k = max(1, int(flat.numel() * self.current_ratio))
         values, indices = sparse_payload(flat, self.select(flat, k))
         return [values.to(values_dtype), indices], ctx
 
-    def decompress(self, payload, ctx):
-        shape, dtype, dense = ctx
-        return payload[0].to(dtype).view(shape) if dense else super().decompress(payload, ctx)
-
-    def decompress_into(self, payload, ctx, out):
-        return out.copy_(payload[0].view(out.shape)) if ctx[2] else super().decompress_into(payload, ctx, out)
-
-    def decompress_aggregate(self, payloads, ctx):
-        if ctx[2]:
-            return self.aggregate([self.decompress(p, ctx) for p in payloads])
-        return super().decompress_aggregate(payloads, ctx)
-
-    def decompress_aggregate_into(self, payloads, ctx, out):
-        if ctx[2]:
-            return out.copy_(self.decompress_aggregate(payloads, ctx))
-        return super().decompress_aggregate_into(payloads, ctx, out)
-
-    def subtract_sent_(self, tensor, payload, ctx):
-        return tensor.sub_(payload[0].view(tensor.shape)) if ctx[2] else super().subtract_sent_(tensor, payload, ctx)
-
-    def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_() if ctx[2] else super().mask_sent_(tensor, payload, ctx)
-
-    def sent_mask(self, payload, ctx):
-        shape, _, dense = ctx
-        if dense:
-            return torch.ones(shape, dtype=torch.bool, device=payload[0].device)
-        return super().sent_mask(payload, ctx)
-
-    def state_dict(self):  # the sampling RNG as its state tuple
+    def state_dict(self) -> dict[str, Any]:  # the sampling RNG as its state tuple
         return dict(super().state_dict(), rng=self.rng.getstate())
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         rng = self.rng
         super().load_state_dict(state)
         self.rng = rng

@@ -1,12 +1,14 @@
 import torch
+from torch import Tensor
 
 from .. import wire
-from ..interfaces import Compressor
+from ..interfaces import Payload
 from ..registry import register_compressor
+from .packed import PackedCompressor, Shaped
 
 
 @register_compressor("efsignsgd")
-class EFSignSGDCompressor(Compressor):
+class EFSignSGDCompressor(PackedCompressor):
     """Scaled sign of EF-SignSGD, (‖p‖₁/d)·sign(p): 1 bit per element + one fp32
 
     Karimireddy, Rebjock, Stich & Jaggi 2019, "Error Feedback Fixes SignSGD and other
@@ -24,9 +26,17 @@ class EFSignSGDCompressor(Compressor):
     (an all-zero tensor has scale 0 and comes back as zeros; an empty one too).
     Aggregation: the average over ranks of the decompressed C(p_m) (``average = True``;
     GRACE sums instead). Sign bits cannot be summed: allgather or broadcast only.
+
+    Plain reference: ``tests/test_sign.py::ref_packed`` and ``ref_scaled_sign`` (numpy): the
+    packed bits equal bit for bit, the scaled signs to fp32 rounding, in
+    ``test_efsignsgd_wire_and_values`` (hypothesis); the error feedback in
+    ``test_efsignsgd_memory_error_feedback``.
     """
 
-    def compress(self, tensor, name):
+    chunkable = True
+    sends_all = True  # a sign (or a mean) for every element, even one that decodes to 0
+
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         numel = tensor.numel()
         # fp32 accumulation: the scale is one fp32 on the wire whatever the gradient dtype
         magnitude = torch.abs(tensor, out=self.workspace.like("abs", tensor))
@@ -36,18 +46,8 @@ class EFSignSGDCompressor(Compressor):
         scale = (total / max(numel, 1)).float()
         return [wire.pack_signs(tensor, self.workspace), scale.reshape(1)], (tensor.shape, tensor.dtype)
 
-    def decompress(self, payload, ctx):
-        shape, dtype = ctx
-        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
-
-    def decompress_into(self, payload, ctx, out):
+    def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
+        scale: Tensor | float  # the payload's fp32 tensor, then its value
         packed, scale = payload
         scale = float(scale)  # ±1 · scale is exactly ±scale
         return wire.unpack_select(packed, out, scale, -scale, self.workspace)
-
-    def sent_mask(self, payload, ctx):
-        # every element is sent (a sign, or a mean), even where it decodes to 0
-        return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
-
-    def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_()  # every element was sent

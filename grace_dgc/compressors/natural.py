@@ -1,14 +1,16 @@
 import sys
 
 import torch
+from torch import Tensor
 
 from .. import wire
+from ..interfaces import Payload
 from ..registry import register_compressor
-from .qsgd import StochasticCompressor
+from .packed import Shaped
+from .stochastic import StochasticCompressor
 
 MANTISSA_BITS = 23
 INF_BITS = 0x7F800000  # fp32 bits of +inf; larger magnitudes are NaN
-INF_EXPONENT = 255  # fp32 biased exponent of inf / NaN
 MAX_EXPONENT = 254  # of the largest finite power of two, 2**127
 
 
@@ -36,9 +38,14 @@ class NaturalCompressor(StochasticCompressor):
     Wire: the 8-bit exponent e per element (uint8, e = 0 means zero) + the sign bits packed
     8 per byte (wire.pack_bits): n + ⌈n/8⌉ bytes, ≤ 9 bits per element. Codes cannot be
     summed: allgather or broadcast.
+
+    Plain reference: ``tests/test_quantizers.py::two_point_reference`` (``2**floor(log2|x|)``
+    in float64, where this code reads the exponent bits): outputs are exactly one of the two
+    bracketing powers of two in ``test_natural_outputs_signed_powers_of_two_bracketing_the_input``,
+    with the special values (±0, subnormals, 2¹²⁷ saturation, ±inf, NaN) written out there.
     """
 
-    def compress(self, tensor, name):
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         bits = tensor.reshape(-1).float().view(torch.int32)
         n, scratch, device = bits.numel(), self.workspace, bits.device
         exponent = torch.empty(n, dtype=torch.uint8, device=device)
@@ -53,7 +60,7 @@ class NaturalCompressor(StochasticCompressor):
             out=scratch.get("draws", n, torch.int32, device),
         )
 
-        def encode(start, stop):
+        def encode(start: int, stop: int) -> Tensor:
             """Exponents of the chunk and its sign bits, all in integer passes."""
             size, part = stop - start, bits[start:stop]
             magnitude = torch.bitwise_and(part, 0x7FFFFFFF, out=scratch.get("magnitude", size, torch.int32, device))
@@ -71,17 +78,13 @@ class NaturalCompressor(StochasticCompressor):
 
         return [exponent, wire.pack_chunks(n, 1, encode, device, scratch)], (tensor.shape, tensor.dtype)
 
-    def decompress(self, payload, ctx):
-        shape, dtype = ctx
-        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
-
-    def decompress_into(self, payload, ctx, out):
+    def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         exponent, signs = payload
         n, scratch, device = exponent.numel(), self.workspace, exponent.device
         direct = out.dtype == torch.float32
         flat = out.view(-1)
 
-        def decode(start, stop, negative):
+        def decode(start: int, stop: int, negative: Tensor) -> None:
             size = stop - start
             word = flat[start:stop].view(torch.int32) if direct else scratch.get("word", size, torch.int32, device)
             sign = scratch.get("sign", size, torch.int32, device).copy_(negative)

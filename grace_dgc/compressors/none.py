@@ -1,6 +1,6 @@
-import torch
+from torch import Tensor
 
-from ..interfaces import Compressor
+from ..interfaces import Compressor, Payload
 from ..registry import register_compressor
 
 
@@ -10,23 +10,19 @@ class NoneCompressor(Compressor):
 
     summable = True
     elementwise = True
+    chunkable = True
+    sends_all = True
 
-    def compress(self, tensor, name):
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, None]:
         return [tensor], None
 
-    def decompress(self, payload, ctx):
+    def decompress(self, payload: Payload, ctx: None) -> Tensor:
         return payload[0]
 
-    def decompress_into(self, payload, ctx, out):
+    def decompress_into(self, payload: Payload, ctx: None, out: Tensor) -> Tensor:
         if payload[0].data_ptr() != out.data_ptr():  # reduced in place: already there
             out.copy_(payload[0].view(out.shape))
         return out
 
-    def subtract_sent_(self, tensor, payload, ctx):
+    def subtract_sent_(self, tensor: Tensor, payload: Payload, ctx: None) -> Tensor:
         return tensor.sub_(payload[0].view(tensor.shape))
-
-    def sent_mask(self, payload, ctx):
-        return torch.ones_like(payload[0], dtype=torch.bool)  # every element is sent
-
-    def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_()  # every element was sent

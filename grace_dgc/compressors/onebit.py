@@ -1,11 +1,13 @@
 import torch
+from torch import Tensor
 
 from .. import wire
-from ..interfaces import Compressor
+from ..interfaces import Payload
 from ..registry import register_compressor
+from .packed import PackedCompressor, Shaped
 
 
-def _sum(values):
+def _sum(values: Tensor) -> Tensor:
     """The fp32 sum, or in fp64 when fp32 overflows on finite values (a mean is then still
     finite)."""
     total = values.sum()
@@ -13,7 +15,7 @@ def _sum(values):
 
 
 @register_compressor("onebit", aliases=("1bit",))
-class OneBitCompressor(Compressor):
+class OneBitCompressor(PackedCompressor):
     """1-bit SGD: sign bits + the means of the non-negative and of the negative entries
 
     Seide, Fu, Droppo, Li & Yu 2014, "1-Bit Stochastic Gradient Descent and its
@@ -36,9 +38,16 @@ class OneBitCompressor(Compressor):
     (8 bytes). Zero rule: an exact zero belongs to P (bit 1) and counts in μ₊, as in
     GRACE. Aggregation: the average over ranks of Q(g_m) (``average = True``); sign bits
     cannot be summed, so allgather or broadcast only.
+
+    Plain reference: ``tests/test_sign.py::ref_onebit`` and ``ref_packed`` (numpy, no bit
+    masks): the packed bits equal them bit for bit and the means to fp32 rounding in
+    ``test_onebit_wire_and_means`` (hypothesis), the hand-made cases in ``test_exact_hand_values``.
     """
 
-    def compress(self, tensor, name):
+    chunkable = True
+    sends_all = True  # a sign (or a mean) for every element, even one that decodes to 0
+
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         flat = tensor.reshape(-1).float()  # means are computed and sent in fp32
         n, scratch, device = flat.numel(), self.workspace, flat.device
         bits = flat.view(torch.int32)
@@ -48,7 +57,7 @@ class OneBitCompressor(Compressor):
         picked = scratch.get("picked", n, torch.int32, device)
         counts = [flat.new_zeros((), dtype=torch.int64)]  # per chunk (chunks run at once)
 
-        def encode(start, stop):
+        def encode(start: int, stop: int) -> Tensor:
             positive = torch.ge(flat[start:stop], 0, out=scratch.get("positive", stop - start, torch.bool, device))
             counts.append(torch.count_nonzero(positive))
             picked[start:stop].copy_(positive).neg_().bitwise_and_(bits[start:stop])
@@ -62,18 +71,7 @@ class OneBitCompressor(Compressor):
         means = torch.stack([(sum_neg / count_neg.clamp(min=1)).float(), (sum_pos / count_pos.clamp(min=1)).float()])
         return [packed, means], (tensor.shape, tensor.dtype)
 
-    def decompress(self, payload, ctx):
-        shape, dtype = ctx
-        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
-
-    def decompress_into(self, payload, ctx, out):
+    def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         packed, means = payload
         negative_mean, positive_mean = means.tolist()
         return wire.unpack_select(packed, out, positive_mean, negative_mean, self.workspace)
-
-    def sent_mask(self, payload, ctx):
-        # every element is sent (a sign, or a mean), even where it decodes to 0
-        return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
-
-    def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_()  # every element was sent

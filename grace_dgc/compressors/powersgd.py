@@ -1,14 +1,15 @@
 import zlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
 from ..errors import check_bool, check_range
-from ..interfaces import Compressor
+from ..interfaces import Compressor, Payload
 from ..registry import register_compressor
 
 
-def orthogonalize(matrix, epsilon=0.0):
+def orthogonalize(matrix: Tensor, epsilon: float = 0.0) -> Tensor:
     """``matrix`` (n × r) with orthonormal columns, computed as PyTorch's ``powerSGD_hook`` does.
 
     Gram–Schmidt for r ≤ 2 (and half precision), ``col / (‖col‖ + epsilon)``; Householder QR
@@ -77,17 +78,22 @@ class PowerSGDCompressor(Compressor):
     STATE = ("q", "draws")
 
     def __init__(
-        self, compress_rank=1, min_compression_rate=2.0, warm_start=True, orthogonalization_epsilon=0.0, seed=0
-    ):
+        self,
+        compress_rank: int = 1,
+        min_compression_rate: float = 2.0,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         self.compress_rank = check_range("compress_rank", compress_rank, 1, kind=int)
         self.min_compression_rate = check_range("min_compression_rate", min_compression_rate, 0)
         self.warm_start = check_bool("warm_start", warm_start)
         self.orthogonalization_epsilon = check_range("orthogonalization_epsilon", orthogonalization_epsilon, 0)
         self.seed = check_range("seed", seed, 0, kind=int)
-        self.q = {}  # name -> Q_sum of the last step (the warm start), shape m × r
-        self.draws = {}  # name -> how many initial Qs were drawn for it
+        self.q: dict[str, Tensor] = {}  # name -> Q_sum of the last step (the warm start), shape m × r
+        self.draws: dict[str, int] = {}  # name -> how many initial Qs were drawn for it
 
-    def low_rank(self, shape):
+    def low_rank(self, shape: torch.Size) -> int:
         """r for a tensor of ``shape``, or 0 when it goes dense."""
         if len(shape) < 2:
             return 0
@@ -95,7 +101,7 @@ class PowerSGDCompressor(Compressor):
         rank = min(n, m, self.compress_rank)
         return rank if (n + m) * rank * self.min_compression_rate < n * m else 0
 
-    def initial_q(self, name, m, rank, dtype):
+    def initial_q(self, name: str, m: int, rank: int, dtype: torch.dtype) -> Tensor:
         draw = self.draws.get(name, 0)
         self.draws[name] = draw + 1
         generator = torch.Generator().manual_seed(
@@ -104,7 +110,7 @@ class PowerSGDCompressor(Compressor):
         # drawn on the CPU, so CPU and CUDA runs start from the same Q
         return torch.randn(m, rank, generator=generator, dtype=dtype)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Dense | Factors]:
         rank = self.low_rank(tensor.shape)
         if not rank:
             return [tensor], Dense(tensor.shape)
@@ -115,7 +121,7 @@ class PowerSGDCompressor(Compressor):
         q = orthogonalize(q.to(device=tensor.device, dtype=tensor.dtype), self.orthogonalization_epsilon)
         return [matrix @ q], Factors(name, tensor.shape, matrix, None)
 
-    def next_round(self, summed_payload, ctx):
+    def next_round(self, summed_payload: Payload, ctx: Any) -> tuple[Payload, Factors] | None:
         if isinstance(ctx, Dense):  # sent whole: done after one round
             return None
         if ctx.p is None:  # got Σ P: send this rank's Q = Mᵀ P̂
@@ -125,12 +131,12 @@ class PowerSGDCompressor(Compressor):
             self.q[ctx.name] = summed_payload[0].clone()
         return None
 
-    def decompress(self, payload, ctx):
+    def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         if isinstance(ctx, Dense):
             return payload[0].reshape(ctx.shape)
         return (ctx.p @ payload[0].t()).reshape(ctx.shape)
 
-    def decompress_into(self, payload, ctx, out):
+    def decompress_into(self, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
         if isinstance(ctx, Dense) or out.dtype != ctx.p.dtype or not out.is_contiguous():
             return super().decompress_into(payload, ctx, out)
         torch.mm(ctx.p, payload[0].t(), out=out.view(ctx.shape[0], -1))

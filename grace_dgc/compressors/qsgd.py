@@ -1,58 +1,19 @@
-import hashlib
 import math
-from typing import ClassVar
+from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from .. import wire
 from ..errors import check_range
-from ..interfaces import Compressor
+from ..interfaces import Payload
 from ..registry import register_compressor
-from ..workspace import for_chunks
+from ..workspace import Workspace, for_chunks
+from .packed import Shaped
+from .stochastic import StochasticCompressor
 
 
-class StochasticCompressor(Compressor):
-    """Base of the stochastic-rounding compressors (qsgd, terngrad, natural): own random streams.
-
-    The t-th compression of tensor ``name`` draws from a fresh ``torch.Generator`` on the
-    tensor's device seeded with blake2b(seed + rank, name, t). Hence:
-      * the global RNG is never touched, and CUDA tensors get CUDA randoms;
-      * ranks round independently (the papers' variance bounds assume independent
-        quantisers), yet rank r with ``seed=s`` draws exactly what rank 0 with ``seed=s+r``
-        draws — that is how a test reproduces another rank locally;
-      * the state is just t per name, equal on all ranks, so loading one rank's
-        checkpoint on every rank resumes each rank's own stream exactly.
-    The rank is the engine's (Grace binds it; 0 for a compressor used on its own).
-    """
-
-    rank = 0
-    SETTINGS: ClassVar[tuple[str, ...]] = ("seed",)
-    STATE = ("steps",)
-
-    def __init__(self, seed=0):
-        self.seed = check_range("seed", seed, 0, kind=int)
-        self.steps = {}  # name -> how many times that tensor was compressed
-
-    def generator(self, name, device):
-        step = self.steps.get(name, 0)
-        self.steps[name] = step + 1
-        key = f"{self.seed + self.rank}\0{name}\0{step}".encode()
-        seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-        return torch.Generator(device=device).manual_seed(seed)
-
-    def bind(self, engine):
-        """Called by Grace: each rank draws its own stream."""
-        self.rank = engine.rank
-
-    def sent_mask(self, payload, ctx):
-        """Every element travels (a level, ternary or power of two; a rounded 0 included)."""
-        return torch.ones(ctx[0], dtype=torch.bool, device=payload[0].device)
-
-    def mask_sent_(self, tensor, payload, ctx):
-        return tensor.zero_()  # every element was sent
-
-
-def scaled_norms(rows):
+def scaled_norms(rows: Tensor) -> Tensor:
     """Each row's ‖v‖₂ as m·‖v/m‖₂ with m = max|v|: no overflow for any finite row (|v| up to
     fp32's maximum); a row with NaN or Inf still gives NaN or Inf."""
     scale = rows.abs().amax(dim=1, keepdim=True)
@@ -60,7 +21,7 @@ def scaled_norms(rows):
     return (rows / scale).norm(dim=1) * scale.squeeze(1)
 
 
-def stochastic_round_(x, uniform, workspace):
+def stochastic_round_(x: Tensor, uniform: Tensor, workspace: Workspace) -> Tensor:
     """⌊x⌋ + Bernoulli(x − ⌊x⌋) for x ≥ 0 with ``uniform`` ~ U[0, 1) of x's shape: an unbiased
     integer, E = x. Overwrites x and ``uniform``; the result is the workspace's "floor" buffer."""
     floor = torch.floor(x, out=workspace.get("floor", x.numel(), x.dtype, x.device).view(x.shape))
@@ -85,18 +46,25 @@ class QSGDCompressor(StochasticCompressor):
     ⌈n·b/8⌉ + 4·⌈n/bucket_size⌉ bytes. Default s = 64 (b = 8); s = 127 (GRACE's helper
     default, used by grace_dgc.compat) is the finest that still fits 8 bits. A bucket of zeros
     sends norm 0 and levels 0.
+
+    Plain reference: ``tests/test_quantizers.py::two_point_reference`` (float64): the exact
+    levels ⌊·⌋ or ⌈·⌉ of |v|·s/‖v‖ in ``test_qsgd_exact_levels_and_zero_bucket``, unbiasedness
+    in ``test_mean_of_many_draws_converges_to_the_input``; the packed codes round-trip against
+    ``reference_pack`` (:func:`grace_dgc.wire.pack_bits`).
     """
 
     SETTINGS = ("quantum_num", "bucket_size", "seed")
 
-    def __init__(self, quantum_num=64, bucket_size=512, seed=0):
+    def __init__(self, quantum_num: int = 64, bucket_size: int = 512, seed: int = 0) -> None:
         super().__init__(seed)
         # levels are exact integers in the fp32 arithmetic below only up to 2**24
         self.quantum_num = check_range("quantum_num", quantum_num, 1, 2**23, kind=int)
         self.bucket_size = check_range("bucket_size", bucket_size, 1, kind=int)
         self.bits = math.ceil(math.log2(2 * self.quantum_num + 1))
 
-    def for_row_chunks(self, body, n, device):
+    def for_row_chunks(
+        self, body: Callable[[int, int, int, int], object], n: int, device: torch.device | str
+    ) -> list[object]:
         """``body(first row, last row, first element, last element)`` for each chunk of whole
         buckets (the last bucket may be short), chunks at once on the CPU's workers
         (:func:`~grace_dgc.workspace.for_chunks`): the temporaries stay small and in cache."""
@@ -108,7 +76,7 @@ class QSGDCompressor(StochasticCompressor):
             multiple=self.bucket_size,
         )
 
-    def compress(self, tensor, name):
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         flat = tensor.reshape(-1).float()
         n, s, size, scratch = flat.numel(), self.quantum_num, self.bucket_size, self.workspace
         norms = flat.new_empty(-(-n // size))
@@ -123,7 +91,7 @@ class QSGDCompressor(StochasticCompressor):
             out=scratch.get("uniforms", padded, torch.float32, flat.device),
         )
 
-        def quantize(row, last_row, start, stop):
+        def quantize(row: int, last_row: int, start: int, stop: int) -> None:
             block = scratch.get("block", (last_row - row) * size, torch.float32, flat.device)
             block[: stop - start].copy_(flat[start:stop])
             block[stop - start :].zero_()  # a short last bucket is zero-padded
@@ -147,17 +115,13 @@ class QSGDCompressor(StochasticCompressor):
         packed = codes if self.bits == 8 else wire.pack_bits(codes, self.bits, scratch)
         return [packed, norms], (tensor.shape, tensor.dtype)
 
-    def decompress(self, payload, ctx):
-        shape, dtype = ctx
-        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
-
-    def decompress_into(self, payload, ctx, out):
+    def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         packed, norms = payload
         n, s, size = out.numel(), self.quantum_num, self.bucket_size
         codes = packed if self.bits == 8 else wire.unpack_bits(packed, self.bits, n, self.workspace)
         flat = out.view(-1)
 
-        def dequantize(row, last_row, start, stop):
+        def dequantize(row: int, last_row: int, start: int, stop: int) -> None:
             whole = stop - start == (last_row - row) * size and out.dtype == torch.float32
             block = (
                 flat[start:stop]

@@ -1,8 +1,11 @@
 import torch
+from torch import Tensor
 
 from ..errors import check_range
+from ..interfaces import Payload
 from ..registry import register_compressor
 from ..workspace import for_chunks
+from .packed import Shaped
 from .signsgd import SignSGDCompressor
 
 
@@ -29,18 +32,18 @@ class SignumCompressor(SignSGDCompressor):
     SETTINGS = ("momentum",)
     STATE = ("momentums",)
 
-    def __init__(self, momentum=0.9):
+    def __init__(self, momentum: float = 0.9) -> None:
         self.momentum = check_range("momentum", momentum, 0, 1, high_open=True)
-        self.momentums = {}  # name -> m_t, updated in place (state_dict hands out copies)
+        self.momentums: dict[str, Tensor] = {}  # name -> m_t, updated in place (state_dict hands out copies)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         previous = self.momentums.get(name)
         if previous is None:
             momentum = self.momentums[name] = (1 - self.momentum) * tensor
         else:  # β·m + (1 − β)·g, the two products rounded as in the formula; in cache
             momentum, grad = previous.view(-1), tensor.reshape(-1)
 
-            def update(start, stop):
+            def update(start: int, stop: int) -> None:
                 scaled = torch.mul(
                     grad[start:stop],
                     1 - self.momentum,

@@ -1,9 +1,12 @@
 import torch
+from torch import Tensor
 
 from .. import wire
 from ..errors import check_range
+from ..interfaces import Payload
 from ..registry import register_compressor
-from .qsgd import StochasticCompressor
+from .packed import Shaped
+from .stochastic import StochasticCompressor
 
 # 2-bit codes: 0 → 0, 1 → +s, 2 → −s (3 is never sent, decodes to 0)
 POSITIVE, NEGATIVE = 1, 2
@@ -27,15 +30,20 @@ class TernGradCompressor(StochasticCompressor):
 
     Wire: 2 bits per element (wire.pack_bits, 4 per byte) + s as one fp32:
     ⌈n/4⌉ + 4 bytes. Codes cannot be summed: allgather or broadcast.
+
+    Plain reference: ``tests/test_quantizers.py::clipped_reference`` and
+    ``two_point_reference`` (float64 torch, no bit codes): every output is 0 or ±s of the
+    clipped input in ``test_terngrad_values_are_zero_or_signed_scale``, the mean of many draws
+    converges to the input in ``test_mean_of_many_draws_converges_to_the_input``.
     """
 
     SETTINGS = ("clip_factor", "seed")
 
-    def __init__(self, clip_factor=2.5, seed=0):
+    def __init__(self, clip_factor: float = 2.5, seed: int = 0) -> None:
         super().__init__(seed)
         self.clip_factor = check_range("clip_factor", clip_factor, 0, low_open=True, allow_inf=True)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         flat = tensor.reshape(-1).float()
         n, scratch, device = flat.numel(), self.workspace, flat.device
         if not n:
@@ -54,7 +62,7 @@ class TernGradCompressor(StochasticCompressor):
         uniforms = scratch.get("uniforms", n, torch.float32, device)
         torch.rand(n, generator=self.generator(name, device), device=device, out=uniforms)
 
-        def encode(start, stop):
+        def encode(start: int, stop: int) -> Tensor:
             size = stop - start
             clipped = torch.clamp(
                 flat[start:stop], -bound, bound, out=scratch.get("clipped", size, torch.float32, device)
@@ -73,15 +81,11 @@ class TernGradCompressor(StochasticCompressor):
 
         return [wire.pack_chunks(n, 2, encode, device, scratch), scale], (tensor.shape, tensor.dtype)
 
-    def decompress(self, payload, ctx):
-        shape, dtype = ctx
-        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
-
-    def decompress_into(self, payload, ctx, out):
+    def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         packed, scale = payload
         flat, scale = out.view(-1), scale.to(out.dtype)
 
-        def decode(start, stop, codes):
+        def decode(start: int, stop: int, codes: Tensor) -> None:
             # sgn = low bit − high bit: 1 → +1, 2 → −1, 0 and 3 → 0 (byte arithmetic, ~3× a lookup)
             high = torch.bitwise_right_shift(
                 codes, 1, out=self.workspace.get("high", stop - start, torch.uint8, out.device)

@@ -1,6 +1,9 @@
+from torch import Tensor
+
 from ..errors import check_range
+from ..interfaces import Payload
 from ..registry import register_compressor
-from .topk import SparseCompressor, at_least, sparse_payload
+from .sparse import SparseCompressor, SparseContext, at_least, sparse_payload
 
 
 @register_compressor("threshold")
@@ -14,10 +17,10 @@ class ThresholdCompressor(SparseCompressor):
 
     SETTINGS = ("threshold",)
 
-    def __init__(self, threshold=0.01):
+    def __init__(self, threshold: float = 0.01) -> None:
         self.threshold = check_range("threshold", threshold, 0, allow_inf=True)  # ∞: send nothing
 
-    def compress(self, tensor, name):
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, SparseContext]:
         flat = tensor.reshape(-1)
         indices, _ = at_least(flat, self.threshold, self.workspace, keep_nan=False)
-        return sparse_payload(flat, indices), (tensor.shape, tensor.dtype)
+        return sparse_payload(flat, indices), SparseContext(tensor.shape, tensor.dtype)

@@ -1,16 +1,18 @@
 import torch
+from torch import Tensor
 
 from .. import wire
 from ..errors import check_range
-from ..interfaces import Compressor
+from ..interfaces import Payload
 from ..registry import register_compressor
+from .packed import PackedCompressor, Shaped
 
 # 2-bit codes, as in MXNet: 00 → 0, 11 → +τ, 10 → −τ (01 is never sent, decodes to 0)
 NEGATIVE, POSITIVE = 2, 3
 
 
 @register_compressor("twobit", aliases=("2bit",))
-class TwoBitCompressor(Compressor):
+class TwoBitCompressor(PackedCompressor):
     """MXNet 2-bit quantisation: ±τ where |g| ≥ τ, else 0; 2 bits/element; use with memory residual.
 
     MXNet FAQ "Gradient Compression" (after Strom 2015), threshold τ = ``threshold``:
@@ -27,18 +29,24 @@ class TwoBitCompressor(Compressor):
     at bits 2j..2j+1 of word w; ⌈n/4⌉ bytes (the last word is not padded). τ is a
     parameter every rank shares, so it does not travel. Codes cannot be summed, so it
     needs allgather or broadcast.
+
+    Plain reference: the codes and their little-endian bit layout written out by hand in
+    ``tests/test_quantizers.py::test_twobit_values_and_bit_layout_by_hand`` (bit for bit), the
+    error-feedback loop in ``test_twobit_with_residual_is_mxnet_error_feedback``; the packing
+    itself against ``reference_pack`` (see :func:`grace_dgc.wire.pack_bits`).
     """
 
+    chunkable = True
     SETTINGS = ("threshold",)
 
-    def __init__(self, threshold=0.5):
+    def __init__(self, threshold: float = 0.5) -> None:
         self.threshold = check_range("threshold", threshold, 0, low_open=True)
 
-    def compress(self, tensor, name):
+    def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         flat = tensor.reshape(-1)
         scratch = self.workspace
 
-        def encode(start, stop):
+        def encode(start: int, stop: int) -> Tensor:
             # arithmetic on byte masks, not masked writes: τ > 0, so at most one is set
             part, size = flat[start:stop], stop - start
             codes = torch.ge(part, self.threshold, out=scratch.get("up", size, torch.bool, flat.device))
@@ -47,14 +55,10 @@ class TwoBitCompressor(Compressor):
 
         return [wire.pack_chunks(flat.numel(), 2, encode, flat.device, scratch)], (tensor.shape, tensor.dtype)
 
-    def decompress(self, payload, ctx):
-        shape, dtype = ctx
-        return self.decompress_into(payload, ctx, torch.empty(shape, dtype=dtype, device=payload[0].device))
-
-    def decompress_into(self, payload, ctx, out):
+    def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         flat = out.view(-1)
 
-        def decode(start, stop, codes):
+        def decode(start: int, stop: int, codes: Tensor) -> None:
             # sgn = high bit · (2·low bit − 1): 3 → +1, 2 → −1, 0 and 1 → 0 (byte arithmetic,
             # ~3× a table lookup); the codes are a scratch of unpack_chunks, reused in place
             low = torch.bitwise_and(codes, 1, out=self.workspace.get("low", stop - start, torch.uint8, out.device))
@@ -64,7 +68,7 @@ class TwoBitCompressor(Compressor):
         wire.unpack_chunks(payload[0], 2, out.numel(), decode, self.workspace)
         return out
 
-    def sent_mask(self, payload, ctx):
+    def sent_mask(self, payload: Payload, ctx: Shaped) -> Tensor:
         """Sent = quantised to ±τ; a 0 code means "keep accumulating" (for masking memories)."""
         shape, _ = ctx
         return (wire.unpack_bits(payload[0], 2, torch.Size(shape).numel(), self.workspace) >= NEGATIVE).view(shape)

@@ -1,5 +1,9 @@
+from typing import Any
+
+from torch import Tensor
+
 from ..errors import check_range
-from ..interfaces import Memory
+from ..interfaces import Compressor, Memory, Payload
 from ..registry import register_memory
 
 
@@ -34,13 +38,13 @@ class EFSignSGDMemory(Memory):
     STATE = ("lr", "residuals")
     RESUME_MAY_DIFFER = {"lr": "the checkpoint carries the lr the schedule had reached"}
 
-    def __init__(self, lr=1.0):
+    def __init__(self, lr: float = 1.0) -> None:
         self.lr = check_range("lr", lr, 0, low_open=True)
-        self.residuals = {}  # name -> e_t, in parameter units
+        self.residuals: dict[str, Tensor] = {}  # name -> e_t, in parameter units
 
-    def compensate(self, tensor, name):
+    def compensate(self, tensor: Tensor, name: str) -> Tensor:
         residual = self.residuals.get(name)
         return tensor if residual is None else tensor + residual / self.lr
 
-    def update(self, tensor, name, compressor, payload, ctx):
+    def update(self, tensor: Tensor, name: str, compressor: Compressor, payload: Payload, ctx: Any) -> None:
         self.residuals[name] = self.lr * (tensor - compressor.decompress(payload, ctx))

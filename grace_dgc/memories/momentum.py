@@ -1,11 +1,19 @@
+from __future__ import annotations
+
 import logging
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from ..errors import GraceConfigError, check_bool, check_range
-from ..interfaces import Memory
+from ..interfaces import Compressor, Memory, Payload
 from ..registry import register_memory
+
+if TYPE_CHECKING:
+    from ..engines.base import Engine
+    from ..grace import Grace
 
 log = logging.getLogger("grace_dgc")
 
@@ -45,7 +53,14 @@ class MomentumMemory(Memory):
         "settings": "taken from the optimizer's param groups by attach_optimizer, again on resume",
     }
 
-    def __init__(self, momentum=0.9, nesterov=False, weight_decay=0.0, gradient_clipping=None, momentum_masking=True):
+    def __init__(
+        self,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        gradient_clipping: float | None = None,
+        momentum_masking: bool = True,
+    ) -> None:
         self.momentum = check_range("momentum", momentum, 0, 1, high_open=True)
         self.nesterov = check_bool("nesterov", nesterov)
         self.weight_decay = check_range("weight_decay", weight_decay, 0)
@@ -54,16 +69,17 @@ class MomentumMemory(Memory):
         )
         self.momentum_masking = check_bool("momentum_masking", momentum_masking)
         self.world_size = 1
-        self.parameters = {}  # name -> parameter (for weight decay), from attach_optimizer
-        self.settings = {}  # name -> (momentum, nesterov, weight_decay) taken from SGD groups
-        self.momentums = {}  # u
-        self.velocities = {}  # v
+        self.parameters: dict[str, Tensor] = {}  # name -> parameter (for weight decay), from attach_optimizer
+        # name -> (momentum, nesterov, weight_decay) taken from SGD groups
+        self.settings: dict[str, tuple[float, bool, float]] = {}
+        self.momentums: dict[str, Tensor] = {}  # u
+        self.velocities: dict[str, Tensor] = {}  # v
 
-    def bind(self, engine):
+    def bind(self, engine: Engine) -> None:
         """Called by Grace: clipping scales its threshold by the world size."""
         self.world_size = engine.size
 
-    def attach_optimizer(self, optimizer, grace, named_parameters):
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer | None, grace: Grace, named_parameters: Any) -> None:
         """Called by DistributedOptimizer: learn the parameters; take over SGD's momentum."""
         self.parameters = dict(named_parameters)
         if optimizer is None:  # the DDP hook without an optimizer: nothing to take over
@@ -107,7 +123,7 @@ class MomentumMemory(Memory):
                 "; ".join(moved),
             )
 
-    def compensate(self, tensor, name):
+    def compensate(self, tensor: Tensor, name: str) -> Tensor:
         momentum, nesterov, decay = self.settings.get(name, (self.momentum, self.nesterov, self.weight_decay))
         grad = tensor
         if self.gradient_clipping is not None:
@@ -137,7 +153,7 @@ class MomentumMemory(Memory):
             v.add_(u)
         return v  # the memory's own buffer: compressors copy what they send
 
-    def update(self, tensor, name, compressor, payload, ctx):
+    def update(self, tensor: Tensor, name: str, compressor: Compressor, payload: Payload, ctx: Any) -> None:
         v, u = self.velocities[name], self.momentums[name]
         compressor.mask_sent_(v, payload, ctx)  # v ← v ⊙ ¬M (sparsifiers: at their indices)
         # u is masked too unless the step was dense: every element with v ≠ 0 was sent, i.e.

@@ -1,5 +1,9 @@
+from typing import Any
+
+from torch import Tensor
+
 from ..errors import check_range
-from ..interfaces import Memory
+from ..interfaces import Compressor, Memory, Payload
 from ..registry import register_memory
 
 
@@ -21,12 +25,12 @@ class ResidualMemory(Memory):
     SETTINGS = ("beta", "gamma")
     STATE = ("residuals",)
 
-    def __init__(self, beta=1.0, gamma=1.0):
+    def __init__(self, beta: float = 1.0, gamma: float = 1.0) -> None:
         self.beta = check_range("beta", beta, 0)
         self.gamma = check_range("gamma", gamma, 0)
-        self.residuals = {}
+        self.residuals: dict[str, Tensor] = {}
 
-    def compensate(self, tensor, name):
+    def compensate(self, tensor: Tensor, name: str) -> Tensor:
         residual = self.residuals.get(name)
         if residual is None:
             return tensor if self.gamma == 1 else self.gamma * tensor
@@ -34,7 +38,7 @@ class ResidualMemory(Memory):
             residual.mul_(self.beta)
         return residual.add_(tensor if self.gamma == 1 else self.gamma * tensor)
 
-    def update(self, tensor, name, compressor, payload, ctx):
+    def update(self, tensor: Tensor, name: str, compressor: Compressor, payload: Payload, ctx: Any) -> None:
         if tensor is not self.residuals.get(name):  # the first step: p_t is the input (or new)
             tensor = tensor.clone()
         self.residuals[name] = compressor.subtract_sent_(tensor, payload, ctx)

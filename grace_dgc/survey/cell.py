@@ -3,6 +3,7 @@
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 # not part of what makes a run's result: left out of the fingerprints
@@ -44,35 +45,35 @@ class Cell:
     cell_hash: str = ""
     tuning_key: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.run_id = run_id(self.label, self.workers, self.seed, self.network["tag"])
         self.cell_hash = fingerprint(self.as_dict())
         self.tuning_key = fingerprint(self.as_dict(), "seed")
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: str) -> Any:
         return getattr(self, key)
 
-    def get(self, key, default=None):
+    def get(self, key: str, default: Any = None) -> Any:
         return getattr(self, key, default)
 
 
-def run_id(label, workers, seed, network_tag="local"):
+def run_id(label: str, workers: int, seed: int, network_tag: str = "local") -> str:
     rid = f"{label} w{workers} s{seed}"
     return rid if network_tag == "local" else f"{rid} @{network_tag}"
 
 
-def fingerprint(cell, *also_without):
+def fingerprint(cell: Mapping[str, Any], *also_without: str) -> str:
     """12 hex digits of SHA-1 over the cell's result-changing fields (minus ``also_without``)."""
     keep = {k: v for k, v in dict(cell).items() if k not in _UNHASHED + also_without}
     return hashlib.sha1(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def cell_hash(cell):
+def cell_hash(cell: Mapping[str, Any]) -> str:
     return fingerprint(cell)
 
 
-def tuning_key(cell):
+def tuning_key(cell: Mapping[str, Any]) -> str:
     return fingerprint(cell, "seed")

@@ -10,10 +10,14 @@ with ``add_survey_args(parser)`` / ``run_survey(args)`` and likewise for report 
 ``python -m grace_dgc.survey.cli survey ...`` works on its own too.
 """
 
+from __future__ import annotations
+
 import argparse
 import os
 import shutil
 import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from ..cli import USER_ERRORS, OneLineParser, debug_requested, error_line
 from ..errors import GraceConfigError
@@ -21,12 +25,18 @@ from .project import add_project_args, run_project
 from .report import add_report_args, run_report
 from .results import CONFIG_JSON, RESULTS, SUMMARY_CSV
 
+if TYPE_CHECKING:
+    from .config import SurveyConfig
+
+P = TypeVar("P", bound=argparse.ArgumentParser)
+Command = Callable[[argparse.Namespace], int]
+
 SURVEY_HELP = "run a grid of (method × workers × seed) trainings and write results, report and plots"
 REPORT_HELP = "write report.md (the seeds' tables) and PNG plots from a survey directory"
 PROJECT_HELP = "project step time and speedup over dense allreduce to N nodes (α-β model)"
 
 
-def add_survey_args(parser):
+def add_survey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from .presets import PRESET_ALIASES, PRESETS
 
     source = parser.add_mutually_exclusive_group(required=True)
@@ -68,7 +78,7 @@ def add_survey_args(parser):
     return parser
 
 
-def _preset(name):
+def _preset(name: str) -> str:
     """``--preset``'s type: a known name (or an earlier one), else the suggestion of the closest."""
     from .presets import preset_name
 
@@ -79,7 +89,7 @@ def _preset(name):
     return name
 
 
-def _existing_dir(path, named):
+def _existing_dir(path: str, named: str) -> None:
     """``path`` (a data directory, ``named`` as the user gave it) exists and is a directory."""
     if not os.path.exists(path):
         raise GraceConfigError(f"{named} does not exist; give an existing directory holding the data files")
@@ -87,7 +97,7 @@ def _existing_dir(path, named):
         raise GraceConfigError(f"{named} is a file, not a directory; give the directory holding the data files")
 
 
-def _checked_config(args):
+def _checked_config(args: argparse.Namespace) -> SurveyConfig:
     """The survey's config with the command line's overrides, everything the run reads checked
     (names, values, --out, --data-dir, data files): a user error raises here, before the
     output directory is created."""
@@ -131,9 +141,9 @@ class _Undo:
 
     ENTRIES = (CONFIG_JSON, RESULTS, SUMMARY_CSV, "data-cache", "tensorboard")
 
-    def __init__(self, out):
+    def __init__(self, out: str) -> None:
         self.out = os.path.abspath(out)
-        self.root = None  # the topmost folder this run will create
+        self.root: str | None = None  # the topmost folder this run will create
         path = self.out
         while not os.path.exists(path) and os.path.dirname(path) != path:
             self.root, path = path, os.path.dirname(path)
@@ -141,17 +151,17 @@ class _Undo:
         self.config = self._read(CONFIG_JSON) if CONFIG_JSON in self.present else None
         self.results = self._size(RESULTS)
 
-    def _at(self, entry):
+    def _at(self, entry: str) -> str:
         return os.path.join(self.out, entry)
 
-    def _read(self, entry):
+    def _read(self, entry: str) -> bytes:
         with open(self._at(entry), "rb") as f:
             return f.read()
 
-    def _size(self, entry):
+    def _size(self, entry: str) -> int | None:
         return os.path.getsize(self._at(entry)) if os.path.isfile(self._at(entry)) else None
 
-    def __call__(self):
+    def __call__(self) -> None:
         if self._size(RESULTS) != self.results:
             return  # a run was recorded: keep it (rerunning resumes)
         if self.root is not None:
@@ -170,7 +180,7 @@ class _Undo:
                 f.write(self.config)
 
 
-def run_survey(args):
+def run_survey(args: argparse.Namespace) -> int:
     from . import netem
     from .grid import run_grid
 
@@ -207,10 +217,10 @@ def run_survey(args):
     return 0
 
 
-def _guarded(fn):
+def _guarded(fn: Command) -> Command:
     """``fn(args)`` with a user error as one line and exit status 2 (see :mod:`grace_dgc.cli`)."""
 
-    def run(args):
+    def run(args: argparse.Namespace) -> int:
         try:
             return fn(args)
         except USER_ERRORS as err:
@@ -222,7 +232,7 @@ def _guarded(fn):
     return run
 
 
-def add_subcommands(sub):
+def add_subcommands(sub: argparse._SubParsersAction[P]) -> argparse._SubParsersAction[P]:
     """Add ``survey``, ``report`` and ``project`` to an ``add_subparsers()`` object."""
     p = add_survey_args(sub.add_parser("survey", help=SURVEY_HELP, description=SURVEY_HELP))
     p.set_defaults(func=run_survey)
@@ -242,17 +252,17 @@ def add_subcommands(sub):
     return sub
 
 
-def survey_main(argv=None):
+def survey_main(argv: Sequence[str] | None = None) -> int:
     return run_survey(add_survey_args(OneLineParser(prog="grace-dgc survey", description=SURVEY_HELP)).parse_args(argv))
 
 
-def report_main(argv=None):
+def report_main(argv: Sequence[str] | None = None) -> int:
     return _guarded(run_report)(
         add_report_args(OneLineParser(prog="grace-dgc report", description=REPORT_HELP)).parse_args(argv)
     )
 
 
-def project_main(argv=None):
+def project_main(argv: Sequence[str] | None = None) -> int:
     from . import project
 
     parser = OneLineParser(
@@ -261,7 +271,7 @@ def project_main(argv=None):
     return _guarded(run_project)(add_project_args(parser).parse_args(argv))
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m grace_dgc.survey.cli")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     add_subcommands(parser.add_subparsers(dest="command", required=True))

@@ -12,6 +12,8 @@ import json
 import math
 import os
 import tomllib
+from collections.abc import Mapping
+from typing import Any, Self
 
 from ..engines.local import PlanEngine
 from ..errors import GraceConfigError
@@ -33,16 +35,16 @@ from .units import format_rate, parse_latency, parse_rate
 class Network:
     """A network condition: unshaped (``Network()``) or a shaped loopback."""
 
-    def __init__(self, bandwidth=None, latency=None):
-        self.bandwidth_bps = None if bandwidth in (None, "", 0) else parse_rate(bandwidth)
-        self.latency_ms = 0.0 if latency in (None, "") else parse_latency(latency)
+    def __init__(self, bandwidth: str | float | None = None, latency: str | float | None = None) -> None:
+        self.bandwidth_bps: float | None = None if bandwidth in (None, "", 0) else parse_rate(bandwidth)
+        self.latency_ms: float = 0.0 if latency in (None, "") else parse_latency(latency)
 
     @property
-    def shaped(self):
+    def shaped(self) -> bool:
         return self.bandwidth_bps is not None or self.latency_ms > 0
 
     @property
-    def tag(self):
+    def tag(self) -> str:
         if not self.shaped:
             return "local"
         parts = [format_rate(self.bandwidth_bps)] if self.bandwidth_bps else []
@@ -50,11 +52,11 @@ class Network:
             parts.append(f"{self.latency_ms:g}ms")
         return "-".join(parts)
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return {"bandwidth_bps": self.bandwidth_bps, "latency_ms": self.latency_ms, "tag": self.tag}
 
     @classmethod
-    def from_dict(cls, d):
+    def from_dict(cls, d: Mapping[str, Any]) -> Self:
         net = cls()
         net.bandwidth_bps, net.latency_ms = d.get("bandwidth_bps"), float(d.get("latency_ms") or 0.0)
         return net
@@ -63,7 +65,7 @@ class Network:
 class SurveyConfig:
     """A validated survey grid. ``raw`` is the config as given (a dict, as from TOML)."""
 
-    def __init__(self, raw, source="<config>"):
+    def __init__(self, raw: Any, source: str = "<config>") -> None:
         if not isinstance(raw, dict):
             raise GraceConfigError(f"{source}: a config is a table of keys, got {type(raw).__name__}")
         raw = copy.deepcopy(raw)
@@ -76,12 +78,12 @@ class SurveyConfig:
             from .workloads import get_workload
 
             get_workload(raw["workload"])  # raises the registry's error with a suggestion
-        self.workload = raw["workload"].lower()
-        self.name = raw.get("name", os.path.splitext(os.path.basename(source))[0] or "survey")
-        self.description = raw.get("description", "")
-        self.workload_options = dict(raw.get("workload_options", {}))
-        self.hyper = {k: raw[k] for k in WORKLOAD_HYPER if k in raw}
-        self.data_dir = raw.get("data_dir") or None
+        self.workload: str = raw["workload"].lower()
+        self.name: str = raw.get("name", os.path.splitext(os.path.basename(source))[0] or "survey")
+        self.description: str = raw.get("description", "")
+        self.workload_options: dict[str, Any] = dict(raw.get("workload_options", {}))
+        self.hyper: dict[str, Any] = {k: raw[k] for k in WORKLOAD_HYPER if k in raw}
+        self.data_dir: str | None = raw.get("data_dir") or None
         settings = dict(DEFAULTS, **{k: raw[k] for k in DEFAULTS if k in raw})
         self.data_seed = _positive_int(settings["data_seed"], "data_seed", 0)
         workers = settings["workers"]
@@ -105,7 +107,7 @@ class SurveyConfig:
         self.timeout = float(settings["timeout"])
         if not self.timeout > 0:
             raise GraceConfigError(f"timeout = {self.timeout!r} must be > 0 seconds")
-        self.tensorboard = settings["tensorboard"]
+        self.tensorboard: bool = settings["tensorboard"]
         if self.tensorboard:
             try:
                 import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
@@ -113,10 +115,10 @@ class SurveyConfig:
                 raise GraceConfigError(
                     "tensorboard = true needs the tensorboard package: pip install 'grace_dgc[tensorboard]'"
                 ) from None
-        self.device = settings["device"]
+        self.device: str = settings["device"]
         if self.device not in ("auto", "cpu", "cuda"):
             raise GraceConfigError(f"device = {self.device!r}; accepted: auto, cpu, cuda")
-        self.backend = settings["backend"]
+        self.backend: str = settings["backend"]
         if self.backend not in ("auto", "gloo", "nccl"):
             raise GraceConfigError(f"backend = {self.backend!r}; accepted: auto, gloo, nccl")
         self._check_hyper()
@@ -124,12 +126,12 @@ class SurveyConfig:
         self.methods = self._methods(raw.get("methods"))
 
     # -- validation ------------------------------------------------------------------
-    def _check_hyper(self):
+    def _check_hyper(self) -> None:
         from .workloads import _checked
 
         _checked({k: v for k, v in self.hyper.items()})  # raises naming the key and range
 
-    def _networks(self, networks):
+    def _networks(self, networks: list[Any]) -> list[Network]:
         out = []
         for i, net in enumerate(networks):
             if not isinstance(net, dict):
@@ -141,7 +143,7 @@ class SurveyConfig:
             raise GraceConfigError(f"networks must be a non-empty list of distinct conditions, got {tags}")
         return out
 
-    def _methods(self, methods):
+    def _methods(self, methods: list[Any] | None) -> list[dict[str, Any]]:
         import grace_dgc
 
         from ..registry import COMPRESSORS
@@ -151,7 +153,8 @@ class SurveyConfig:
                 f"{self.source}: no methods; add [[methods]] tables "
                 f"(compressor = one of {', '.join(grace_dgc.list_compressors())})"
             )
-        out, labels = [], set()
+        out: list[dict[str, Any]] = []
+        labels: set[str] = set()
         for i, method in enumerate(methods):
             where = f"methods[{i}]"
             if not isinstance(method, dict):
@@ -163,7 +166,7 @@ class SurveyConfig:
                 )
             compressor = COMPRESSORS.canonical(method["compressor"])
             summable = COMPRESSORS.get(compressor).summable
-            spec = {
+            spec: dict[str, Any] = {
                 "label": method.get("label", compressor),
                 "compressor": compressor,
                 "memory": method.get("memory", "none"),
@@ -206,7 +209,7 @@ class SurveyConfig:
         return out
 
     # -- the grid --------------------------------------------------------------------
-    def cells(self, cache_dir=None, tensorboard_dir=None):
+    def cells(self, cache_dir: str | None = None, tensorboard_dir: str | None = None) -> list[Cell]:
         """Every (method × workers × seed × network) run, as :class:`~grace_dgc.survey.cell.Cell`.
 
         Order: network, workers, method, seed — so lr tuning (once per method and worker
@@ -220,7 +223,15 @@ class SurveyConfig:
                         cells.append(self._cell(method, workers, seed, net, cache_dir, tensorboard_dir))
         return cells
 
-    def _cell(self, method, workers, seed, net, cache_dir, tensorboard_dir):
+    def _cell(
+        self,
+        method: Mapping[str, Any],
+        workers: int,
+        seed: int,
+        net: Network,
+        cache_dir: str | None,
+        tensorboard_dir: str | None,
+    ) -> Cell:
         hyper = dict(self.hyper)
         hyper.update({k: method[k] for k in ("lr", "momentum", "weight_decay") if k in method})
         return Cell(
@@ -251,18 +262,18 @@ class SurveyConfig:
             tensorboard_dir=tensorboard_dir if self.tensorboard else None,
         )
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self.raw)
 
 
-def _workload_names():
+def _workload_names() -> list[str]:
     from .workloads import list_workloads
 
     return list_workloads()
 
 
 # -- loading ---------------------------------------------------------------------------
-def load_config(path):
+def load_config(path: str) -> SurveyConfig:
     """A :class:`SurveyConfig` from a ``.toml`` file (or the ``.json`` a survey saves)."""
     if not os.path.isfile(path):
         raise GraceConfigError(f"config file {path!r} does not exist")
@@ -279,7 +290,15 @@ def load_config(path):
     return SurveyConfig(raw, source=path)
 
 
-def with_overrides(config, workers=None, epochs=None, data_dir=None, network=None, max_steps=None, tensorboard=None):
+def with_overrides(
+    config: SurveyConfig,
+    workers: int | list[int] | None = None,
+    epochs: int | None = None,
+    data_dir: str | None = None,
+    network: Mapping[str, Any] | None = None,
+    max_steps: int | None = None,
+    tensorboard: bool | None = None,
+) -> SurveyConfig:
     """A copy of ``config`` with the CLI's overrides applied (validated again)."""
     raw = config.to_dict()
     if workers is not None:

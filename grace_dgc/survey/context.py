@@ -1,6 +1,9 @@
 """Where a survey rank runs: its engine (the one source of rank, size, backend and local
 rank), its device, and the runner's own small collectives (metrics, agreement)."""
 
+from collections.abc import Sequence
+from typing import Any, Self
+
 import torch
 
 import grace_dgc
@@ -11,14 +14,14 @@ from ..engines import detect_engine_name
 class Context:
     """This rank's runtime: ``engine`` answers rank/size/backend; ``device`` is where it trains."""
 
-    def __init__(self, engine_kind, device):
+    def __init__(self, engine_kind: str, device: torch.device) -> None:
         self.engine_kind = engine_kind  # what grace.build gets: "torch", "horovod", "local"
         self.engine = grace_dgc.create_engine(engine_kind)
         self.rank, self.size = self.engine.rank, self.engine.size
         self.device = device
 
     @classmethod
-    def detect(cls, device="auto"):
+    def detect(cls, device: str = "auto") -> Self:
         """The engine of the runtime this process runs in (Horovod once ``hvd.init()`` was
         called, else an initialised torch.distributed group, else one local process) and a
         device: CUDA for NCCL, the local rank's GPU when CUDA is used."""
@@ -35,27 +38,28 @@ class Context:
         return ctx
 
     @property
-    def backend(self):
+    def backend(self) -> str:
         return self.engine.backend
 
-    def gather(self, values):
+    def gather(self, values: Sequence[float]) -> list[list[float]]:
         """Every rank's list of floats (float64; on the device for NCCL)."""
         vec = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
         if self.size == 1:
             return [vec.cpu().tolist()]
         return [v.cpu().tolist() for v in self.engine.allgather(vec)]
 
-    def sum(self, values):
+    def sum(self, values: Sequence[float]) -> list[float]:
         vec = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
         return (self.engine.allreduce(vec) if self.size > 1 else vec).cpu().tolist()
 
-    def broadcast_object(self, obj):
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (the others' ``obj`` is ignored: often None)."""
         return obj if self.size == 1 else self.engine.broadcast_object(obj, 0)
 
-    def _comm_device(self):
+    def _comm_device(self) -> torch.device | str:
         """NCCL moves CUDA tensors only; gloo and Horovod take these small CPU vectors."""
         return self.device if self.backend == "nccl" else "cpu"
 
-    def sync(self):
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -16,18 +16,30 @@ import gzip
 import os
 import pickle
 import random
+from collections.abc import Sequence
+from typing import Any, NoReturn, cast
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from ..errors import GraceDataError
+
+Splits = tuple[Tensor, Tensor, Tensor, Tensor]  # (x, y, x_test, y_test)
 
 
 class MissingDataError(FileNotFoundError):
     """A workload's files are not in the data directory (they are never downloaded)."""
 
 
-def _missing(workload, data_dir, expected, looked_in, lacking=None, gz_ok=False):
+def _missing(
+    workload: str,
+    data_dir: str | None,
+    expected: Sequence[str],
+    looked_in: Sequence[str],
+    lacking: tuple[str, Sequence[str]] | None = None,
+    gz_ok: bool = False,
+) -> NoReturn:
     """Raise :class:`MissingDataError`: the files expected, where they were looked for, which
     the closest folder lacks (``lacking = (folder, names)``) and how to provide them."""
     gz = " (.gz accepted)" if gz_ok else ""
@@ -44,15 +56,18 @@ def _missing(workload, data_dir, expected, looked_in, lacking=None, gz_ok=False)
     )
 
 
-def _find(data_dir, names, subdirs, workload, gz_ok=True):
+def _find(
+    data_dir: str | None, names: Sequence[str], subdirs: Sequence[str], workload: str, gz_ok: bool = True
+) -> list[str]:
     """Path of each of ``names`` (plain, or ``.gz`` if ``gz_ok``) in the first of ``subdirs``
     holding all; else :class:`MissingDataError` naming what the closest folder lacks."""
-    looked, closest = [], (0, None, ())
+    looked: list[str] = []
+    closest: tuple[int, str | None, tuple[str, ...]] = (0, None, ())
     if data_dir is not None:
         for sub in subdirs:
             folder = os.path.join(data_dir, sub) if sub else data_dir
             looked.append(folder)
-            found = []
+            found: list[str | None] = []
             for name in names:
                 hits = [
                     os.path.join(folder, n) for n in (name, name + ".gz") if os.path.isfile(os.path.join(folder, n))
@@ -65,15 +80,15 @@ def _find(data_dir, names, subdirs, workload, gz_ok=True):
                         f"workload {workload!r} reads the unpacked files; {folder} holds {', '.join(packed)}: "
                         f"unpack them there (gunzip) and run again"
                     )
-                return found
+                return cast(list[str], found)  # all found
             held = sum(p is not None for p in found)
             if held > closest[0]:
                 closest = (held, folder, tuple(n for n, p in zip(names, found) if p is None))
-    _missing(workload, data_dir, names, looked, closest[1:] if closest[1] else None, gz_ok)
+    _missing(workload, data_dir, names, looked, (closest[1], closest[2]) if closest[1] else None, gz_ok)
 
 
 # --------------------------------------------------------------------------------- MNIST-1D
-def mnist1d(num_samples=5000, seed=0, cache_dir=None):
+def mnist1d(num_samples: int = 5000, seed: int = 0, cache_dir: str | None = None) -> tuple[Tensor, ...]:
     """MNIST-1D generated offline by ``mnist1d.data.make_dataset`` (80/20 split).
 
     Returns ``(x, y, x_test, y_test)`` with x float32 ``(N, 40)``. ``make_dataset`` seeds
@@ -103,7 +118,7 @@ def mnist1d(num_samples=5000, seed=0, cache_dir=None):
         "x_test": data["x_test"].astype(np.float32),
         "y_test": data["y_test"].astype(np.int64),
     }
-    if cache is not None and os.access(cache_dir, os.W_OK):
+    if cache is not None and cache_dir is not None and os.access(cache_dir, os.W_OK):
         partial = f"{cache}.{os.getpid()}.tmp.npz"  # atomic: ranks may write at once
         np.savez(partial, **arrays)
         os.replace(partial, cache)
@@ -111,7 +126,7 @@ def mnist1d(num_samples=5000, seed=0, cache_dir=None):
 
 
 # ---------------------------------------------------------------------------------- digits
-def digits(seed=0, test_fraction=0.2):
+def digits(seed: int = 0, test_fraction: float = 0.2) -> Splits:
     """scikit-learn's bundled 8x8 digits (1797 images), with a seeded random split.
 
     Pixels (0..16) are scaled to [0, 1] and standardised with the train split's mean/std.
@@ -135,7 +150,7 @@ MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-image
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
-def read_idx(path):
+def read_idx(path: str) -> np.ndarray:
     """Parse an IDX file (optionally gzipped): magic ``00 00 <dtype> <ndim>``, then ndim
     big-endian uint32 sizes, then the big-endian data."""
     opener = gzip.open if path.endswith(".gz") else open
@@ -162,7 +177,7 @@ def read_idx(path):
     return np.frombuffer(raw, dtype, offset=offset).reshape(shape).astype(dtype.newbyteorder("="))
 
 
-def mnist(data_dir, workload="mnist"):
+def mnist(data_dir: str | None, workload: str = "mnist") -> Splits:
     """MNIST from IDX files in ``data_dir`` (or its ``mnist/`` or ``MNIST/raw/`` folder).
 
     Returns images as float32 ``(N, 1, 28, 28)`` normalised with the usual mean/std.
@@ -173,7 +188,7 @@ def mnist(data_dir, workload="mnist"):
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise GraceDataError(f"MNIST {split} files disagree: images {images.shape}, labels {labels.shape}")
 
-    def images_to_tensor(images):
+    def images_to_tensor(images: np.ndarray) -> Tensor:
         x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
         return (x - MNIST_MEAN) / MNIST_STD
 
@@ -208,7 +223,7 @@ class _ArraysOnly(pickle.Unpickler):
         ("_codecs", "encode"),
     }  # how pickle protocol 2 writes bytes from Python 3
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(
                 f"refusing {module}.{name}: a CIFAR-10 batch holds only plain containers and numpy arrays"
@@ -216,7 +231,7 @@ class _ArraysOnly(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _cifar_batch(path):
+def _cifar_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
     with open(path, "rb") as handle:
         try:
             batch = _ArraysOnly(handle, encoding="bytes").load()
@@ -233,7 +248,7 @@ def _cifar_batch(path):
     return data, labels
 
 
-def cifar10(data_dir, workload="cifar10"):
+def cifar10(data_dir: str | None, workload: str = "cifar10") -> Splits:
     """CIFAR-10 from the python pickle batches in ``data_dir`` or ``data_dir/cifar-10-batches-py``.
 
     Returns images float32 ``(N, 3, 32, 32)`` normalised per channel.
@@ -244,7 +259,7 @@ def cifar10(data_dir, workload="cifar10"):
     mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
 
-    def images_to_tensor(data):
+    def images_to_tensor(data: np.ndarray) -> Tensor:
         x = torch.from_numpy(data).view(-1, 3, 32, 32).float().div_(255.0)
         return (x - mean) / std
 
@@ -256,7 +271,7 @@ def cifar10(data_dir, workload="cifar10"):
     )
 
 
-def cifar_augment(images, generator):
+def cifar_augment(images: Tensor, generator: torch.Generator) -> Tensor:
     """Random 32x32 crop of the 4-pixel-padded image plus random horizontal flip, for a
     whole batch at once (one gather), as in He et al. 2016.
 
@@ -290,7 +305,7 @@ def cifar_augment(images, generator):
 PTB_FILES = ("ptb.train.txt", "ptb.valid.txt", "ptb.test.txt")
 
 
-def _ptb_words(path):
+def _ptb_words(path: str) -> list[str]:
     try:
         with open(path, encoding="utf-8") as handle:
             return [word for line in handle for word in line.split() + ["<eos>"]]
@@ -300,14 +315,16 @@ def _ptb_words(path):
         ) from None
 
 
-def _windows(tokens, bptt):
+def _windows(tokens: Sequence[int], bptt: int) -> tuple[Tensor, Tensor]:
     """Non-overlapping ``(inputs, targets)`` windows: targets are inputs shifted by one token."""
     count = (len(tokens) - 1) // bptt
     stream = torch.tensor(tokens[: count * bptt + 1], dtype=torch.int64)
     return stream[:-1].view(count, bptt), stream[1:].view(count, bptt)
 
 
-def ptb(data_dir, bptt=35, workload="ptb"):
+def ptb(
+    data_dir: str | None, bptt: int = 35, workload: str = "ptb"
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], tuple[Tensor, Tensor], list[str]]:
     """Word-level PTB-format text: vocabulary from the train split (words seen only in
     valid/test map to ``<unk>``), ``<eos>`` at each line end.
 
@@ -322,7 +339,7 @@ def ptb(data_dir, bptt=35, workload="ptb"):
         vocabulary.append("<unk>")
     index = {word: i for i, word in enumerate(vocabulary)}
     unk = index["<unk>"]
-    windows = []
+    windows: list[tuple[Tensor, Tensor]] = []
     for name, words in zip(PTB_FILES, splits):
         if len(words) < bptt + 1:
             raise GraceDataError(f"{name} has {len(words)} tokens; need at least bptt+1={bptt + 1}")
@@ -339,7 +356,7 @@ FILE_LAYOUTS = {  # dataset -> (its files, the folders of data_dir they may be i
 GZ_ACCEPTED = ("mnist",)  # the others' .gz downloads must be unpacked first
 
 
-def _paths(dataset, data_dir, workload):
+def _paths(dataset: str, data_dir: str | None, workload: str) -> list[str]:
     files, subdirs = FILE_LAYOUTS[dataset]
     return _find(data_dir, files, subdirs, workload, gz_ok=dataset in GZ_ACCEPTED)
 
@@ -348,7 +365,7 @@ def _paths(dataset, data_dir, workload):
 WORKLOAD_FILES = {"mnist-mlp": "mnist", "mnist-lenet5": "mnist", "cifar10-resnet20": "cifar10", "ptb-lstm": "ptb"}
 
 
-def check_files(workload, data_dir):
+def check_files(workload: str, data_dir: str | None) -> None:
     """Raise :class:`MissingDataError` if ``workload`` reads files that ``data_dir`` lacks;
     reads nothing (a check before a run creates its output folder). Generated workloads pass."""
     dataset = WORKLOAD_FILES.get(workload)
@@ -357,7 +374,15 @@ def check_files(workload, data_dir):
 
 
 # ---------------------------------------------------------------------------- fc-heavy task
-def teacher_task(train_samples, test_samples, input_dim=1024, num_classes=10, latent_dim=16, noise=0.5, seed=0):
+def teacher_task(
+    train_samples: int,
+    test_samples: int,
+    input_dim: int = 1024,
+    num_classes: int = 10,
+    latent_dim: int = 16,
+    noise: float = 0.5,
+    seed: int = 0,
+) -> Splits:
     """Synthetic classification labelled by a fixed random teacher.
 
     A latent z ~ N(0, I_16) is embedded in ``input_dim`` dimensions by a random matrix E

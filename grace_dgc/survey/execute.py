@@ -7,32 +7,38 @@ import platform
 import re
 import socket
 import uuid
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import grace_dgc
 
 from ..errors import GraceConfigError
+from .cell import Cell
 from .context import Context
-from .results import append_record
+from .results import Record, append_record
 from .train import load_workload, train
 from .tuning import tune_lr
 
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
-def execute_cell(ctx, cell, out_dir, progress=False):
+
+def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False) -> Record | None:
     """Train one cell on this rank; rank 0 writes its epoch lines and summary line and
     returns the summary (other ranks return None)."""
     if ctx.size != cell.workers:
         raise GraceConfigError(f"cell {cell.run_id!r} wants {cell.workers} workers, the runtime has {ctx.size}")
     workload = load_workload(cell)
-    tuning = None
+    tuning: Record | None = None
     if cell.tune_lr:
         lr, tuning = tune_lr(ctx, cell, workload, out_dir, progress)
     else:
         lr = workload.lr
     attempt = ctx.broadcast_object(uuid.uuid4().hex[:12])
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    base = {
+    base: Record = {
         "run_id": cell.run_id,
         "attempt": attempt,
         "label": cell.label,
@@ -41,7 +47,7 @@ def execute_cell(ctx, cell, out_dir, progress=False):
         "network": cell.network["tag"],
     }
 
-    def on_epoch(record):
+    def on_epoch(record: Record) -> None:
         if ctx.rank == 0:
             append_record(out_dir, dict(base, type="epoch", **record))
 
@@ -68,7 +74,7 @@ def execute_cell(ctx, cell, out_dir, progress=False):
     timed = [h for h in history if h["timed_steps"]] or history
     weights = [h["timed_steps"] or 1 for h in timed]
 
-    def mean_step(key):  # per-step mean over the run (epochs weighted by their timed steps)
+    def mean_step(key: str) -> float:  # per-step mean over the run (epochs weighted by their timed steps)
         return sum(h[key] * w for h, w in zip(timed, weights)) / sum(weights)
 
     last = history[-1]
@@ -138,7 +144,7 @@ def execute_cell(ctx, cell, out_dir, progress=False):
     return None
 
 
-def _tensorboard(cell):
+def _tensorboard(cell: Cell) -> "SummaryWriter | None":
     """A SummaryWriter in ``tensorboard_dir/<run id>`` when the survey asked for one."""
     if not cell.tensorboard_dir:
         return None
@@ -147,20 +153,22 @@ def _tensorboard(cell):
     return SummaryWriter(os.path.join(cell.tensorboard_dir, re.sub(r"[^\w.@-]+", "_", cell.run_id)))
 
 
-def _scalars(writer):
-    def log(step, values):
+def _scalars(writer: "SummaryWriter") -> Callable[[int, Mapping[str, float]], None]:
+    def log(step: int, values: Mapping[str, float]) -> None:
         for tag, value in values.items():
             writer.add_scalar(tag, value, step)
 
     return log
 
 
-def netem_shaping():
+def netem_shaping() -> dict[str, Any] | None:
     from .netem import current_shaping
 
     return current_shaping()
 
 
-def run_cell(rank, world_size, cell, out_dir, progress=False, device="auto"):
+def run_cell(
+    rank: int, world_size: int, cell: Cell, out_dir: str, progress: bool = False, device: str = "auto"
+) -> Record | None:
     """:func:`grace_dgc.launch.run_local` entry point: one rank of one cell."""
     return execute_cell(Context.detect(device), cell, out_dir, progress)

@@ -4,16 +4,32 @@ machine (:func:`grace_dgc.launch.run_local`), shaped networks in a network names
 import json
 import os
 import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import GraceConfigError
+from .cell import Cell
 from .execute import run_cell
-from .results import CONFIG_JSON, append_record, finished_runs, latest_summaries, read_records, write_summary_csv
+from .extras import require
+from .results import (
+    CONFIG_JSON,
+    Record,
+    append_record,
+    finished_runs,
+    latest_summaries,
+    read_records,
+    write_summary_csv,
+)
 from .train import load_workload
 
+if TYPE_CHECKING:
+    from .config import SurveyConfig
+    from .workloads import Workload
 
-def resolve_runtime(config, workers=1, network_shaped=False):
+
+def resolve_runtime(config: "SurveyConfig", workers: int = 1, network_shaped: bool = False) -> tuple[str, str]:
     """(backend, device) for local launches. ``auto``: NCCL + CUDA when there is a GPU per
     rank (gloo when the network is shaped: NCCL would bypass the loopback), else gloo on
     CPU; ``device = "cuda"`` with gloo puts every rank on the GPUs it finds (shared)."""
@@ -34,7 +50,7 @@ def resolve_runtime(config, workers=1, network_shaped=False):
     return backend, "cuda" if cuda else "cpu"
 
 
-def prepare(config, out_dir, check_workload=True):
+def prepare(config: "SurveyConfig", out_dir: str, check_workload: bool = True) -> tuple[list[Cell], "Workload | None"]:
     """Create ``out_dir``, save the resolved config and load the workload once (checks its
     options and files before any rank starts; generated data is cached for the ranks)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -57,12 +73,18 @@ def prepare(config, out_dir, check_workload=True):
     return cells, workload
 
 
-def run_grid(config, out_dir, progress=True, network_tag=None, log=print):
+def run_grid(
+    config: "SurveyConfig",
+    out_dir: str,
+    progress: bool = True,
+    network_tag: str | None = None,
+    log: Callable[[str], object] = print,
+) -> tuple[list[Record], list[tuple[str, str]]]:
     """Run every unfinished cell of ``config`` (only those of ``network_tag`` if given),
     skipping runs whose summary is already in ``out_dir``. Cells of a shaped network are
     run in a shaped namespace (see :mod:`grace_dgc.survey.netem`) unless this process is
     already inside one with that shaping. Returns (summaries, failures)."""
-    from tqdm.auto import tqdm
+    tqdm = require("tqdm.auto", "the survey's progress bars").tqdm
 
     from ..launch import run_local
     from . import netem
@@ -72,13 +94,14 @@ def run_grid(config, out_dir, progress=True, network_tag=None, log=print):
     if network_tag is not None:
         cells = [c for c in cells if c.network["tag"] == network_tag]
     done = finished_runs(out_dir)
-    summaries, failures = [], []
+    summaries: list[Record] = []
+    failures: list[tuple[str, str]] = []
     inside = netem.current_shaping()
-    by_network: dict[str, list] = {}
+    by_network: dict[str, list[Cell]] = {}
     for cell in cells:
         by_network.setdefault(cell.network["tag"], []).append(cell)
 
-    def is_shaped(net):
+    def is_shaped(net: Mapping[str, Any]) -> bool:
         return bool(net["bandwidth_bps"]) or net["latency_ms"] > 0
 
     for group in by_network.values():  # fail fast: before any run, not after hours
@@ -142,6 +165,7 @@ def run_grid(config, out_dir, progress=True, network_tag=None, log=print):
                         timeout=config.timeout,
                     )
                     summary = result[0]
+                    assert summary is not None, "rank 0 returns the cell's summary"
                     summaries.append(summary)
                     bar.write(
                         f"[survey] {cell['run_id']}: test acc {summary['final_test_accuracy']:.4f}, "

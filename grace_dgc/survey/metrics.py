@@ -3,6 +3,8 @@ rank derives from all ranks' totals (:func:`epoch_record`). Adding a metric: a f
 its line in ``epoch_record``."""
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any, Self
 
 
 @dataclasses.dataclass
@@ -28,22 +30,32 @@ class RankTotals:
 
     TIMERS = ("compute", "compress", "communicate", "decompress", "wait")
 
-    def as_list(self):
+    def as_list(self) -> list[float]:
         return [float(getattr(self, f.name)) for f in dataclasses.fields(self)]
 
     @classmethod
-    def from_list(cls, values):
+    def from_list(cls, values: Sequence[float]) -> Self:
         return cls(*values)
 
 
-def epoch_record(ranks, epoch, lr, steps, global_batch, elapsed, test_loss, test_accuracy, method_stats):
+def epoch_record(
+    ranks: Sequence[RankTotals],
+    epoch: int,
+    lr: float,
+    steps: int,
+    global_batch: int,
+    elapsed: float,
+    test_loss: float,
+    test_accuracy: float,
+    method_stats: dict[str, Any],
+) -> dict[str, Any]:
     """The epoch's record from every rank's :class:`RankTotals` (the same on every rank)."""
     n = len(ranks)
     epoch_time = max(r.train_time for r in ranks)
     sent = sum(r.bytes_sent for r in ranks)
     dense = sum(r.dense_bytes for r in ranks)
     count = sum(r.count for r in ranks)
-    record = {
+    record: dict[str, Any] = {
         "epoch": epoch,
         "lr": lr,
         "steps": steps,

@@ -2,16 +2,18 @@
 only, so ``torch.manual_seed(seed); make_model()`` gives the same model on every rank and
 for every compression method."""
 
+from collections.abc import Sequence
+
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 
-def parameter_count(model):
+def parameter_count(model: nn.Module) -> int:
     """Number of trainable scalars (what gradient compression has to move each step)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def mlp(sizes):
+def mlp(sizes: Sequence[int]) -> nn.Sequential:
     """Flatten, then Linear+ReLU layers through ``sizes`` (no ReLU after the last)."""
     layers: list[nn.Module] = [nn.Flatten()]
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
@@ -25,7 +27,7 @@ class CNN1D(nn.Module):
     """The MNIST-1D paper's ConvBase: three stride-2 1-D convolutions (25 channels), then a
     linear classifier; input ``(N, 40)``."""
 
-    def __init__(self, length=40, channels=25, num_classes=10):
+    def __init__(self, length: int = 40, channels: int = 25, num_classes: int = 10) -> None:
         super().__init__()
         self.conv1 = nn.Conv1d(1, channels, 5, stride=2, padding=1)
         self.conv2 = nn.Conv1d(channels, channels, 3, stride=2, padding=1)
@@ -35,7 +37,7 @@ class CNN1D(nn.Module):
             out = (out + 2 - kernel) // 2 + 1
         self.linear = nn.Linear(channels * out, num_classes)
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         h = x.reshape(x.shape[0], 1, -1)
         h = F.relu(self.conv1(h))
         h = F.relu(self.conv2(h))
@@ -47,7 +49,7 @@ class LeNet5(nn.Module):
     """LeNet-5 (LeCun et al. 1998) for 28x28 inputs, with the modern ReLU and max-pooling:
     conv 6@5x5 (pad 2) → pool → conv 16@5x5 → pool → 120 → 84 → 10."""
 
-    def __init__(self, num_classes=10):
+    def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, 6, 5, padding=2)
         self.conv2 = nn.Conv2d(6, 16, 5)
@@ -55,7 +57,7 @@ class LeNet5(nn.Module):
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         h = F.max_pool2d(F.relu(self.conv1(x)), 2)
         h = F.max_pool2d(F.relu(self.conv2(h)), 2)
         h = F.relu(self.fc1(h.flatten(1)))
@@ -67,7 +69,7 @@ class BasicBlock(nn.Module):
     shortcut is option A of He et al. 2016: subsample by 2 and zero-pad the new channels
     (parameter-free, which is why ResNet-20 has 0.27M parameters)."""
 
-    def __init__(self, in_planes, planes, stride):
+    def __init__(self, in_planes: int, planes: int, stride: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(in_planes, planes, 3, stride=stride, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(planes)
@@ -75,13 +77,13 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(planes)
         self.stride, self.extra = stride, planes - in_planes
 
-    def shortcut(self, x):
+    def shortcut(self, x: Tensor) -> Tensor:
         if self.stride == 1 and self.extra == 0:
             return x
         x = x[:, :, :: self.stride, :: self.stride]
         return F.pad(x, (0, 0, 0, 0, self.extra // 2, self.extra - self.extra // 2))
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         return F.relu(out + self.shortcut(x))
@@ -92,11 +94,12 @@ class ResNetCifar(nn.Module):
     basic blocks at 16/32/64 channels (stride 2 entering stages 2 and 3), global average
     pooling, linear. n=3 is ResNet-20. Convs use He (Kaiming normal) initialisation."""
 
-    def __init__(self, blocks_per_stage=3, num_classes=10, widths=(16, 32, 64)):
+    def __init__(self, blocks_per_stage: int = 3, num_classes: int = 10, widths: Sequence[int] = (16, 32, 64)) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, widths[0], 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(widths[0])
-        blocks, in_planes = [], widths[0]
+        blocks: list[nn.Module] = []
+        in_planes = widths[0]
         for stage, planes in enumerate(widths):
             for i in range(blocks_per_stage):
                 blocks.append(BasicBlock(in_planes, planes, 2 if stage > 0 and i == 0 else 1))
@@ -109,13 +112,13 @@ class ResNetCifar(nn.Module):
                     module.weight, mode="fan_out" if isinstance(module, nn.Conv2d) else "fan_in", nonlinearity="relu"
                 )
 
-    def forward(self, x):
+    def forward(self, x: Tensor) -> Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.blocks(out)
         return self.linear(F.adaptive_avg_pool2d(out, 1).flatten(1))
 
 
-def resnet20(num_classes=10):
+def resnet20(num_classes: int = 10) -> ResNetCifar:
     return ResNetCifar(3, num_classes)
 
 
@@ -125,7 +128,14 @@ class LSTMLanguageModel(nn.Module):
     dropout. Input ``(N, bptt)`` token ids → logits ``(N, bptt, vocab)``. Each window
     starts from a zero state (the survey shuffles windows, so no state is carried)."""
 
-    def __init__(self, vocab_size, embedding_dim=200, hidden_size=200, num_layers=2, init_range=0.1):
+    def __init__(
+        self,
+        vocab_size: int,
+        embedding_dim: int = 200,
+        hidden_size: int = 200,
+        num_layers: int = 2,
+        init_range: float = 0.1,
+    ) -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, embedding_dim)
         self.lstm = nn.LSTM(embedding_dim, hidden_size, num_layers, batch_first=True)
@@ -133,17 +143,17 @@ class LSTMLanguageModel(nn.Module):
         for param in self.parameters():
             nn.init.uniform_(param, -init_range, init_range)
 
-    def forward(self, tokens):
+    def forward(self, tokens: Tensor) -> Tensor:
         hidden, _ = self.lstm(self.embedding(tokens))
         return self.decoder(hidden)
 
 
-def fc_heavy(sizes=(1024, 4096, 4096, 1024, 10)):
+def fc_heavy(sizes: Sequence[int] = (1024, 4096, 4096, 1024, 10)) -> nn.Sequential:
     """The fully-connected-heavy network (~25M parameters): an MLP whose gradient is
     dominated by two dense 4096-wide layers, where compression pays most."""
     return mlp(list(sizes))
 
 
-def mlp_parameter_count(sizes):
+def mlp_parameter_count(sizes: Sequence[int]) -> int:
     """Parameters of ``mlp(sizes)`` by formula (weights + biases), without building it."""
     return sum(n_in * n_out + n_out for n_in, n_out in zip(sizes[:-1], sizes[1:]))

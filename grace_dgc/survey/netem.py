@@ -36,6 +36,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any, Literal, overload
 
 from ..errors import GraceConfigError
 from .units import format_rate, parse_latency, parse_rate
@@ -49,7 +51,7 @@ class NetemUnavailable(RuntimeError):
     """The shaped namespace cannot be created here; the message says why and what to do."""
 
 
-def current_shaping():
+def current_shaping() -> dict[str, Any] | None:
     """The shaping this process runs under (a dict), or None outside a shaped namespace."""
     value = os.environ.get(ENV)
     if not value:
@@ -66,11 +68,11 @@ def current_shaping():
     return shaping
 
 
-def burst_bytes(bandwidth_bps):
+def burst_bytes(bandwidth_bps: float) -> int:
     return int(max(MIN_BURST, bandwidth_bps / 8 * 0.002))
 
 
-def shaping_commands(bandwidth_bps=None, latency_ms=0.0):
+def shaping_commands(bandwidth_bps: float | None = None, latency_ms: float = 0.0) -> list[list[str]]:
     """The ``ip``/``tc`` commands that shape the namespace's loopback."""
     cmds = [f"ip link set lo mtu {MTU} up".split()]
     parent = "root"
@@ -83,14 +85,14 @@ def shaping_commands(bandwidth_bps=None, latency_ms=0.0):
     return cmds
 
 
-def describe(bandwidth_bps=None, latency_ms=0.0):
+def describe(bandwidth_bps: float | None = None, latency_ms: float = 0.0) -> str:
     parts = [format_rate(bandwidth_bps)] if bandwidth_bps else []
     if latency_ms:
         parts.append(f"{latency_ms:g}ms")
     return "-".join(parts) or "local"
 
 
-def _unshare_prefix():
+def _unshare_prefix() -> list[str]:
     if os.geteuid() == 0:
         return ["unshare", "--net", "--"]
     return ["unshare", "--user", "--map-root-user", "--net", "--"]
@@ -102,7 +104,7 @@ _SUGGESTION = (
 )
 
 
-def probe(bandwidth_bps=None, latency_ms=0.0):
+def probe(bandwidth_bps: float | None = None, latency_ms: float = 0.0) -> None:
     """Try to create a shaped namespace (a second or so); raise :class:`NetemUnavailable`
     naming what is missing."""
     for tool in ("unshare", "ip", "tc"):
@@ -137,7 +139,33 @@ def probe(bandwidth_bps=None, latency_ms=0.0):
         )
 
 
-def run_shaped(argv, bandwidth_bps=None, latency_ms=0.0, capture=False, timeout=None, check_first=True):
+@overload
+def run_shaped(
+    argv: Sequence[str],
+    bandwidth_bps: float | None = None,
+    latency_ms: float = 0.0,
+    capture: Literal[False] = False,
+    timeout: float | None = None,
+    check_first: bool = True,
+) -> int: ...
+@overload
+def run_shaped(
+    argv: Sequence[str],
+    bandwidth_bps: float | None = None,
+    latency_ms: float = 0.0,
+    *,
+    capture: Literal[True],
+    timeout: float | None = None,
+    check_first: bool = True,
+) -> subprocess.CompletedProcess[str]: ...
+def run_shaped(
+    argv: Sequence[str],
+    bandwidth_bps: float | None = None,
+    latency_ms: float = 0.0,
+    capture: bool = False,
+    timeout: float | None = None,
+    check_first: bool = True,
+) -> int | subprocess.CompletedProcess[str]:
     """Run ``argv`` inside a fresh network namespace with a shaped loopback; returns the
     return code (or the CompletedProcess with ``capture``)."""
     if not (bandwidth_bps or latency_ms):
@@ -161,7 +189,7 @@ def run_shaped(argv, bandwidth_bps=None, latency_ms=0.0, capture=False, timeout=
     return subprocess.run(cmd, timeout=timeout).returncode
 
 
-def _inside(bandwidth_bps, latency_ms, argv):
+def _inside(bandwidth_bps: float | None, latency_ms: float, argv: Sequence[str]) -> int:
     for cmd in shaping_commands(bandwidth_bps, latency_ms):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -175,7 +203,7 @@ def _inside(bandwidth_bps, latency_ms, argv):
 
 
 # -- measuring the link (used by the tests and by users checking their shaping) -------------
-def _transfer_rank(rank, world_size, nbytes, repeats):
+def _transfer_rank(rank: int, world_size: int, nbytes: int, repeats: int) -> list[float]:
     import torch
     import torch.distributed as dist
 
@@ -193,14 +221,14 @@ def _transfer_rank(rank, world_size, nbytes, repeats):
     return times
 
 
-def measure_transfer(nbytes=1_000_000, repeats=1):
+def measure_transfer(nbytes: int = 1_000_000, repeats: int = 1) -> list[float]:
     """Seconds to move ``nbytes`` from rank 0 to rank 1 over gloo (barrier to barrier)."""
     from ..launch import run_local
 
     return run_local(_transfer_rank, 2, (nbytes, repeats), timeout=120)[1]
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_inside"]:
         sep = argv.index("--")

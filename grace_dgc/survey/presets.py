@@ -3,22 +3,29 @@ names they first had (by document number) are kept as aliases."""
 
 import difflib
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import GraceConfigError
 
+if TYPE_CHECKING:
+    from .config import SurveyConfig
 
-def _method(label, compressor, memory="none", communicator=None, **extra):
-    method = {"label": label, "compressor": compressor, "memory": memory}
+Raw = dict[str, Any]  # a config as from TOML
+
+
+def _method(label: str, compressor: str, memory: str = "none", communicator: str | None = None, **extra: Any) -> Raw:
+    method: Raw = {"label": label, "compressor": compressor, "memory": memory}
     if communicator:
         method["communicator"] = communicator
     method.update(extra)
     return method
 
 
-KPERCENTS = (100, 10, 5, 3, 2, 1, 0.9, 0.5, 0.3, 0.2, 0.1, 0)
+KPERCENTS: tuple[float, ...] = (100, 10, 5, 3, 2, 1, 0.9, 0.5, 0.3, 0.2, 0.1, 0)
 
 
-def _kpercent_method(k):
+def _kpercent_method(k: float) -> Raw:
     """The seed000 sweep: "send k% of the gradient" by magnitude, the rest dropped (its
     masking experiment: no error feedback). 100% is the dense baseline; 0% sends nothing
     (threshold = ∞), so the model stays at its initialisation."""
@@ -31,7 +38,7 @@ def _kpercent_method(k):
     return _method(f"{k:g}", "topk", "none", "allgather", params={"compress_ratio": k / 100}, tags={"kpercent": k})
 
 
-def _preset_quick(data_dir):
+def _preset_quick(data_dir: str | None) -> Raw:
     return {
         "name": "quick",
         "description": "none, top-k 1%, DGC 0.1%, QSGD and 2-bit on MNIST-1D with 2 ranks",
@@ -49,7 +56,7 @@ def _preset_quick(data_dir):
     }
 
 
-def _preset_kpercent(data_dir):
+def _preset_kpercent(data_dir: str | None) -> Raw:
     return {
         "name": "kpercent-masking",
         "description": "Send k% of the gradient (top-k by magnitude, the rest dropped) with 1 and 2 "
@@ -62,7 +69,7 @@ def _preset_kpercent(data_dir):
     }
 
 
-def _preset_dgc_resnet20(data_dir):
+def _preset_dgc_resnet20(data_dir: str | None) -> Raw:
     return {
         "name": "dgc-resnet20-time-to-accuracy",
         "description": "ResNet-20 on CIFAR-10, dense vs DGC (ratio 0.001, 5 warm-up epochs, fp16 "
@@ -85,7 +92,7 @@ def _preset_dgc_resnet20(data_dir):
     }
 
 
-def _preset_topk_dgc_qsgd(data_dir):
+def _preset_topk_dgc_qsgd(data_dir: str | None) -> Raw:
     lrs = [0.01, 0.025, 0.05, 0.1]
     return {
         "name": "tuned-topk-dgc-qsgd",
@@ -111,7 +118,7 @@ def _preset_topk_dgc_qsgd(data_dir):
     }
 
 
-def _preset_twobit(data_dir):
+def _preset_twobit(data_dir: str | None) -> Raw:
     return {
         "name": "twobit-thresholds",
         "description": "MXNet's 2-bit quantisation (error feedback) at several thresholds vs dense on the "
@@ -130,7 +137,7 @@ def _preset_twobit(data_dir):
     }
 
 
-PRESETS = {
+PRESETS: dict[str, Callable[[str | None], Raw]] = {
     "quick": _preset_quick,
     "kpercent-masking": _preset_kpercent,
     "dgc-resnet20-time-to-accuracy": _preset_dgc_resnet20,
@@ -146,7 +153,7 @@ PRESET_ALIASES = {
 }
 
 
-def preset_name(name):
+def preset_name(name: object) -> str:
     """The preset ``name`` stands for (an earlier name resolved); an unknown one is a
     :class:`GraceConfigError` suggesting the closest name."""
     if not isinstance(name, str):
@@ -161,7 +168,7 @@ def preset_name(name):
     )
 
 
-def preset_dict(name, data_dir=None):
+def preset_dict(name: str, data_dir: str | None = None) -> Raw:
     """The raw config dict of preset ``name`` (``data_dir`` switches to file datasets where
     the preset has one)."""
     name = preset_name(name)
@@ -169,7 +176,7 @@ def preset_dict(name, data_dir=None):
     return {k: v for k, v in raw.items() if v is not None}
 
 
-def load_preset(name, data_dir=None):
+def load_preset(name: str, data_dir: str | None = None) -> "SurveyConfig":
     from .config import SurveyConfig
 
     return SurveyConfig(preset_dict(name, data_dir), source=f"preset {preset_name(name)}")

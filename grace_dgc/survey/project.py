@@ -55,72 +55,39 @@ import csv
 import math
 import os
 import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+# the per-communicator steps and bytes are the core's (also importable from here)
+from ..costmodel import AGGREGATING, GTOPK, MODELLED, RADIX_ROUNDS, collective_steps, wire_bytes
 from ..errors import GraceConfigError
 from .units import format_rate, human_bytes, parse_latency, parse_rate
 
+Method = dict[str, Any]  # one measured method: the summary's per-step figures (see project_step)
+Row = dict[str, Any]  # one projected row (see project)
+Node = tuple[int, float]  # (ranks per node, bandwidth or β inside a node)
+
 
 # -- the cost model ------------------------------------------------------------------------
-def ring_allreduce(nodes, nbytes, alpha, beta, messages=1):
+def ring_allreduce(nodes: int, nbytes: float, alpha: float, beta: float, messages: float = 1) -> float:
     if nodes <= 1:
         return 0.0
     return messages * 2 * (nodes - 1) * alpha + 2 * (nodes - 1) / nodes * nbytes * beta
 
 
-def allgather(nodes, nbytes, alpha, beta, messages=1):
+def allgather(nodes: int, nbytes: float, alpha: float, beta: float, messages: float = 1) -> float:
     if nodes <= 1:
         return 0.0
     return messages * (nodes - 1) * alpha + (nodes - 1) * nbytes * beta
 
 
-def broadcast_each(nodes, nbytes, alpha, beta, messages=1):
+def broadcast_each(nodes: int, nbytes: float, alpha: float, beta: float, messages: float = 1) -> float:
     if nodes <= 1:
         return 0.0
     return messages * nodes * math.ceil(math.log2(nodes)) * alpha + nodes * nbytes * beta
 
 
-GTOPK = "sparse_allreduce+global_topk"  # sparse_allreduce(global_topk=True)
-AGGREGATING = ("sparse_allreduce", GTOPK, "reduce_scatter")
-MODELLED = ("allreduce", "allgather", "broadcast", *AGGREGATING)
-RADIX_ROUNDS = 4  # gTop-k's threshold search on fp32 sums: up to 4 histogram allreduces
-
-
-def collective_steps(communicator, nodes):
-    """Latency steps (α) of one exchange in the model."""
-    if nodes <= 1:
-        return 0
-    if communicator == "allreduce":
-        return 2 * (nodes - 1)
-    if communicator == "allgather":
-        return 2 * (nodes - 1)
-    if communicator == "broadcast":
-        return (nodes - 1) + nodes * math.ceil(math.log2(nodes))
-    if communicator == GTOPK:
-        return 4 * (nodes - 1) + RADIX_ROUNDS * 2 * (nodes - 1)
-    if communicator in AGGREGATING:
-        return 4 * (nodes - 1)
-    raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
-
-
-def wire_bytes(communicator, nodes, nbytes, dense_bytes):
-    """Bytes on one rank's busiest link direction for one step's payload of ``nbytes``."""
-    if nodes <= 1:
-        return 0.0
-    share = (nodes - 1) / nodes
-    if communicator == "allreduce":
-        return 2 * share * nbytes
-    if communicator == "allgather":
-        return (nodes - 1) * nbytes
-    if communicator == "broadcast":
-        return nodes * nbytes
-    if communicator == "sparse_allreduce":
-        return share * (nbytes + min(nodes * nbytes, dense_bytes))
-    if communicator in ("reduce_scatter", GTOPK):
-        return 2 * share * nbytes
-    raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
-
-
-def counted_bytes(communicator, nodes, nbytes, dense_bytes):
+def counted_bytes(communicator: str, nodes: int, nbytes: float, dense_bytes: float) -> tuple[float, float]:
     """``(bytes_sent, bytes_received)`` the engine counts on one rank for one exchange of a
     payload of ``nbytes`` (size headers aside): what a test compares with ``grace.stats()``."""
     share = (nodes - 1) / nodes
@@ -140,7 +107,16 @@ def counted_bytes(communicator, nodes, nbytes, dense_bytes):
     raise GraceConfigError(f"no byte count for communicator {communicator!r}")
 
 
-def communication_time(communicator, nodes, nbytes, exchanges, alpha, beta, dense_bytes=math.inf, node=None):
+def communication_time(
+    communicator: str,
+    nodes: int,
+    nbytes: float,
+    exchanges: float,
+    alpha: float,
+    beta: float,
+    dense_bytes: float = math.inf,
+    node: Node | None = None,
+) -> float:
     """Seconds per step to move ``nbytes`` (this rank's payload, per step) in ``exchanges``
     exchanges with ``communicator`` among ``nodes`` ranks. ``hierarchical:C`` adds the dense
     reduce and broadcast inside nodes of ``node = (ranks, β inside)``."""
@@ -163,12 +139,14 @@ def communication_time(communicator, nodes, nbytes, exchanges, alpha, beta, dens
     raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
 
 
-def project_step(method, nodes, alpha, beta, node=None):
+def project_step(
+    method: Method, nodes: int, alpha: float, beta: float, node: Node | None = None
+) -> tuple[float, float]:
     """Projected seconds per step of one measured method (a dict of the summary's
     per-step figures: compute_s, compress_s, decompress_s, bytes_per_step,
     exchanges_per_step, rounds, communicator, workers)."""
     exchanges = exchanges_per_step(method) * method.get("rounds", 1)
-    communicator = method["communicator"]
+    communicator: str = method["communicator"]
     comm = communication_time(
         communicator,
         nodes,
@@ -180,7 +158,7 @@ def project_step(method, nodes, alpha, beta, node=None):
         node,
     )
 
-    def per_rank(name):  # one decompression per rank's payload
+    def per_rank(name: str) -> bool:  # one decompression per rank's payload
         return name.split(":", 1)[-1] in ("allgather", "broadcast")
 
     decompress = method["decompress_s"]  # measured at W workers: W payloads if per rank
@@ -191,18 +169,18 @@ def project_step(method, nodes, alpha, beta, node=None):
     return method["compute_s"] + method["compress_s"] + decompress + comm, comm
 
 
-def exchanges_per_step(method):
+def exchanges_per_step(method: Method) -> float:
     """e of the model: the fusion groups the run exchanged per step (each one set of
     collectives), or its tensors for surveys that predate the groups' count."""
     return method.get("groups_per_step") or method["exchanges_per_step"]
 
 
-def dense_step(compute_s, dense_bytes, exchanges, nodes, alpha, beta):
+def dense_step(compute_s: float, dense_bytes: float, exchanges: float, nodes: int, alpha: float, beta: float) -> float:
     return compute_s + ring_allreduce(nodes, dense_bytes, alpha, beta, exchanges)
 
 
 # -- from a survey directory ---------------------------------------------------------------
-def measured_methods(records):
+def measured_methods(records: Sequence[dict[str, Any]]) -> list[Method]:
     """One entry per method label: mean over seeds of its unshaped runs at the largest
     measured worker count (shaped runs are used only when there is no unshaped one)."""
     from ..registry import COMPRESSORS
@@ -212,7 +190,7 @@ def measured_methods(records):
     if not runs:
         raise GraceConfigError("no finished runs (summary lines) in this directory; run `grace-dgc survey` first")
     local = [r for r in runs if r.get("network", "local") == "local"] or runs
-    by_label: dict[str, list[dict]] = {}
+    by_label: dict[str, list[dict[str, Any]]] = {}
     for run in local:
         by_label.setdefault(run["label"], []).append(run)
     methods = []
@@ -249,12 +227,12 @@ def measured_methods(records):
     return methods
 
 
-def modelled_name(communicator, params):
+def modelled_name(communicator: str, params: Mapping[str, Any]) -> str:
     """The model's name of a measured run's communicator (gTop-k is a mode of sparse_allreduce)."""
     return GTOPK if communicator == "sparse_allreduce" and params.get("global_topk") else communicator
 
 
-def with_communicators(methods, communicators):
+def with_communicators(methods: Sequence[Method], communicators: Sequence[str]) -> list[Method]:
     """``methods`` plus, for each method and each of ``communicators`` that can carry its
     compressor, the same measured method projected with that communicator."""
     from ..registry import COMMUNICATORS, COMPRESSORS
@@ -283,7 +261,13 @@ def with_communicators(methods, communicators):
     return out
 
 
-def project(methods, nodes_list, bandwidths_bps, latency_ms, node=None):
+def project(
+    methods: Sequence[Method],
+    nodes_list: Sequence[int],
+    bandwidths_bps: Sequence[float],
+    latency_ms: float,
+    node: Node | None = None,
+) -> list[Row]:
     """Rows: (label, nodes, bandwidth, step time, communication, dense step time, speedup,
     samples/s). ``node = (ranks per node, bandwidth inside)`` models ``hierarchical:C``
     communicators, and the dense baseline as a hierarchical dense allreduce."""
@@ -327,7 +311,7 @@ def project(methods, nodes_list, bandwidths_bps, latency_ms, node=None):
     return rows
 
 
-def format_table(rows):
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = [
         "| Method | Nodes | Bandwidth | Latency | Step time | Communication | Dense step | "
         "Speedup vs dense | Samples/s | Bytes/step/worker |",
@@ -343,7 +327,7 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-def plot(rows, path):
+def plot(rows: Sequence[Mapping[str, Any]], path: str) -> str:
     from .report import _plt, _save
 
     plt = _plt()
@@ -363,7 +347,7 @@ def plot(rows, path):
     return _save(plt, fig, path)
 
 
-def add_project_args(parser):
+def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("dir", help="a survey output directory (results.jsonl)")
     parser.add_argument("--nodes", default="8,16,64", help="comma-separated node counts (default 8,16,64)")
     parser.add_argument("--bandwidth", default="1gbit,10gbit", help="comma-separated rates (default 1gbit,10gbit)")
@@ -380,7 +364,7 @@ def add_project_args(parser):
     return parser
 
 
-def run_project(args):
+def run_project(args: argparse.Namespace) -> int:
     from .results import read_records
 
     if not os.path.isdir(args.dir):
@@ -421,7 +405,7 @@ def run_project(args):
     return 0
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = add_project_args(
         argparse.ArgumentParser(
             prog="grace-dgc project", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -14,13 +14,19 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from scipy import stats
 
 from ..errors import GraceConfigError
-from .results import CONFIG_JSON, latest_summaries, read_records
+from .extras import require
+from .results import CONFIG_JSON, Record, latest_summaries, read_records
 from .units import human_bytes, human_seconds
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 TIME_PARTS = (
     ("compute_s", "compute (fwd+bwd)"),
@@ -34,23 +40,23 @@ TIME_PARTS = (
 class Group:
     """The runs of one (method label, workers, network) over its seeds."""
 
-    def __init__(self, label, workers, network):
+    def __init__(self, label: str, workers: int, network: str) -> None:
         self.label, self.workers, self.network = label, workers, network
-        self.runs = []  # summaries
-        self.epochs = []  # per run: its epoch records (of the summarised attempt)
+        self.runs: list[Record] = []  # summaries
+        self.epochs: list[list[Record]] = []  # per run: its epoch records (of the summarised attempt)
 
     @property
-    def name(self):
+    def name(self) -> str:
         return self.label
 
-    def values(self, key):
+    def values(self, key: str) -> list[Any]:
         return [r[key] for r in self.runs if r.get(key) is not None]
 
-    def mean(self, key):
+    def mean(self, key: str) -> float | None:
         vals = self.values(key)
         return sum(vals) / len(vals) if vals else None
 
-    def mean_std(self, key, fmt="{:.4f}"):
+    def mean_std(self, key: str, fmt: str = "{:.4f}") -> str:
         vals = self.values(key)
         if not vals:
             return "n/a"
@@ -58,7 +64,7 @@ class Group:
             return fmt.format(vals[0])
         return f"{fmt.format(statistics.mean(vals))} ± {fmt.format(statistics.stdev(vals))}"
 
-    def curve(self, key):
+    def curve(self, key: str) -> list[float]:
         """Per-epoch mean over seeds (epochs every run has)."""
         length = min(len(e) for e in self.epochs)
         out = []
@@ -68,20 +74,20 @@ class Group:
         return out
 
 
-def gather(records):
+def gather(records: Sequence[Record]) -> tuple[list[Group], list[Record], list[Record]]:
     """Groups (in first-run order), tuning records, failures without a later success."""
     latest = {r["run_id"]: r for r in latest_summaries(records)}
-    epochs_by_attempt: dict[str | None, list[dict]] = {}
+    epochs_by_attempt: dict[str | None, list[Record]] = {}
     for r in records:
         if r.get("type") == "epoch":
             epochs_by_attempt.setdefault(r.get("attempt"), []).append(r)
-    groups: dict[tuple, Group] = {}
+    groups: dict[tuple[str, int, str], Group] = {}
     for summary in latest.values():
         key = (summary["label"], summary["workers"], summary.get("network", "local"))
         group = groups.setdefault(key, Group(*key))
         group.runs.append(summary)
         group.epochs.append(sorted(epochs_by_attempt.get(summary.get("attempt"), []), key=lambda e: e["epoch"]))
-    tuning = {}
+    tuning: dict[str, Record] = {}
     for r in records:
         if r.get("type") == "tuning":
             tuning[r["tuning_key"]] = r
@@ -93,33 +99,37 @@ def gather(records):
 ALPHA = 0.05
 
 
-def confidence_interval(values, level=0.95):
+def _stats() -> ModuleType:
+    return require("scipy.stats", "the report's confidence intervals and t-tests")
+
+
+def confidence_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float | None]:
     """(mean, half-width) of the Student-t interval; half-width None below 2 values."""
-    values = np.asarray(values, dtype=np.float64)
-    mean = float(values.mean())
-    if len(values) < 2:
+    array = np.asarray(values, dtype=np.float64)
+    mean = float(array.mean())
+    if len(array) < 2:
         return mean, None
-    sem = float(values.std(ddof=1)) / np.sqrt(len(values))
-    return mean, float(stats.t.ppf(0.5 + level / 2, len(values) - 1)) * sem
+    sem = float(array.std(ddof=1)) / np.sqrt(len(array))
+    return mean, float(_stats().t.ppf(0.5 + level / 2, len(array) - 1)) * sem
 
 
-def welch_test(values, baseline):
+def welch_test(values: Sequence[float], baseline: Sequence[float]) -> tuple[float, float] | None:
     """(t, p) of Welch's two-sided t-test (unequal variances); None below 2 values a side
     or when both sides are constant."""
     a, b = np.asarray(values, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
     if len(a) < 2 or len(b) < 2 or (a.std() == 0 and b.std() == 0):
         return None
-    result = stats.ttest_ind(a, b, equal_var=False)
+    result = _stats().ttest_ind(a, b, equal_var=False)
     return float(result.statistic), float(result.pvalue)
 
 
-def _baseline(group, groups):
+def _baseline(group: Group, groups: Sequence[Group]) -> Group:
     peers = [g for g in groups if (g.workers, g.network) == (group.workers, group.network)]
     dense = [g for g in peers if g.runs and g.runs[0].get("compressor") == "none"]
     return (dense or peers)[0]
 
 
-def significance_table(groups, key="final_test_accuracy"):
+def significance_table(groups: Sequence[Group], key: str = "final_test_accuracy") -> str:
     lines = [
         "| Method | Workers | Network | Seeds | Test acc | 95% CI | Baseline | Δ vs baseline | Welch t | p | Verdict |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -153,7 +163,7 @@ def significance_table(groups, key="final_test_accuracy"):
 
 
 # -- tables --------------------------------------------------------------------------------
-def _group_title(group, groups):
+def _group_title(group: Group, groups: Sequence[Group]) -> str:
     """Label, plus workers / network only where the survey varies them."""
     parts = [group.label]
     if len({g.workers for g in groups}) > 1:
@@ -163,11 +173,11 @@ def _group_title(group, groups):
     return ", ".join(parts) if len(parts) > 1 else parts[0]
 
 
-def _ms(value):
+def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 1000:.2f}"
 
 
-def general_table(groups):
+def general_table(groups: Sequence[Group]) -> str:
     lines = [
         "| Method | Workers | Network | Seeds | Test acc (mean ± std) | Test loss | Bytes/step/worker | "
         "Compression ratio | Compute ms | Compress ms | Communicate ms | Decompress ms | Step ms | "
@@ -188,7 +198,7 @@ def general_table(groups):
     return "\n".join(lines)
 
 
-def target_table(groups):
+def target_table(groups: Sequence[Group]) -> str:
     """The seed001 table: epochs and time to the target accuracy and the final figures."""
     target = groups[0].runs[0]["target_accuracy"]
     epochs = max(r["epochs"] for g in groups for r in g.runs)
@@ -216,11 +226,11 @@ def target_table(groups):
     return "\n".join(lines)
 
 
-def _pct(value):
+def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value * 100:.2f}%"
 
 
-def kpercent_tables(groups):
+def kpercent_tables(groups: Sequence[Group]) -> list[str]:
     """The seed000 tables, one per worker count, for runs tagged with ``kpercent``."""
     tagged = [g for g in groups if "kpercent" in g.runs[0].get("tags", {})]
     out = []
@@ -241,7 +251,7 @@ def kpercent_tables(groups):
     return out
 
 
-def tuning_table(tuning):
+def tuning_table(tuning: Sequence[Mapping[str, Any]]) -> str:
     lines = ["| Method | Workers | Network | Candidates: held-out accuracy | Chosen lr |", "|---|---|---|---|---|"]
     for t in tuning:
         cands = ", ".join(
@@ -255,8 +265,9 @@ def tuning_table(tuning):
 
 
 # -- plots ---------------------------------------------------------------------------------
-def _plt():
-    import matplotlib
+def _plt() -> ModuleType:
+    """matplotlib.pyplot on the Agg backend."""
+    matplotlib = require("matplotlib", "the survey's plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -264,14 +275,14 @@ def _plt():
     return plt
 
 
-def _save(plt, fig, path):
+def _save(plt: ModuleType, fig: "Figure", path: str) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def plot_curves(groups, path):
+def plot_curves(groups: Sequence[Group], path: str) -> str:
     plt = _plt()
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4.2))
     for g in groups:
@@ -288,7 +299,7 @@ def plot_curves(groups, path):
     return _save(plt, fig, path)
 
 
-def plot_accuracy_vs_ratio(groups, path):
+def plot_accuracy_vs_ratio(groups: Sequence[Group], path: str) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for g in groups:
@@ -307,7 +318,7 @@ def plot_accuracy_vs_ratio(groups, path):
     return _save(plt, fig, path)
 
 
-def plot_time_split(groups, path):
+def plot_time_split(groups: Sequence[Group], path: str) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(groups) + 2), 4.5))
     names = [_group_title(g, groups) for g in groups]
@@ -343,7 +354,7 @@ DEFINITIONS = """\
   `ru_maxrss` over the ranks (GPU: `torch.cuda.max_memory_allocated`)."""
 
 
-def write_report(out_dir, report_dir=None):
+def write_report(out_dir: str, report_dir: str | None = None) -> str:
     """Write report.md and the PNGs; returns the report's path."""
     records = read_records(out_dir)
     groups, tuning, failures = gather(records)
@@ -352,9 +363,10 @@ def write_report(out_dir, report_dir=None):
             f"no finished runs in {out_dir!r} (results.jsonl has no summary lines); "
             f"run `grace-dgc survey ... --out {out_dir}` first"
         )
+    _stats()  # an optional dependency: missing, nothing is written
     report_dir = report_dir or out_dir
     os.makedirs(report_dir, exist_ok=True)
-    config = {}
+    config: dict[str, Any] = {}
     if os.path.isfile(os.path.join(out_dir, CONFIG_JSON)):
         with open(os.path.join(out_dir, CONFIG_JSON)) as f:
             config = json.load(f)
@@ -442,13 +454,13 @@ def write_report(out_dir, report_dir=None):
     return path
 
 
-def add_report_args(parser):
+def add_report_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("dir", help="a survey output directory (with results.jsonl)")
     parser.add_argument("--out", help="where to write report.md and the PNGs (default: DIR)")
     return parser
 
 
-def run_report(args):
+def run_report(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.dir):
         raise GraceConfigError(f"{args.dir!r} is not a directory")
     path = write_report(args.dir, args.out)
@@ -456,7 +468,7 @@ def run_report(args):
     return 0
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     return run_report(add_report_args(argparse.ArgumentParser(prog="grace-dgc report")).parse_args(argv))
 
 

@@ -6,13 +6,17 @@ import csv
 import json
 import math
 import os
+from collections.abc import Iterable
+from typing import Any
 
 RESULTS = "results.jsonl"
 SUMMARY_CSV = "summary.csv"
 CONFIG_JSON = "survey_config.json"
 
+Record = dict[str, Any]  # one results.jsonl line (parsed JSON)
 
-def append_record(out_dir, record):
+
+def append_record(out_dir: str, record: Record) -> None:
     """Append one JSON line to results.jsonl (rank 0 only; flushed at once)."""
     with open(os.path.join(out_dir, RESULTS), "a") as f:
         f.write(json.dumps(_finite(record), sort_keys=False) + "\n")
@@ -20,7 +24,7 @@ def append_record(out_dir, record):
         os.fsync(f.fileno())
 
 
-def _finite(obj):
+def _finite(obj: Any) -> Any:
     """JSON without NaN/Infinity: non-finite floats become null (a diverged run's loss)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
@@ -31,11 +35,11 @@ def _finite(obj):
     return obj
 
 
-def read_records(out_dir):
+def read_records(out_dir: str) -> list[Record]:
     path = os.path.join(out_dir, RESULTS)
     if not os.path.isfile(path):
         return []
-    records = []
+    records: list[Record] = []
     with open(path) as f:
         for line in f:
             line = line.strip()
@@ -47,14 +51,14 @@ def read_records(out_dir):
     return records
 
 
-def finished_runs(out_dir):
+def finished_runs(out_dir: str) -> dict[str, str | None]:
     """run_id → cell_hash of every run with a summary line."""
     return {r["run_id"]: r.get("cell_hash") for r in read_records(out_dir) if r.get("type") == "summary"}
 
 
-def latest_summaries(records):
+def latest_summaries(records: Iterable[Record]) -> list[Record]:
     """The last summary per run_id, in first-appearance order."""
-    latest: dict[str, dict] = {}
+    latest: dict[str, Record] = {}
     for r in records:
         if r.get("type") == "summary":
             latest.pop(r["run_id"], None)
@@ -111,7 +115,7 @@ SUMMARY_COLUMNS = [
 ]
 
 
-def write_summary_csv(out_dir):
+def write_summary_csv(out_dir: str) -> str:
     """summary.csv: one row per finished run (its latest summary), rewritten from results.jsonl."""
 
     rows = latest_summaries(read_records(out_dir))

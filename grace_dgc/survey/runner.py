@@ -47,6 +47,7 @@ left out of the per-step time means, not out of bytes or samples/s.
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -73,7 +74,7 @@ from .tuning import holdout_split, tune_lr  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- torchrun / horovodrun
-def _init_runtime(launcher, backend):
+def _init_runtime(launcher: str, backend: str) -> str:
     """Initialise Horovod or torch.distributed from the launcher's environment."""
     if launcher == "auto":
         if "HOROVOD_RANK" in os.environ or "HOROVOD_HOSTNAME" in os.environ:
@@ -97,7 +98,7 @@ def _init_runtime(launcher, backend):
     return launcher
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m grace_dgc.survey.runner`` under torchrun / horovodrun (or alone, 1 rank)."""
     from .config import load_config, load_preset
 

@@ -2,11 +2,14 @@
 for an unknown key lists them), and the small checks shared by the loader."""
 
 import difflib
+from collections.abc import Mapping
+from typing import Any
 
 from ..errors import GraceConfigError
 
 # key -> (accepted types, description); None means "optional, no default here"
-TOP_LEVEL = {
+Schema = dict[str, tuple[tuple[type, ...], str]]
+TOP_LEVEL: Schema = {
     "name": ((str,), "a name for the survey, shown in the report"),
     "description": ((str,), "free text, shown in the report"),
     "workload": ((str,), "workload name (grace_dgc.survey.workloads.list_workloads())"),
@@ -40,7 +43,7 @@ TOP_LEVEL = {
     "networks": ((list,), 'network conditions, e.g. [{}, {bandwidth = "1gbit", latency = 0.1}]'),
     "methods": ((list,), "the methods: [[methods]] tables"),
 }
-METHOD_KEYS = {
+METHOD_KEYS: Schema = {
     "label": ((str,), "the method's name in tables and plots (unique)"),
     "compressor": ((str,), "registered compressor (grace_dgc.list_compressors())"),
     "memory": ((str,), "registered memory (default none)"),
@@ -59,7 +62,7 @@ METHOD_KEYS = {
     "tune_lr": ((list,), "lr candidates: the best on a held-out split is used (and reported)"),
     "tags": ((dict,), "free-form values carried into the results (e.g. kpercent = 1 for the seed000 table)"),
 }
-NETWORK_KEYS = {
+NETWORK_KEYS: Schema = {
     "bandwidth": ((str, int, float), 'rate of the shaped loopback, e.g. "1gbit"'),
     "latency": ((str, int, float), "one-way delay in milliseconds added to every packet"),
 }
@@ -75,7 +78,7 @@ WORKLOAD_HYPER = (
     "lr_gamma",
     "grad_clip",
 )
-DEFAULTS = {
+DEFAULTS: dict[str, Any] = {
     "data_seed": 0,
     "workers": 2,
     "max_steps": 0,
@@ -90,7 +93,7 @@ DEFAULTS = {
 }
 
 
-def _check_keys(table, accepted, where):
+def _check_keys(table: Mapping[str, Any], accepted: Schema, where: str) -> None:
     unknown = sorted(set(table) - set(accepted))
     if unknown:
         hints = []
@@ -113,7 +116,7 @@ def _check_keys(table, accepted, where):
 MAX_WORKERS = 1 << 16  # ranks in one survey cell: far beyond any cluster it would launch
 
 
-def _positive_int(value, key, low=1, high=None):
+def _positive_int(value: Any, key: str, low: int = 1, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         most = "" if high is None else f" and <= {high}"
         raise GraceConfigError(f"{key} = {value!r} must be an int >= {low}{most}")

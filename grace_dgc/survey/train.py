@@ -1,20 +1,35 @@
 """Training one model for a survey cell: the seeded model and data order, the measured step
 loop, evaluation. See :mod:`grace_dgc.survey.runner` for what each measurement means."""
 
+from __future__ import annotations
+
 import hashlib
 import resource
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 
 import grace_dgc
 
 from ..errors import GraceConfigError
+from ..stats import GRACE_KEYS
+from .extras import require
 from .metrics import RankTotals, epoch_record
 
+if TYPE_CHECKING:
+    from .cell import Cell
+    from .context import Context
+    from .results import Record
+    from .workloads import Workload
 
-def load_workload(cell):
+Split = tuple[Tensor, Tensor]  # (inputs, targets)
+
+
+def load_workload(cell: Cell) -> Workload:
     from .workloads import get_workload
 
     data_dir = cell.data_dir
@@ -23,13 +38,13 @@ def load_workload(cell):
     return get_workload(cell.workload, data_dir=data_dir, seed=cell.data_seed, **cell.workload_options, **cell.hyper)
 
 
-def _mix(*numbers):
+def _mix(*numbers: object) -> int:
     """A 63-bit seed from ints (stable across runs and platforms)."""
     digest = hashlib.blake2b(",".join(map(str, numbers)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
-def _loss_and_hits(output, targets):
+def _loss_and_hits(output: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, int]:
     """(mean loss, correct predictions, predictions) for both workload kinds."""
     if output.dim() == 3:  # lm: (N, bptt, vocab) against next tokens (N, bptt)
         output = output.reshape(-1, output.shape[-1])
@@ -39,7 +54,7 @@ def _loss_and_hits(output, targets):
     return loss, hits, targets.numel()
 
 
-def evaluate(ctx, model, split, batch_size):
+def evaluate(ctx: Context, model: nn.Module, split: Split, batch_size: int) -> tuple[float, float]:
     """(loss, accuracy) on ``split``, sharded over ranks and summed; floating buffers
     (BatchNorm statistics, which each rank updates from its own batches) are averaged
     over ranks first so every rank evaluates the same model."""
@@ -65,15 +80,25 @@ def evaluate(ctx, model, split, batch_size):
     return loss_sum / max(count, 1), hits / max(count, 1)
 
 
-def _peak_memory(ctx):
+def _peak_memory(ctx: Context) -> tuple[float, float]:
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     gpu_mb = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else 0.0
     return rss_mb, gpu_mb
 
 
 def train(
-    ctx, cell, workload, lr, train_split, eval_split, epochs, on_epoch=None, progress=False, desc=None, scalars=None
-):
+    ctx: Context,
+    cell: Cell,
+    workload: Workload,
+    lr: float,
+    train_split: Split,
+    eval_split: Split,
+    epochs: int,
+    on_epoch: Callable[[Record], object] | None = None,
+    progress: bool = False,
+    desc: str | None = None,
+    scalars: Callable[[int, dict[str, float]], object] | None = None,
+) -> tuple[list[Record], dict[str, int]]:
     """Train one model from its seeded init; returns (history, totals).
 
     ``on_epoch(record)`` gets each epoch's record (every rank calls it; the caller writes
@@ -116,7 +141,7 @@ def train(
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
 
-    from tqdm.auto import tqdm
+    tqdm = require("tqdm.auto", "the survey's progress bars").tqdm
 
     bar = tqdm(
         total=epochs * steps,
@@ -127,7 +152,8 @@ def train(
         dynamic_ncols=True,
         disable=not (progress and ctx.rank == 0),
     )
-    history, elapsed, global_step = [], 0.0, 0
+    history: list[Record] = []
+    elapsed, global_step = 0.0, 0
     try:
         for epoch in range(epochs):
             epoch_lr = lr * workload.lr_gamma ** sum(epoch >= m for m in workload.lr_milestones)
@@ -140,7 +166,7 @@ def train(
                 order = order.to(ctx.device)
             model.train()
             totals = RankTotals()
-            method_stats = {}
+            method_stats: dict[str, Any] = {}
             ctx.sync()
             epoch_start = time.perf_counter()
             for step in range(steps):
@@ -178,10 +204,12 @@ def train(
                     totals.timed_steps += 1
                     totals.compute += t1 - t0
                     totals.wait += t2 - t1
-                    totals.compress += stats["compress_seconds"]
+                    # error feedback's work counts as compression here, as before Grace timed it
+                    # apart: the survey's compress_s (and the projection) keep their meaning
+                    totals.compress += stats["compress_seconds"] + stats["memory_seconds"]
                     totals.communicate += stats["communicate_seconds"]
                     totals.decompress += stats["decompress_seconds"]
-                method_stats = {k: v for k, v in stats.items() if k not in _GRACE_KEYS}
+                method_stats = {k: v for k, v in stats.items() if k not in GRACE_KEYS}
                 if scalars is not None and ctx.rank == 0:
                     scalars(
                         global_step,
@@ -225,17 +253,3 @@ def train(
         "steps_per_epoch": steps,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
-
-
-_GRACE_KEYS = {
-    "tensors",
-    "groups",
-    "bytes_sent",
-    "dense_bytes",
-    "compress_seconds",
-    "communicate_seconds",
-    "decompress_seconds",
-    "steps",
-    "compression_ratio",
-    "bytes_per_step",
-}

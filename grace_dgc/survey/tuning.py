@@ -1,15 +1,23 @@
 """Learning-rate tuning: each method's lr is chosen among its candidates by short runs scored
 on a held-out split (the same split for every method), once per (method, workers, network)."""
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .results import append_record, read_records
-from .train import _mix, train
+from .results import Record, append_record, read_records
+from .train import Split, _mix, train
+
+if TYPE_CHECKING:
+    from .cell import Cell
+    from .context import Context
+    from .workloads import Workload
 
 
-def holdout_split(workload, cell):
+def holdout_split(workload: Workload, cell: Cell) -> tuple[Split, Split]:
     """(train part, held-out part): the workload's own validation split when it has one
     (PTB), else a seeded ``tune_holdout`` fraction of train (same for every method)."""
     if workload.valid is not None:
@@ -21,11 +29,11 @@ def holdout_split(workload, cell):
     return (inputs[keep], targets[keep]), (inputs[out], targets[out])
 
 
-def tune_lr(ctx, cell, workload, out_dir, progress=False):
+def tune_lr(ctx: Context, cell: Cell, workload: Workload, out_dir: str, progress: bool = False) -> tuple[float, Record]:
     """Pick the lr among ``cell['tune_lr']`` with the best held-out accuracy after short
     runs (ties: lower held-out loss); reuse a recorded tuning of the same key."""
     key = cell.tuning_key
-    existing = None
+    existing: Record | None = None
     if ctx.rank == 0:
         existing = next(
             (r for r in reversed(read_records(out_dir)) if r.get("type") == "tuning" and r.get("tuning_key") == key),
@@ -36,8 +44,8 @@ def tune_lr(ctx, cell, workload, out_dir, progress=False):
         return existing["chosen_lr"], existing
     train_part, held_part = holdout_split(workload, cell)
     epochs = cell.tune_epochs or max(1, workload.epochs // 4)
-    candidates = []
-    for lr in cell.tune_lr:
+    candidates: list[dict[str, Any]] = []
+    for lr in cast(list[float], cell.tune_lr):  # tuned only when it has candidates
         history, _ = train(
             ctx,
             cell,
@@ -52,7 +60,7 @@ def tune_lr(ctx, cell, workload, out_dir, progress=False):
         last = history[-1]
         candidates.append({"lr": lr, "heldout_accuracy": last["test_accuracy"], "heldout_loss": last["test_loss"]})
 
-    def score(c):
+    def score(c: dict[str, Any]) -> tuple[float, float]:
         loss = c["heldout_loss"] if math.isfinite(c["heldout_loss"]) else math.inf
         return (c["heldout_accuracy"] if math.isfinite(c["heldout_accuracy"]) else -1.0, -loss)
 

@@ -12,7 +12,7 @@ _RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_rate(text):
+def parse_rate(text: object) -> float:
     """``"1gbit"`` → 1e9 bits per second. Accepts a number with bit, kbit, mbit, gbit or tbit
     (decimal prefixes, as tc uses them), or a plain number of bits per second."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
@@ -37,7 +37,7 @@ def parse_rate(text):
     return bits
 
 
-def parse_latency(value):
+def parse_latency(value: object) -> float:
     """Latency in milliseconds (a number ≥ 0, or a string like ``"0.1"`` / ``"0.1ms"``)."""
     text = str(value).strip().lower()
     if text.endswith("ms"):
@@ -51,14 +51,14 @@ def parse_latency(value):
     return ms
 
 
-def format_rate(bits_per_second):
+def format_rate(bits_per_second: float) -> str:
     for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if bits_per_second >= scale:
             return f"{bits_per_second / scale:g}{unit}"
     return f"{bits_per_second:g}bit"
 
 
-def human_bytes(n):
+def human_bytes(n: float | None) -> str:
     """``1536`` → ``"1.5 KB"`` (binary prefixes: 1 KB = 1024 bytes, as the seeds' tables)."""
     if n is None or (isinstance(n, float) and math.isnan(n)):
         return "n/a"
@@ -69,7 +69,7 @@ def human_bytes(n):
     return f"{n:.3g} GB"
 
 
-def human_seconds(seconds):
+def human_seconds(seconds: float | None) -> str:
     if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
         return "n/a"
     if seconds < 1:

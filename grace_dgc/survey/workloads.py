@@ -16,10 +16,12 @@ pin the generated data while the seed varies. Data order and model init are the 
 import dataclasses
 import difflib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
 
 from ..errors import GraceConfigError, check_range
 from . import datasets, models
@@ -62,22 +64,23 @@ HYPER_PARAMETERS = (
     "lr_gamma",
     "grad_clip",
 )
-_BUILDERS = {}
+Builder = TypeVar("Builder", bound=Callable[..., Workload])
+_BUILDERS: dict[str, Callable[..., Workload]] = {}
 
 
-def _workload(name):
-    def decorator(fn):
+def _workload(name: str) -> Callable[[Builder], Builder]:
+    def decorator(fn: Builder) -> Builder:
         _BUILDERS[name] = fn
         return fn
 
     return decorator
 
 
-def list_workloads():
+def list_workloads() -> list[str]:
     return sorted(_BUILDERS)
 
 
-def get_workload(name, data_dir=None, seed=0, **overrides):
+def get_workload(name: str, data_dir: str | None = None, seed: int = 0, **overrides: Any) -> Workload:
     """Build workload ``name``. ``overrides`` may set any of :data:`HYPER_PARAMETERS`,
     ``train_samples`` / ``test_samples`` (keep the first N examples; for generated data,
     generate N) and the workload's own options (e.g. ``num_samples``, ``bptt``, ``data_seed``)."""
@@ -116,7 +119,7 @@ def get_workload(name, data_dir=None, seed=0, **overrides):
 MAX_EPOCHS = 100_000  # a survey cell longer than this is a typo, not a plan
 
 
-def _checked(hyper):
+def _checked(hyper: Mapping[str, Any]) -> dict[str, Any]:
     checks = {
         "batch_size": (1, None, False, int),
         "lr": (0, None, True, float),
@@ -126,7 +129,7 @@ def _checked(hyper):
         "weight_decay": (0, None, False, float),
         "lr_gamma": (0, None, True, float),
     }
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in hyper.items():
         if key in checks:
             low, high, low_open, kind = checks[key]
@@ -140,7 +143,14 @@ def _checked(hyper):
     return out
 
 
-def _classification(name, data, make_model, description, info, **hyper):
+def _classification(
+    name: str,
+    data: tuple[Tensor, ...],
+    make_model: Callable[[], torch.nn.Module],
+    description: str,
+    info: Mapping[str, Any],
+    **hyper: Any,
+) -> Workload:
     x, y, x_test, y_test = data
     info = dict(info, input_shape=tuple(x.shape[1:]), num_classes=int(max(y.max(), y_test.max())) + 1)
     return Workload(
@@ -157,7 +167,7 @@ def _classification(name, data, make_model, description, info, **hyper):
 
 # ------------------------------------------------------------------------- offline defaults
 @_workload("mnist1d-mlp")
-def _mnist1d_mlp(data_dir, seed, num_samples=5000, data_seed=None):
+def _mnist1d_mlp(data_dir: str | None, seed: int, num_samples: int = 5000, data_seed: int | None = None) -> Workload:
     data = datasets.mnist1d(num_samples, seed if data_seed is None else data_seed, cache_dir=data_dir)
     return _classification(
         "mnist1d-mlp",
@@ -174,7 +184,7 @@ def _mnist1d_mlp(data_dir, seed, num_samples=5000, data_seed=None):
 
 
 @_workload("mnist1d-cnn")
-def _mnist1d_cnn(data_dir, seed, num_samples=5000, data_seed=None):
+def _mnist1d_cnn(data_dir: str | None, seed: int, num_samples: int = 5000, data_seed: int | None = None) -> Workload:
     data = datasets.mnist1d(num_samples, seed if data_seed is None else data_seed, cache_dir=data_dir)
     return _classification(
         "mnist1d-cnn",
@@ -192,7 +202,7 @@ def _mnist1d_cnn(data_dir, seed, num_samples=5000, data_seed=None):
 
 
 @_workload("digits-mlp")
-def _digits_mlp(data_dir, seed, data_seed=None):
+def _digits_mlp(data_dir: str | None, seed: int, data_seed: int | None = None) -> Workload:
     data = datasets.digits(seed if data_seed is None else data_seed)
     return _classification(
         "digits-mlp",
@@ -212,7 +222,9 @@ FC_HEAVY_SIZES = (1024, 4096, 4096, 1024, 10)
 
 
 @_workload("fc-heavy")
-def _fc_heavy(data_dir, seed, train_samples=8192, test_samples=2048, data_seed=None):
+def _fc_heavy(
+    data_dir: str | None, seed: int, train_samples: int = 8192, test_samples: int = 2048, data_seed: int | None = None
+) -> Workload:
     train_samples = check_range("train_samples", train_samples, 1, None, kind=int)
     test_samples = check_range("test_samples", test_samples, 1, None, kind=int)
     data = datasets.teacher_task(
@@ -240,7 +252,7 @@ def _fc_heavy(data_dir, seed, train_samples=8192, test_samples=2048, data_seed=N
 
 # ---------------------------------------------------------------------- from a data directory
 @_workload("mnist-mlp")
-def _mnist_mlp(data_dir, seed):
+def _mnist_mlp(data_dir: str | None, seed: int) -> Workload:
     return _classification(
         "mnist-mlp",
         datasets.mnist(data_dir, "mnist-mlp"),
@@ -256,7 +268,7 @@ def _mnist_mlp(data_dir, seed):
 
 
 @_workload("mnist-lenet5")
-def _mnist_lenet5(data_dir, seed):
+def _mnist_lenet5(data_dir: str | None, seed: int) -> Workload:
     return _classification(
         "mnist-lenet5",
         datasets.mnist(data_dir, "mnist-lenet5"),
@@ -272,7 +284,7 @@ def _mnist_lenet5(data_dir, seed):
 
 
 @_workload("cifar10-resnet20")
-def _cifar10_resnet20(data_dir, seed):
+def _cifar10_resnet20(data_dir: str | None, seed: int) -> Workload:
     workload = _classification(
         "cifar10-resnet20",
         datasets.cifar10(data_dir, "cifar10-resnet20"),
@@ -294,7 +306,7 @@ def _cifar10_resnet20(data_dir, seed):
 
 
 @_workload("ptb-lstm")
-def _ptb_lstm(data_dir, seed, bptt=35):
+def _ptb_lstm(data_dir: str | None, seed: int, bptt: int = 35) -> Workload:
     bptt = check_range("bptt", bptt, 1, None, kind=int)
     train, valid, test, vocabulary = datasets.ptb(data_dir, bptt, "ptb-lstm")
     vocab_size = len(vocabulary)

@@ -1,0 +1,66 @@
+"""What Grace measures, named once: the counters and timers of ``Grace.stats()``, and the
+clock that splits a step's time among its phases.
+
+The survey, the report and the projection read these names from here, so a counter added
+to Grace is a counter every consumer knows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# the phases of the data path, each timed exclusively: a phase's seconds exclude those of
+# the phases it encloses (decompression inside the exchange counts as decompression)
+TIMERS = ("compress", "memory", "communicate", "decompress")
+COUNTERS = ("tensors", "groups", "bytes_sent", "bytes_received", "dense_bytes", "skipped")
+DERIVED = ("steps", "compression_ratio", "bytes_per_step")
+# every key Grace.stats() reports itself (a part adds its own, e.g. DGC's current ratio)
+GRACE_KEYS = frozenset(COUNTERS + DERIVED + tuple(key + "_seconds" for key in TIMERS))
+
+_active = threading.local()  # the clock of the exchange running on this thread, if any
+
+
+class Clock:
+    """Seconds per phase, exclusive of nested phases (see :func:`phase`)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(TIMERS, 0.0)
+        self._stack: list[list[float]] = []  # per open phase: [start, seconds of enclosed phases]
+
+    @contextmanager
+    def running(self) -> Iterator[Clock]:
+        """Make this the clock :func:`phase` charges on this thread (the communication thread
+        runs one exchange at a time)."""
+        previous, _active.clock = getattr(_active, "clock", None), self
+        try:
+            yield self
+        finally:
+            _active.clock = previous
+
+    @contextmanager
+    def timed(self, key: str) -> Iterator[None]:
+        frame = [time.perf_counter(), 0.0]
+        self._stack.append(frame)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            spent = time.perf_counter() - frame[0]
+            self.seconds[key] += spent - frame[1]
+            if self._stack:
+                self._stack[-1][1] += spent
+
+
+@contextmanager
+def phase(key: str) -> Iterator[None]:
+    """Charge the enclosed time to ``key`` on the running exchange's clock (nothing when a
+    communicator or compressor runs outside Grace, e.g. GRACE-style ``exchange`` calls)."""
+    clock: Clock | None = getattr(_active, "clock", None)
+    if clock is None:
+        yield
+        return
+    with clock.timed(key):
+        yield

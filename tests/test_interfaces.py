@@ -1,0 +1,194 @@
+"""The interfaces fail loudly for plugins, and the folders show the layering (issue 19).
+
+A plugin compressor or memory written against the three small interfaces gets the safe
+default: it is not chunked unless it says so, its undeclared state is named, "sends every
+element" is one flag. The core (the data path, the parts, the engines) imports neither the
+survey app nor the GRACE shim.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+import grace_dgc
+from grace_dgc.errors import GraceConfigError
+from grace_dgc.interfaces import Communicator, ExchangeCommunicator
+from grace_dgc.registry import COMMUNICATORS, MEMORIES
+
+PACKAGE = pathlib.Path(grace_dgc.__file__).parent
+
+
+class HalfPrecision(grace_dgc.Compressor):
+    """A plugin quantizer that says nothing about chunking or what it sends."""
+
+    summable = True
+
+    def compress(self, tensor, name):
+        return [tensor.half()], tensor.dtype
+
+    def decompress(self, payload, ctx):
+        return payload[0].to(ctx)
+
+
+class SendsAll(HalfPrecision):
+    sends_all = True
+
+
+class Forgetful(grace_dgc.Memory):
+    """A plugin residual memory that keeps tensors but declares no STATE."""
+
+    def __init__(self):
+        self.kept = {}
+
+    def compensate(self, tensor, name):
+        return tensor + self.kept[name] if name in self.kept else tensor
+
+    def update(self, tensor, name, compressor, payload, ctx):
+        self.kept[name] = compressor.subtract_sent_(tensor.clone(), payload, ctx)
+
+
+def grace_of(compressor, memory, communicator="allgather"):
+    engine = grace_dgc.create_engine("local")
+    comm = COMMUNICATORS.get(communicator)(engine)
+    return grace_dgc.Grace(compressor, memory, comm, engine)
+
+
+def test_a_plugin_quantizer_is_not_chunked_unless_it_says_so():
+    """reduce_scatter compresses chunk by chunk: a plugin that did not declare that its
+    chunks are still the method is refused with the attribute to set, not chunked."""
+    reduce_scatter = COMMUNICATORS.get("reduce_scatter")
+    reason = reduce_scatter.refusal(HalfPrecision())
+    assert reason is not None and "chunkable = True" in reason
+
+    class Chunkable(HalfPrecision):
+        chunkable = True
+
+    assert reduce_scatter.refusal(Chunkable()) is None
+
+
+def test_a_plugin_under_reduce_scatter_is_refused_at_build(monkeypatch):
+    from grace_dgc.registry import COMPRESSORS
+
+    monkeypatch.setitem(COMPRESSORS._classes, "plugin-half", HalfPrecision)
+    monkeypatch.setitem(COMPRESSORS._aliases, "plugin-half", "plugin-half")
+    with pytest.raises(GraceConfigError, match="chunkable = True"):
+        grace_dgc.build("plugin-half", "none", "reduce_scatter", engine="local")
+
+
+def test_sends_all_is_one_flag_for_the_sent_set():
+    """``sends_all``: every element counts as sent, even an exact zero; without it a sent
+    zero reads as not sent (the default, ``decompress != 0``)."""
+    x = torch.tensor([1.5, 0.0, -2.0, 0.0])
+    for compressor, expected in ((SendsAll(), [True] * 4), (HalfPrecision(), [True, False, True, False])):
+        payload, ctx = compressor.compress(x, "x")
+        assert compressor.sent_mask(payload, ctx).tolist() == expected
+        masked = compressor.mask_sent_(torch.ones(4), payload, ctx)
+        assert masked.tolist() == [0.0 if sent else 1.0 for sent in expected]
+
+
+def test_every_builtin_that_sends_every_element_says_so():
+    """The quantizers and casts declare ``sends_all``; the sparsifiers and twobit do not
+    (their sent set is their index set, or the elements past the threshold): the flag
+    replaced twelve hand-written overrides."""
+    from grace_dgc.registry import COMPRESSORS
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    x[::7] = 0.0
+    for name in COMPRESSORS.names():
+        compressor = COMPRESSORS.get(name)()
+        if compressor.rounds > 1 or compressor.sparse or name in ("randomk", "threshold", "twobit"):
+            continue
+        payload, ctx = compressor.compress(x.clone(), "x")
+        assert compressor.sends_all, f"{name} sends every element but does not declare sends_all"
+        assert bool(compressor.sent_mask(payload, ctx).all()), name
+
+
+def test_a_plugin_memory_with_undeclared_state_is_named():
+    """A stateful plugin that declares no STATE would be missed by checkpoints, reset() and
+    a skipped step: Grace names the attribute after the first exchange, once."""
+    grace = grace_of(HalfPrecision(), Forgetful())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            grace.step(torch.randn(10), "w")
+    messages = [str(w.message) for w in caught if "declares" in str(w.message)]
+    assert len(messages) == 1 and "kept" in messages[0] and "STATE" in messages[0]
+
+
+def test_a_plugin_memory_that_declares_its_state_is_not_warned_and_round_trips():
+    class Declared(Forgetful):
+        STATE = ("kept",)
+
+    grace = grace_of(HalfPrecision(), Declared())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            grace.step(torch.randn(10), "w")
+    saved = grace.memory.state_dict()
+    assert torch.equal(saved["kept"]["w"], grace.memory.kept["w"])
+    grace.memory.reset()
+    assert grace.memory.kept == {}
+
+
+def test_the_communicator_interface_is_small():
+    """The data path calls one method; the whole interface stays at most 8 methods."""
+    public = [
+        name
+        for name, value in vars(Communicator).items()
+        if callable(value) or isinstance(value, classmethod)
+        if not name.startswith("_")
+    ]
+    assert "aggregate_into" in public and len(public) <= 8, public
+    for name in COMMUNICATORS.names():
+        assert "aggregate_into" in vars(COMMUNICATORS.get(name)) or issubclass(
+            COMMUNICATORS.get(name), ExchangeCommunicator
+        ), name
+
+
+def test_every_registered_memory_declares_or_owns_its_state():
+    for name in MEMORIES.names():
+        memory = MEMORIES.get(name)()
+        assert memory.undeclared_state() == [], name
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The grace_dgc modules ``path`` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    package = ".".join(("grace_dgc",) + path.relative_to(PACKAGE).parent.parts)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m.startswith("grace_dgc")}
+
+
+@pytest.mark.parametrize("app", ["grace_dgc.survey", "grace_dgc.compat"])
+def test_the_core_imports_neither_the_survey_nor_the_grace_shim(app):
+    """The data path, the parts and the engines stand alone; only the package's face
+    (``__init__``: ``from_params``) and the command line reach the apps."""
+    core = [
+        path
+        for path in PACKAGE.rglob("*.py")
+        if path.relative_to(PACKAGE).parts[0] not in ("survey", "compat")
+        and path.name not in ("__init__.py", "cli.py")
+        or path.relative_to(PACKAGE).parts[0] in ("communicators", "compressors", "memories", "engines")
+    ]
+    assert len(core) > 30
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(m for m in _imports(path) if m == app or m.startswith(app + "."))
+        for path in core
+    }
+    assert not {k: v for k, v in offenders.items() if v}
