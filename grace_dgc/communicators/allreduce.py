@@ -5,7 +5,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..interfaces import Compressor, ExchangeCommunicator, Payload, regroup
+from ..interfaces import Compressor, ExchangeCommunicator, Payload
 from ..registry import register_communicator
 from ..workspace import flat_span
 
@@ -25,23 +25,28 @@ class Allreduce(ExchangeCommunicator):
     needs_summable = True
     propagates_nonfinite = True
 
+    _consume = False  # set by exchange_many for its exchange: GRACE's exchange(payload, name) stays
+
     def exchange(self, payload: Payload, name: str) -> list[Payload]:
-        return [self._sum(payload, consume=False)]
-
-    def exchange_many(self, payloads: list[Payload], names: list[str], consume: bool = False) -> list[list[Payload]]:
-        return regroup(payloads, [self._sum([t for payload in payloads for t in payload], consume)])
-
-    def _sum(self, payload: Payload, consume: bool) -> Payload:
         summed: list[Any] = [None] * len(payload)
         for dtype in dict.fromkeys(t.dtype for t in payload):
             members = [i for i, t in enumerate(payload) if t.dtype == dtype]
-            span = flat_span([payload[i] for i in members]) if consume else None
+            span = flat_span([payload[i] for i in members]) if self._consume else None
             if span is None:  # a copy: the inputs stay intact
                 span = torch.cat([payload[i].reshape(-1) for i in members])
             span = self.engine.allreduce(span)
             for i, part in zip(members, span.split([payload[i].numel() for i in members])):
                 summed[i] = part.view(payload[i].shape)
-        return summed
+        return [summed]
+
+    def exchange_many(self, payloads: list[Payload], names: list[str], consume: bool = False) -> list[list[Payload]]:
+        # through exchange, the seam a GRACE-style subclass or a test overrides; consume reaches it
+        # as an attribute so that exchange keeps GRACE's signature (one communication thread)
+        self._consume = consume
+        try:
+            return super().exchange_many(payloads, names)
+        finally:
+            self._consume = False
 
     def combine(self, exchanged: list[Payload]) -> Payload:
         return exchanged[0]  # summed on the wire
