@@ -15,9 +15,9 @@ compressed and remembered on its own, and their payloads share each collective.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -181,15 +181,18 @@ class Grace:
         sources, keys, outputs, consume = self._sources(tensors, names, outputs, inplace)
         guard = self._guard(tensors, keys)
         with self._clock.running():
-            with self._timed("communicate"), self._counted():  # hierarchical: the node's sum
+            with self._communicating():  # hierarchical: the node's sum
                 sources = comm.prereduce(sources, keys)  # (auto: an owner's stranded error folded in)
             with self._timed("memory"):
                 compensated = [memory.compensate(t, n) for t, n in zip(sources, keys)]
+            if comp.prerounds:  # e.g. THC's scale, agreed over ranks before anyone compresses
+                with self._communicating():
+                    comp.preround(compensated, keys, self.engine)
             with self._timed("compress"):
                 payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, keys))))
             consume = consume and not _shares_storage(payloads, tensors, inplace)
             outputs = [_apart(out, c, memory) for out, c in zip(outputs, compensated)]
-            with self._timed("communicate"), self._counted():
+            with self._communicating():
                 sent, sent_ctxs = comm.aggregate_into(comp, payloads, ctxs, keys, outputs, consume)
             with self._timed("memory"):
                 for c, n, payload, ctx in zip(compensated, keys, sent, sent_ctxs):
@@ -197,6 +200,9 @@ class Grace:
             if comp.average:
                 for out in outputs:
                     out.div_(self.engine.size)
+            with self._timed("memory"):  # EF21: the shared estimate plus the averaged change
+                for out, n in zip(outputs, keys):
+                    memory.decode_average(out, n)
         return self._finish(tensors, outputs, names, keys, inplace, guard)
 
     def _prepare(self, tensors: list[Tensor], names: list[str]) -> None:
@@ -304,15 +310,9 @@ class Grace:
             target.fill_(float("nan"))
         return list(tensors) if inplace else outputs
 
-    @contextmanager
-    def _counted(self) -> Iterator[None]:
-        """Add the bytes the engine moved meanwhile to the stats."""
-        sent, received = self.engine.bytes_sent, self.engine.bytes_received
-        try:
-            yield
-        finally:
-            self._stats["bytes_sent"] += self.engine.bytes_sent - sent
-            self._stats["bytes_received"] += self.engine.bytes_received - received
+    def _communicating(self) -> _Communicating:
+        """The communicate phase: its time, and the bytes the engine moved meanwhile."""
+        return _Communicating(self)
 
     def bind(self) -> None:
         """Hand the engine to the parts that need the world size (fp16's pre-division,
@@ -493,6 +493,26 @@ class Grace:
             f"memory={self.memory.registered_name!r}, "
             f"communicator={self.communicator.registered_name!r}, engine={self.engine.name!r})"
         )
+
+
+class _Communicating:
+    """See :meth:`Grace._communicating` (a plain class: entered up to three times per group)."""
+
+    __slots__ = ("grace", "timed", "sent", "received")
+
+    def __init__(self, grace: Grace) -> None:
+        self.grace, self.timed = grace, grace._clock.timed("communicate")
+
+    def __enter__(self) -> None:
+        engine = self.grace.engine
+        self.sent, self.received = engine.bytes_sent, engine.bytes_received
+        self.timed.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.timed.__exit__()
+        engine, stats = self.grace.engine, self.grace._stats
+        stats["bytes_sent"] += engine.bytes_sent - self.sent
+        stats["bytes_received"] += engine.bytes_received - self.received
 
 
 def _shares_storage(payloads: list[Payload], tensors: list[Tensor], inplace: bool) -> bool:

@@ -235,6 +235,10 @@ class Compressor(Part):
                 the tensor is done. Such payloads must be summable (with any communicator).
       may_overflow: a finite input may come out of the exchange as Inf (fp16's ±65504):
                 Grace then copies the state a step changes, so a skipped step restores it.
+      prerounds: the method agrees on something with the other ranks before it compresses
+                (THC's global scale: one small collective per fusion group), in
+                :meth:`preround`. Such a method runs under the exchange communicators
+                (allreduce, allgather, broadcast), whose ranks all compress the same tensors.
     """
 
     registered_name: ClassVar[str]  # set by the registry's decorator
@@ -250,6 +254,7 @@ class Compressor(Part):
     chunkable = False
     sends_all = False
     may_overflow = False
+    prerounds = False
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         raise NotImplementedError
@@ -333,6 +338,13 @@ class Compressor(Part):
         ``engine="auto"``): keep what the method needs, e.g. the world size (fp16's
         pre-division) or the rank (the stochastic methods' streams). Default: nothing."""
 
+    def preround(self, tensors: Sequence[Tensor], names: Sequence[str], engine: Engine) -> None:
+        """With ``prerounds = True``: called by Grace with a fusion group's compensated tensors
+        right before they are compressed, on every rank, to agree with the other ranks through
+        ``engine`` on what :meth:`compress` needs (THC: the largest magnitude over ranks, so
+        that all ranks quantize on one scale and their codes can be summed). Its bytes count
+        as communication. Default: nothing."""
+
 
 class Memory(Part):
     """Error feedback state kept between steps, keyed by tensor name.
@@ -357,6 +369,11 @@ class Memory(Part):
 
     def update(self, tensor: Tensor, name: str, compressor: Compressor, payload: Payload, ctx: Any) -> None:
         pass
+
+    def decode_average(self, average: Tensor, name: str) -> None:
+        """Turn the average over ranks of what was sent into the gradient the optimizer gets, in
+        place, after :meth:`update`. Default: nothing (the average is the gradient). EF21 adds
+        the estimate every rank keeps alike: the ranks send compressed *changes* of it."""
 
     def bind(self, engine: Engine) -> None:
         """Called by Grace with its engine (see :meth:`Compressor.bind`); e.g. the momentum
@@ -403,6 +420,8 @@ class Communicator(Part):
             return "its payloads cannot be summed"
         if compressor.rounds > 1 and not issubclass(cls, ExchangeCommunicator):
             return "it exchanges several rounds per step (allgather, broadcast and allreduce carry those)"
+        if compressor.prerounds and not issubclass(cls, ExchangeCommunicator):
+            return "it agrees with every rank before compressing (allgather, broadcast and allreduce carry that)"
         return None
 
     @classmethod

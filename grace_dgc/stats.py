@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 # the phases of the data path, each timed exclusively: a phase's seconds exclude those of
 # the phases it encloses (decompression inside the exchange counts as decompression)
@@ -40,27 +40,35 @@ class Clock:
         finally:
             _active.clock = previous
 
-    @contextmanager
-    def timed(self, key: str) -> Iterator[None]:
-        frame = [time.perf_counter(), 0.0]
-        self._stack.append(frame)
-        try:
-            yield
-        finally:
-            self._stack.pop()
-            spent = time.perf_counter() - frame[0]
-            self.seconds[key] += spent - frame[1]
-            if self._stack:
-                self._stack[-1][1] += spent
+    def timed(self, key: str) -> _Timed:
+        """A context that charges its time to ``key`` (less what nested phases charged)."""
+        return _Timed(self, key)
 
 
-@contextmanager
-def phase(key: str) -> Iterator[None]:
+class _Timed:
+    """One phase of a :class:`Clock` (a plain class: the data path enters several per fusion
+    group, and a generator-based context manager costs a few microseconds each)."""
+
+    __slots__ = ("clock", "key", "frame")
+
+    def __init__(self, clock: Clock, key: str) -> None:
+        self.clock, self.key = clock, key
+
+    def __enter__(self) -> None:
+        self.frame = [time.perf_counter(), 0.0]
+        self.clock._stack.append(self.frame)
+
+    def __exit__(self, *exc: object) -> None:
+        stack = self.clock._stack
+        stack.pop()
+        spent = time.perf_counter() - self.frame[0]
+        self.clock.seconds[self.key] += spent - self.frame[1]
+        if stack:
+            stack[-1][1] += spent
+
+
+def phase(key: str) -> AbstractContextManager[None]:
     """Charge the enclosed time to ``key`` on the running exchange's clock (nothing when a
     communicator or compressor runs outside Grace, e.g. GRACE-style ``exchange`` calls)."""
     clock: Clock | None = getattr(_active, "clock", None)
-    if clock is None:
-        yield
-        return
-    with clock.timed(key):
-        yield
+    return nullcontext() if clock is None else clock.timed(key)
