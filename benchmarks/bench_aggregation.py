@@ -3,12 +3,15 @@
     .venv/bin/python benchmarks/bench_aggregation.py [--worlds 2 3 4] [--steps 3]
 
 On a 1000×1000 fp32 gradient (N(0, 1), a different seed per rank), gloo ranks on
-localhost, for topk 1 % (allgather, sparse_allreduce, sparse_allreduce with gTop-k) and
-qsgd (allgather, reduce_scatter): per rank and step, ``bytes_sent`` and ``bytes_received``
-from ``grace.stats()`` (see the README for what each counts), and the bytes the loopback
-interface carried (/proc/net/dev, lo transmit counter, all ranks together, divided by the
-ranks; includes TCP/IP headers), the mean over ``--steps`` steps after one warm-up step.
-Also the wall time per step (median of the steps, rank 0), for orientation only.
+localhost, for topk 1 % (allgather, sparse_allreduce, sparse_allreduce with gTop-k), qsgd
+(allgather, reduce_scatter) and thc (4 bits: allreduce, allgather; 7 bits: allreduce, whose
+int8 codes widen to int32 once N·63 > 127): per rank and step, ``bytes_sent`` and
+``bytes_received`` from ``grace.stats()`` (see the README for what each counts), and the
+bytes the loopback interface carried (/proc/net/dev, lo transmit counter, all ranks
+together, divided by the ranks; includes TCP/IP headers), the mean over ``--steps`` steps
+after one warm-up step; and the error of the last step's output against the exact average
+of the ranks' gradients, ‖out − mean‖₂ / ‖mean‖₂ (rank 0; no memory). Also the wall time
+per step (median of the steps, rank 0), for orientation only.
 """
 
 import argparse
@@ -26,6 +29,9 @@ CASES = [
     ("topk 1% gTop-k", "topk", "sparse_allreduce", {"compress_ratio": 0.01, "global_topk": True}),
     ("qsgd", "qsgd", "allgather", {}),
     ("qsgd", "qsgd", "reduce_scatter", {}),
+    ("thc", "thc", "allreduce", {}),
+    ("thc", "thc", "allgather", {}),
+    ("thc 7-bit", "thc", "allreduce", {"bits": 7}),
 ]
 
 
@@ -39,7 +45,11 @@ def loopback_bytes():
 
 
 def job(rank, world, steps):
-    g = torch.randn(1000, 1000, generator=torch.Generator().manual_seed(rank))
+    def gradient(r):
+        return torch.randn(1000, 1000, generator=torch.Generator().manual_seed(r))
+
+    g = gradient(rank)
+    mean = sum(gradient(r) for r in range(world)) / world
     out = {}
     for label, comp, comm, params in CASES:
         grace = grace_dgc.build(comp, "none", comm, **params)
@@ -49,7 +59,7 @@ def job(rank, world, steps):
         wire, times = loopback_bytes(), []
         for _ in range(steps):
             start = time.perf_counter()
-            grace.step(g, "g")
+            result = grace.step(g, "g")
             times.append(time.perf_counter() - start)
         grace.engine.barrier()
         stats = grace.stats()
@@ -58,6 +68,7 @@ def job(rank, world, steps):
             "received": stats["bytes_received"] / steps,
             "loopback": (loopback_bytes() - wire) / steps / world,
             "ms": statistics.median(times) * 1000,
+            "error": float((result - mean).norm() / mean.norm()),
         }
     return out
 
@@ -68,16 +79,19 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
     results = {world: run_local(job, world, args=(args.steps,))[0] for world in args.worlds}
-    print(f"torch={torch.__version__}; bytes per rank per step (KB = 1000 B); loopback: all ranks' lo tx / N")
+    print(
+        f"torch={torch.__version__}; bytes per rank per step (KB = 1000 B); loopback: all ranks' lo tx / N; "
+        "rel.err: ‖out − exact mean‖ / ‖exact mean‖"
+    )
     header = f"{'method':<16} {'communicator':<17}" + "".join(
-        f" | N={w}: sent  received  loopback" for w in args.worlds
+        f" | N={w}: sent  received  loopback  rel.err" for w in args.worlds
     )
     print(header + " | N=max/N=min (loopback)")
     for label, _, comm, _ in CASES:
         row = f"{label:<16} {comm:<17}"
         for world in args.worlds:
             r = results[world][(label, comm)]
-            row += f" | {r['sent'] / 1e3:9.1f} {r['received'] / 1e3:9.1f} {r['loopback'] / 1e3:9.1f}"
+            row += f" | {r['sent'] / 1e3:9.1f} {r['received'] / 1e3:9.1f} {r['loopback'] / 1e3:9.1f} {r['error']:8.4f}"
         first, last = results[args.worlds[0]][(label, comm)], results[args.worlds[-1]][(label, comm)]
         print(row + f" | {last['loopback'] / first['loopback']:.2f}×")
     print("\nwall ms per step (rank 0, median):")

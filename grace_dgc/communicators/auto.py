@@ -67,7 +67,7 @@ class Auto(Communicator):
 
     @classmethod
     def refusal(cls, compressor: Compressor) -> str | None:
-        if compressor.rounds > 1:
+        if compressor.rounds > 1 or compressor.prerounds:  # its members would not agree first
             return super().refusal(compressor)
         return None  # allgather carries every single-round compressor
 
