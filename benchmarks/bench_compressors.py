@@ -80,7 +80,9 @@ TIME_BOUND = 8.0  # × copy_, for tensors far larger than the cache (see --check
 # elementwise passes per element (one torch kernel each; no fusion on a CPU without a
 # compiler), and on this 2-core machine the draw itself costs 10-19 × copy_ as the CPU's
 # clock varies: bound = the draw (timed in the same rounds) + 16 × copy_.
-EXCEPTIONS = {"qsgd": 16.0, "terngrad": 16.0, "natural": 16.0}
+# stochastic rounding (16 + the draw), and transforms the method is made of: demo's blockwise
+# DCT (two matrix products per block), thc's Walsh–Hadamard transform (log2 d passes each way)
+EXCEPTIONS = {"qsgd": 16.0, "terngrad": 16.0, "natural": 16.0, "demo": 48.0, "thc": 16.0}
 CHECKED_FROM = 10_000_000  # elements
 # what each stochastic method draws per element (the others: uniform floats)
 DRAWS = {"natural": "integers"}
