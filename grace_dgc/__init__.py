@@ -21,6 +21,7 @@ from .registry import (
     register_compressor,
     register_memory,
 )
+from .schedules import DiLoCo, LocalSGD, OuterSync, list_schedules, register_schedule
 
 __version__ = "0.1.0"
 
@@ -47,4 +48,9 @@ __all__ = [
     "gather_state",
     "PerRankState",
     "load_gathered_state",
+    "OuterSync",
+    "DiLoCo",
+    "LocalSGD",
+    "list_schedules",
+    "register_schedule",
 ]

@@ -1,0 +1,490 @@
+"""Synchronization schedules: *when* and *what* a :class:`~grace_dgc.grace.Grace` exchanges.
+
+A :class:`~grace_dgc.optimizer.DistributedOptimizer` exchanges every gradient at every step.
+A schedule exchanges rarely and something else: DiLoCo and local SGD run ``inner_steps``
+steps of a local optimizer with no communication at all, then exchange the *outer gradient*
+(how far each rank moved since the last synchronization) through the Grace — any compressor,
+memory and communicator, error feedback included — and apply the average with an outer
+optimizer. Streaming DiLoCo's quantized outer gradient is a Grace with a quantizing
+compressor; MuLoCo's compressed delta with error feedback is a Grace with ``residual`` memory.
+
+Schedules are registered by name like the parts (``@register_schedule("name")``, the
+entry-point group ``grace_dgc.schedules``) and built with :func:`create`::
+
+    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.1)
+    grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0)  # ranks start alike
+    opt = grace_dgc.schedules.create(
+        "diloco", torch.optim.AdamW(model.parameters(), lr=4e-4), grace, model.named_parameters(), inner_steps=500
+    )
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()  # a local AdamW step; every 500th also synchronizes
+    opt.synchronize_now()  # the last partial round, before evaluating or saving
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from .errors import GraceConfigError, check_bool, check_range
+from .registry import Registry
+
+if TYPE_CHECKING:
+    from .grace import Grace
+
+log = logging.getLogger("grace_dgc")
+
+SCHEDULES = Registry("schedule", "grace_dgc.schedules")
+register_schedule = SCHEDULES.register
+
+STATE_FORMAT = 1
+
+
+def list_schedules(pattern: str = "*") -> list[str]:
+    """Sorted canonical schedule names matching a shell-style ``pattern``."""
+    return SCHEDULES.names(pattern)
+
+
+# the positional arguments every schedule takes; the others are its parameters
+_WIRED = ("optimizer", "grace", "named_parameters")
+
+
+def accepted_params(name: str) -> list[str]:
+    """The keyword parameters of schedule ``name`` (its settings)."""
+    return [p for p in SCHEDULES.accepted_params(name) if p not in _WIRED]
+
+
+def create(
+    name: str,
+    optimizer: torch.optim.Optimizer,
+    grace: Grace,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    **params: Any,
+) -> OuterSync:
+    """Build the schedule registered as ``name`` over the inner ``optimizer`` and ``grace``.
+
+    An unknown name is an error listing the valid ones (with the closest match); an unknown
+    parameter is an error naming it and the parameters the schedule accepts."""
+    canonical = SCHEDULES.canonical(name)
+    accepted = accepted_params(canonical)
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise GraceConfigError(
+            f"unknown parameter{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for schedule "
+            f"{canonical!r}. Accepted parameters: {', '.join(accepted) or '(none)'}"
+        )
+    schedule: OuterSync = SCHEDULES.get(canonical)(optimizer, grace, named_parameters, **params)
+    return schedule
+
+
+class OuterSync(torch.optim.Optimizer):
+    """An inner optimizer stepped locally; every ``inner_steps`` steps an outer step on the
+    average over ranks of the outer gradient (DiLoCo, Douillard et al. 2023, arXiv 2311.08105,
+    Algorithm 1; local SGD, Lin et al. 2018, arXiv 1808.07217, and torch's
+    ``PostLocalSGDOptimizer`` as the case outer_lr=1, no momentum).
+
+    Algorithm 1 of the DiLoCo paper, as done here (θ: the parameters; H = ``inner_steps``):
+
+    1. Initialisation: every worker starts from the same θ⁽⁰⁾ ("Require: initial model θ⁽⁰⁾";
+       the paper's main runs start from a checkpoint pretrained with synchronous data
+       parallelism). Here θ_start, the copy of θ the round starts from, is taken at the first
+       ``step()``: broadcast the parameters before it
+       (``grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0)``), or the ranks'
+       rounds start from different points and never agree.
+    2. Inner loop: each worker sets θ_i ← θ⁽ᵗ⁻¹⁾ and takes H steps of the inner optimizer
+       (AdamW in the paper) on its own data, with no communication. Algorithm 1 resets only
+       the parameters: the inner optimizer's state (Adam's moments, its step count, an LR
+       schedule) is left alone, so here each rank keeps its own across synchronizations, never
+       exchanged nor reset (as torchft's ``DiLoCo`` does).
+    3. Outer gradient: Δ⁽ᵗ⁾ = (1/k) Σᵢ (θ⁽ᵗ⁻¹⁾ − θᵢ⁽ᵗ⁾), *start minus end*: the sign of a gradient
+       (a step of plain SGD gives Δ = lr·g). Each rank forms θ_start − θ and the Grace averages
+       it (``step_group_async`` in fusion groups of up to ``fusion_bytes``): its compressor,
+       memory (error feedback on Δ, kept per parameter name across rounds) and communicator
+       act on Δ exactly as on a gradient.
+    4. Outer step: θ⁽ᵗ⁾ = OuterOpt(θ⁽ᵗ⁻¹⁾, Δ⁽ᵗ⁾): θ ← θ_start, then a ``torch.optim.SGD`` over the
+       same parameters (built once: its momentum buffer persists from round to round) steps
+       with ``p.grad`` = the averaged Δ. With Nesterov (the paper's outer optimizer):
+       m ← μ·m + Δ; θ ← θ_start − η·(Δ + μ·m). The paper's outer lr η = 0.7 and momentum
+       μ = 0.9 are ``diloco``'s defaults; ``local_sgd`` is η = 1, μ = 0: θ ← mean of the θᵢ.
+       The inner gradients in ``p.grad`` are put back afterwards.
+    5. θ_start ← θ (a copy): the next round starts here, on every rank alike (the averages are
+       bitwise equal on every rank, and so is everything computed from them).
+
+    ``step()`` is the inner optimizer's step, and every H-th call also synchronizes;
+    ``synchronize_now()`` ends a round early (before evaluating or saving: the parameters
+    are then the global θ on every rank). ``zero_grad``, ``param_groups`` and ``state`` are
+    the inner optimizer's, so LR schedulers act on it; ``outer_optimizer`` is the outer SGD
+    (its LR may be scheduled too). The memory of the Grace is attached to the outer optimizer
+    (``momentum`` takes over the outer SGD's momentum, as it does an SGD's under
+    ``DistributedOptimizer``). Use one Grace per schedule: its memory and step counters are
+    keyed by the parameter names.
+
+    A round whose outer gradient is not finite on some rank (Grace's ``nonfinite="skip"``)
+    is dropped alike on every rank: θ ← θ_start, no outer step (``stats()["skipped_syncs"]``);
+    with ``nonfinite="raise"`` the error propagates.
+    """
+
+    SETTINGS: ClassVar[tuple[str, ...]] = ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "fusion_bytes")
+    RESUME_MAY_DIFFER: ClassVar[dict[str, str]] = {
+        "fusion_bytes": "fusion only batches the exchange; what is kept is kept per parameter name"
+    }
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grace: Grace,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        inner_steps: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        fusion_bytes: int = 4 * 2**20,
+    ) -> None:
+        # Deliberately no super().__init__: the inner optimizer owns groups and state.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise GraceConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.inner_steps = check_range("inner_steps", inner_steps, 1, kind=int)
+        self.outer_lr = check_range("outer_lr", outer_lr, 0, low_open=True)
+        self.outer_momentum = check_range("outer_momentum", outer_momentum, 0, 1, high_open=True)
+        self.nesterov = check_bool("nesterov", nesterov)
+        if self.nesterov and self.outer_momentum == 0:
+            raise GraceConfigError(
+                "nesterov=True needs outer_momentum > 0 (Nesterov momentum without momentum is plain SGD); "
+                "accepted: nesterov=False, or outer_momentum in (0, 1)"
+            )
+        self.fusion_bytes = check_range("fusion_bytes", fusion_bytes, 0, kind=int)
+        if grace.wrapper:
+            raise GraceConfigError(
+                f"this Grace already serves an optimizer wrapper or schedule ({grace.wrapper}): build one Grace "
+                "per schedule, since its memory and counters are kept per parameter name"
+            )
+        self.optimizer = optimizer
+        self.grace = grace
+        self._names = _name_parameters(optimizer, named_parameters)
+        self._groups = _make_groups(list(self._names), self.fusion_bytes)
+        self.outer_optimizer = torch.optim.SGD(
+            list(self._names), lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov
+        )
+        self._start: dict[torch.nn.Parameter, Tensor] | None = None  # θ_start, taken at the first step
+        self.since_sync = 0  # inner steps since the last synchronization (or the start)
+        self.steps = 0  # inner steps in all
+        self.syncs = 0  # synchronizations in all
+        self._stat_steps = self._stat_syncs = self._stat_skipped = 0  # since reset_stats()
+        grace.memory.attach_optimizer(self.outer_optimizer, grace, {n: p for p, n in self._names.items()})
+        # the ranks compare these (and every group of a round) at the first synchronization
+        grace.wrapper = {"schedule": self.name, **self.settings()}
+        grace.expect_groups([[(self._names[p], p) for p in group] for group in self._groups])
+
+    # -- what it is -------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return getattr(type(self), "registered_name", type(self).__name__)
+
+    def settings(self) -> dict[str, Any]:
+        """The constructor's settings (what the ranks compare and a checkpoint records)."""
+        return {key: getattr(self, key) for key in self.SETTINGS}
+
+    # -- the schedule -----------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One inner step (no communication); every ``inner_steps``-th also synchronizes.
+        Returns what the inner optimizer's step returns (the closure's loss)."""
+        self._take_start()
+        result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.steps += 1
+        self.since_sync += 1
+        self._stat_steps += 1
+        if self.since_sync >= self.inner_steps:
+            self._synchronize()
+        return result
+
+    def synchronize_now(self) -> bool:
+        """End the round now (every rank must call it at the same point): the average outer
+        gradient of the steps since the last synchronization is applied. A no-op (False)
+        right after a synchronization, where there is nothing to exchange (an outer step on
+        a zero Δ would still move θ by the momentum)."""
+        self._take_start()
+        if self.since_sync == 0:
+            return False
+        self._synchronize()
+        return True
+
+    def _take_start(self) -> None:
+        if self._start is None:
+            self._start = {p: p.detach().clone() for p in self._names}
+
+    def _synchronize(self) -> None:
+        start = self._start
+        assert start is not None  # taken by step() or synchronize_now() before any call here
+        mark = self.grace.skipped
+        pending: list[tuple[list[torch.nn.Parameter], Future[list[Tensor]]]] = []
+        with torch.no_grad():
+            for group in self._groups:
+                # Δ = θ_start − θ, into views of one flat buffer per group: elementwise methods
+                # (none, fp16, bf16) without memory then reduce the group in one collective
+                flat = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
+                deltas = [
+                    torch.sub(start[p], p.detach(), out=view.view_as(p))
+                    for p, view in zip(group, flat.split([p.numel() for p in group]))
+                ]
+                names = [self._names[p] for p in group]
+                pending.append((group, self.grace.step_group_async(deltas, names, inplace=True)))
+            averages = {p: average for group, future in pending for p, average in zip(group, future.result())}
+            for p in self._names:  # θ ← θ_start
+                p.copy_(start[p])
+        self.since_sync = 0
+        if self.grace.skipped != mark:  # a NaN/Inf on some rank: every rank drops the round alike
+            self._stat_skipped += 1
+            log.warning(
+                "%s: the outer gradient was not finite on some rank; this round is dropped on every rank "
+                "(parameters back to the start of the round, no outer step)",
+                self.name,
+            )
+            return
+        saved = {p: p.grad for p in self._names}  # the inner gradients, given back after the outer step
+        try:
+            for p, average in averages.items():
+                p.grad = average
+            self.outer_optimizer.step()
+        finally:
+            for p, grad in saved.items():
+                p.grad = grad
+        with torch.no_grad():
+            for p in self._names:  # θ_start ← θ
+                start[p].copy_(p)
+        self.syncs += 1
+        self._stat_syncs += 1
+
+    # -- what the inner optimizer owns ------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise GraceConfigError("add parameter groups to the inner optimizer before building the schedule")
+
+    # -- stats ---------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Zero the counters of :meth:`stats` (and the Grace's)."""
+        self.grace.reset_stats()
+        self._stat_steps = 0
+        self._stat_syncs = 0
+        self._stat_skipped = 0
+
+    def stats(self) -> dict[str, Any]:
+        """The Grace's stats of the outer-gradient exchanges, with per-step figures over the
+        inner steps, since the last :meth:`reset_stats`:
+
+        steps: inner optimizer steps; syncs: synchronizations (skipped_syncs: rounds dropped
+        for a non-finite outer gradient); inner_steps: the setting H; bytes_per_sync:
+        bytes_sent / syncs; bytes_per_step: bytes_sent / steps, the cost per optimizer step
+        to compare with per-step methods (= bytes_per_sync / H when steps is a multiple of H).
+        """
+        out = self.grace.stats()
+        sent = out["bytes_sent"]
+        out.update(
+            steps=self._stat_steps,
+            syncs=self._stat_syncs,
+            skipped_syncs=self._stat_skipped,
+            inner_steps=self.inner_steps,
+            bytes_per_sync=sent / self._stat_syncs if self._stat_syncs else 0.0,
+            bytes_per_step=sent / self._stat_steps if self._stat_steps else 0.0,
+        )
+        return out
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit for bit, besides the model's own
+        parameters (save ``model.state_dict()`` beside it): the inner optimizer's state, the
+        outer optimizer's (momentum buffers), θ_start, the step counts and the Grace's state
+        (residuals, …). Plain tensors, numbers and strings: it loads with
+        ``torch.load(..., weights_only=True)``.
+
+        Between synchronizations every rank's parameters and inner optimizer state are its
+        own, and so is the Grace's state always: for a bit-for-bit resume save each rank's
+        file. A rank-0-only checkpoint (``gather_state(schedule)`` carries every rank's Grace
+        state) is best taken right after ``synchronize_now()``, where the parameters, θ_start
+        and the outer optimizer agree on every rank; the inner optimizer's state is then rank
+        0's on every rank that loads it.
+        """
+        self._take_start()
+        start = self._start
+        assert start is not None
+        return {
+            "format": STATE_FORMAT,
+            "schedule": self.name,
+            "settings": self.settings(),
+            "steps": self.steps,
+            "since_sync": self.since_sync,
+            "syncs": self.syncs,
+            "start": {self._names[p]: tensor.clone() for p, tensor in start.items()},
+            "optimizer": self.optimizer.state_dict(),
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "grace": self.grace.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output. A state of another schedule, of other settings
+        or of other parameters is refused with an error naming what differs, before anything
+        is loaded."""
+        state = state_dict
+        keys = ("format", "schedule", "settings", "start", "optimizer", "outer_optimizer", "grace")
+        if not isinstance(state, dict) or any(key not in state for key in keys):
+            got = f"keys {sorted(state)[:8]}" if isinstance(state, dict) else type(state).__name__
+            raise GraceConfigError(
+                f"load_state_dict needs a schedule's state_dict() (with {', '.join(keys)}); got {got}"
+            )
+        if state["format"] != STATE_FORMAT:
+            raise GraceConfigError(
+                f"schedule state format {state['format']!r} is not supported; accepted: {STATE_FORMAT}"
+            )
+        if state["schedule"] != self.name:
+            raise GraceConfigError(
+                f"the state was saved by schedule {state['schedule']!r}; this one is {self.name!r}: "
+                "build the same schedule to resume"
+            )
+        mine, saved = self.settings(), state["settings"]
+        differing = [
+            f"{key}: saved {saved.get(key, '(not set)')!r}, this run {mine.get(key, '(not set)')!r}"
+            for key in sorted(set(saved) | set(mine))
+            if saved.get(key, "(not set)") != mine.get(key, "(not set)") and key not in self.RESUME_MAY_DIFFER
+        ]
+        if differing:
+            raise GraceConfigError(
+                f"the state was saved with other settings of schedule {self.name!r}: {'; '.join(differing)}. "
+                "Build with the saved settings to resume"
+            )
+        by_name = {name: p for p, name in self._names.items()}
+        start = state["start"]
+        problems = [f"{name!r} missing" for name in by_name if name not in start]
+        problems += [f"{name!r} not in this model" for name in start if name not in by_name]
+        problems += [
+            f"{name!r}: {tuple(start[name].shape)} for {tuple(p.shape)}"
+            for name, p in by_name.items()
+            if name in start and tuple(start[name].shape) != tuple(p.shape)
+        ]
+        if problems:
+            raise GraceConfigError(
+                f"this checkpoint is of other parameters: {'; '.join(problems[:4])}"
+                + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+            )
+        self.grace.load_state_dict(state["grace"])  # refuses other methods, world sizes, settings
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self._start = {p: start[name].to(dtype=p.dtype, device=p.device).clone() for name, p in by_name.items()}
+        self.steps = int(state.get("steps", 0))
+        self.since_sync = int(state.get("since_sync", 0))
+        self.syncs = int(state.get("syncs", 0))
+
+    def __repr__(self) -> str:
+        listed = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
+        return f"{type(self).__name__}({self.optimizer!r}, {self.grace!r}, {listed})"
+
+    def __getstate__(self) -> Any:
+        raise TypeError(f"{type(self).__name__} is not picklable; save state_dict() instead")
+
+
+@register_schedule("diloco")
+class DiLoCo(OuterSync):
+    """DiLoCo (Douillard et al. 2023): H inner steps, then outer SGD with Nesterov momentum
+    on the averaged outer gradient; the paper's outer lr 0.7 and momentum 0.9 by default."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grace: Grace,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        inner_steps: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        fusion_bytes: int = 4 * 2**20,
+    ) -> None:
+        super().__init__(
+            optimizer, grace, named_parameters, inner_steps, outer_lr, outer_momentum, nesterov, fusion_bytes
+        )
+
+
+@register_schedule("local_sgd", aliases=("localsgd", "post_local_sgd"))
+class LocalSGD(OuterSync):
+    """Local SGD / model averaging every H steps (Lin et al. 2018; torch's
+    ``PostLocalSGDOptimizer`` after its warm-up): the outer step with lr 1 and no momentum,
+    θ ← θ_start − (θ_start − mean θᵢ) = the mean of the ranks' parameters."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grace: Grace,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        inner_steps: int = 8,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        nesterov: bool = False,
+        fusion_bytes: int = 4 * 2**20,
+    ) -> None:
+        super().__init__(
+            optimizer, grace, named_parameters, inner_steps, outer_lr, outer_momentum, nesterov, fusion_bytes
+        )
+
+
+def _name_parameters(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.nn.Parameter, str]:
+    """{parameter: name} for the inner optimizer's trainable parameters, in its order."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params:
+        raise GraceConfigError("the inner optimizer has no trainable parameters (requires_grad=True)")
+    if named_parameters is None:
+        return {p: f"param.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    names = [n for n, _ in named]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise GraceConfigError(f"named_parameters has duplicate names: {dupes}")
+    by_param = {p: n for n, p in named}
+    missing = [i for i, p in enumerate(params) if p not in by_param]
+    if missing:
+        raise GraceConfigError(
+            f"named_parameters lacks {len(missing)} of the optimizer's parameters "
+            f"(positions {missing[:5]}...); pass model.named_parameters() of the same model"
+        )
+    return {p: by_param[p] for p in params}
+
+
+def _make_groups(params: list[torch.nn.Parameter], fusion_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """Fusion groups in parameter order: up to ``fusion_bytes`` each, one dtype and device
+    (``fusion_bytes=0``: one parameter per group)."""
+    groups: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if (
+            not groups
+            or size + nbytes > fusion_bytes
+            or param.dtype != groups[-1][0].dtype
+            or param.device != groups[-1][0].device
+        ):
+            groups.append([])
+            size = 0
+        groups[-1].append(param)
+        size += nbytes
+    return groups
