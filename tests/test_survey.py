@@ -228,6 +228,47 @@ def test_tiny_survey_end_to_end_and_resume(tmp_path):
         assert_png(os.path.join(out, png))
 
 
+def test_a_schedule_runs_in_the_survey_and_its_bytes_are_per_step(tmp_path):
+    """local_sgd every 3 of the 8 steps, plus the epoch's closing synchronization: 3 dense
+    exchanges of the model in 8 steps, so 3/8 of a step-by-step allreduce's bytes."""
+    raw = dict(
+        TINY,
+        methods=[
+            {
+                "label": "local sgd H=3",
+                "compressor": "none",
+                "schedule": {"name": "local_sgd", "inner_steps": 3},
+            }
+        ],
+    )
+    conf = cfg.SurveyConfig(raw)
+    assert conf.cells()[0].method["schedule"] == {"name": "local_sgd", "params": {"inner_steps": 3}}
+    summaries, failures = runner.run_grid(conf, str(tmp_path / "run"), progress=False, log=lambda *a: None)
+    assert failures == [] and len(summaries) == 1
+    (summary,) = summaries
+    assert summary["dense_bytes_per_step"] == 4 * sum(TENSORS)
+    assert summary["bytes_per_step"] == pytest.approx(3 * 4 * sum(TENSORS) / 8)
+    assert summary["compression_ratio"] == pytest.approx(3 / 8)
+    assert summary["groups_per_step"] == pytest.approx(3 / 8) and 0 <= summary["final_test_accuracy"] <= 1
+
+
+@pytest.mark.parametrize(
+    "schedule, message",
+    [
+        ({"inner_steps": 3}, "schedule must be a table with a name"),
+        ({"name": "dilocco"}, "Did you mean 'diloco'"),
+        ({"name": "diloco", "inner_steps": 0}, "inner_steps=0 is out of range"),
+        ({"name": "diloco", "outer_lr": -1}, "outer_lr"),
+        ({"name": "diloco", "fusion_bytes": 0}, "give fusion_bytes on the method"),
+        ({"name": "diloco", "h": 5}, "unknown parameter 'h'"),
+    ],
+)
+def test_a_bad_schedule_is_named_before_any_rank_starts(schedule, message):
+    raw = dict(TINY, methods=[{"label": "s", "compressor": "none", "schedule": schedule}])
+    with pytest.raises(GraceConfigError, match=message):
+        cfg.SurveyConfig(raw)
+
+
 def test_a_run_is_deterministic(tmp_path):
     """One process (local engine): the same cell twice gives the same numbers (seeded init,
     seeded data order); the seeded init is what every method starts from."""
@@ -467,6 +508,52 @@ def test_cost_models_against_hand_computed_numbers():
     )
     labels = [m["label"] for m in project.with_communicators([sparse], [gtopk, "reduce_scatter"])]
     assert labels == ["dgc", "dgc @ sparse_allreduce+global_topk"]  # reduce_scatter refuses dgc
+
+
+def test_the_bandwidth_each_utilization_needs_is_solved_from_the_model():
+    """c / T(β) = u solved for β: projecting at that bandwidth gives u back; a method whose
+    latency and compression alone exceed (1/u − 1)·c never gets there; one node needs none."""
+    method = {
+        "label": "topk",
+        "compressor": "topk",
+        "communicator": "allgather",
+        "workers": 2,
+        "rounds": 1,
+        "compute_s": 0.1,
+        "compress_s": 0.0005,
+        "decompress_s": 0.0002,
+        "bytes_per_step": 1e6,
+        "dense_bytes_per_step": 1e8,
+        "exchanges_per_step": 4,
+        "batch_size": 32,
+    }
+    for target in (0.9, 0.95):
+        for latency_ms in (0.01, 0.001):
+            needed = project.bandwidth_for_utilization(method, 8, latency_ms, target)
+            # by hand: T(β) = c + s + d·8/2 + 4·2·7·α + 7·1e6·β
+            base = 0.1 + 0.0005 + 0.0002 * 4 + 4 * 14 * latency_ms / 1000
+            assert needed == pytest.approx(8 * 7e6 / (0.1 / target - base))
+            (row,) = project.project([method], [8], [needed], latency_ms)
+            assert row["utilization"] == pytest.approx(target)
+    slow = dict(method, compress_s=0.02)  # 0.1/0.9 − 0.1 = 0.011 < 0.02: no bandwidth helps
+    assert math.isinf(project.bandwidth_for_utilization(slow, 8, 0.1, 0.9))
+    assert project.bandwidth_for_utilization(method, 1, 0.1, 0.9) == 0.0  # one node sends nothing
+    rows = project.utilization_rows([method, slow], [1, 8], [0.5, 250.0])
+    assert len(rows) == 2 * 2 * 2 and "never" in project.format_utilization(rows)
+
+
+def test_project_sweeps_round_trips_and_low_bandwidth(tmp_path, capsys):
+    write_fixture(tmp_path)
+    assert cli.project_main([str(tmp_path), "--nodes", "8", "--low-bandwidth"]) == 0
+    printed = capsys.readouterr().out
+    for rate, rtt in (("100mbit", 250), ("1gbit", 25), ("10gbit", 0.5)):  # α = RTT/2
+        assert f"| 8 | {rate} | {rtt:g} ms |" in printed
+    assert "Bandwidth for 90 % utilization" in printed and "Bandwidth for 95 % utilization" in printed
+    with open(tmp_path / "projection.csv") as f:
+        assert len(list(csv.DictReader(f))) == 3 * 3 * 3  # methods × bandwidths × latencies
+    assert cli.project_main([str(tmp_path), "--nodes", "8", "--rtt", "1,500", "--bandwidth", "1gbit"]) == 0
+    assert "| 500 ms |" not in capsys.readouterr().out  # 500 ms round trip is α = 250 ms
+    assert_png(tmp_path / "projection.png")
 
 
 def test_project_command_on_fixture(tmp_path, capsys):

@@ -46,6 +46,12 @@ measured c, s, d and bytes B); without one, T_dense(N) = c + e·2(N−1)·α + 2
 with the method's own compute and B its measured fp32 bytes per step (its e). Speedup =
 T_dense(N) / T(N).
 Weak scaling: each node keeps the measured per-worker batch, so c does not change with N.
+Compute utilization = c / T(N): the share of a step spent computing. For each method, node
+count and latency the projection also solves for the bandwidth that keeps it at 90 % and 95 %
+(T is affine in β, so c/T = u gives β = (c/u − T(β=0)) / (dT/dβ)); "never" when latency,
+compression or decompression alone take more than (1/u − 1)·c. ``--rtt`` takes round-trip
+times (α = RTT/2) and ``--low-bandwidth`` sweeps 0.1–10 Gbit/s at 1, 50 and 500 ms round
+trips, the cross-datacenter and internet settings of DiLoCo-style training.
 The model ignores compute/communication overlap (real dense allreduce overlaps part of
 backward, so compression's advantage is an upper bound), congestion and stragglers.
 """
@@ -304,6 +310,7 @@ def project(
                         "dense_step_s": dense_time,
                         "speedup": dense_time / step,
                         "samples_per_s": method["batch_size"] * nodes / step,
+                        "utilization": method["compute_s"] / step,
                         "bytes_per_step": method["bytes_per_step"],
                         "measured_workers": method["workers"],
                     }
@@ -311,18 +318,78 @@ def project(
     return rows
 
 
+UTILIZATION_TARGETS = (0.90, 0.95)
+
+
+def bandwidth_for_utilization(
+    method: Method, nodes: int, latency_ms: float, target: float, node: Node | None = None
+) -> float:
+    """The bandwidth (bit/s) at which ``method`` spends ``target`` of its step computing on
+    ``nodes`` nodes: compute c ÷ step time T = target. T is affine in β = 8/bandwidth (every
+    collective's time is α-terms + bytes·β), so T(β) = T₀ + k·β and the largest β that
+    meets c/T ≥ target is (c/target − T₀)/k. ``math.inf`` when no bandwidth reaches it
+    (latency, compression or decompression alone take more than (1/target − 1)·c); 0 when
+    any bandwidth does (nothing travels: one node)."""
+    node_model = None if node is None else (node[0], 8 / node[1])
+    alpha, probe = latency_ms / 1000, 1e-9
+    base = project_step(method, nodes, alpha, 0.0, node_model)[0]
+    slope = (project_step(method, nodes, alpha, probe, node_model)[0] - base) / probe
+    room = method["compute_s"] / target - base
+    if room < 0:
+        return math.inf
+    return 0.0 if slope <= 0 else 8 * slope / room
+
+
+def utilization_rows(
+    methods: Sequence[Method], nodes_list: Sequence[int], latencies_ms: Sequence[float], node: Node | None = None
+) -> list[Row]:
+    """Per method, node count and latency: the bandwidth each utilization target needs."""
+    return [
+        {
+            "label": method["label"],
+            "nodes": nodes,
+            "latency_ms": latency,
+            **{
+                f"bandwidth_for_{round(target * 100)}pct_bps": bandwidth_for_utilization(
+                    method, nodes, latency, target, node
+                )
+                for target in UTILIZATION_TARGETS
+            },
+        }
+        for latency in latencies_ms
+        for nodes in nodes_list
+        for method in methods
+    ]
+
+
+def _rate_or_never(bps: float) -> str:
+    return "never" if math.isinf(bps) else "any" if bps == 0 else format_rate(bps)
+
+
+def format_utilization(rows: Sequence[Mapping[str, Any]]) -> str:
+    targets = [round(t * 100) for t in UTILIZATION_TARGETS]
+    lines = [
+        "| Method | Nodes | Latency | " + " | ".join(f"Bandwidth for {t} % utilization" for t in targets) + " |",
+        "|---|---|---|" + "---|" * len(targets),
+    ]
+    for r in rows:
+        needed = " | ".join(_rate_or_never(r[f"bandwidth_for_{t}pct_bps"]) for t in targets)
+        lines.append(f"| {r['label']} | {r['nodes']} | {r['latency_ms']:g} ms | {needed} |")
+    return "\n".join(lines)
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = [
         "| Method | Nodes | Bandwidth | Latency | Step time | Communication | Dense step | "
-        "Speedup vs dense | Samples/s | Bytes/step/worker |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "Speedup vs dense | Utilization | Samples/s | Bytes/step/worker |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['nodes']} | {format_rate(r['bandwidth_bps'])} | {r['latency_ms']:g} ms | "
             f"{r['step_s'] * 1000:.2f} ms | {r['communication_s'] * 1000:.2f} ms | "
-            f"{r['dense_step_s'] * 1000:.2f} ms | {r['speedup']:.2f}× | {r['samples_per_s']:.0f} | "
-            f"{human_bytes(r['bytes_per_step'])} |"
+            f"{r['dense_step_s'] * 1000:.2f} ms | {r['speedup']:.2f}× | {r['utilization']:.0%} | "
+            f"{r['samples_per_s']:.0f} | {human_bytes(r['bytes_per_step'])} |"
         )
     return "\n".join(lines)
 
@@ -332,9 +399,13 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str) -> str:
 
     plt = _plt()
     bandwidths = sorted({r["bandwidth_bps"] for r in rows})
-    fig, axes = plt.subplots(1, len(bandwidths), figsize=(5 * len(bandwidths), 4), squeeze=False)
-    for ax, bandwidth in zip(axes[0], bandwidths):
-        subset = [r for r in rows if r["bandwidth_bps"] == bandwidth]
+    latencies = sorted({r["latency_ms"] for r in rows})
+    fig, axes = plt.subplots(
+        len(latencies), len(bandwidths), figsize=(5 * len(bandwidths), 4 * len(latencies)), squeeze=False
+    )
+    panels = [(ax, b, lat) for row, lat in zip(axes, latencies) for ax, b in zip(row, bandwidths)]
+    for ax, bandwidth, latency in panels:
+        subset = [r for r in rows if r["bandwidth_bps"] == bandwidth and r["latency_ms"] == latency]
         for label in dict.fromkeys(r["label"] for r in subset):
             points = sorted((r["nodes"], r["speedup"]) for r in subset if r["label"] == label)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
@@ -351,7 +422,20 @@ def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("dir", help="a survey output directory (results.jsonl)")
     parser.add_argument("--nodes", default="8,16,64", help="comma-separated node counts (default 8,16,64)")
     parser.add_argument("--bandwidth", default="1gbit,10gbit", help="comma-separated rates (default 1gbit,10gbit)")
-    parser.add_argument("--latency", default="0.1", help="per-message latency α in ms (default 0.1)")
+    parser.add_argument(
+        "--latency", default="0.1", help="per-message latency α in ms, comma-separated to sweep (default 0.1)"
+    )
+    parser.add_argument(
+        "--rtt",
+        help="round-trip times in ms instead of --latency, comma-separated (α = RTT/2; e.g. 1,50,500 for "
+        "datacenter, cross-region and internet links)",
+    )
+    parser.add_argument(
+        "--low-bandwidth",
+        action="store_true",
+        help="the low-bandwidth sweep: --bandwidth 0.1gbit,1gbit,10gbit --rtt 1,50,500 (cross-datacenter and "
+        "internet settings, where DiLoCo-style training runs)",
+    )
     parser.add_argument(
         "--communicators",
         default="",
@@ -375,8 +459,15 @@ def run_project(args: argparse.Namespace) -> int:
         raise GraceConfigError(f"--nodes {args.nodes!r} must be comma-separated integers, e.g. 8,16,64") from None
     if not nodes or min(nodes) < 1:
         raise GraceConfigError(f"--nodes {args.nodes!r} must be integers >= 1")
+    if getattr(args, "low_bandwidth", False):
+        args.bandwidth, args.rtt = "0.1gbit,1gbit,10gbit", "1,50,500"
     bandwidths = [parse_rate(b) for b in str(args.bandwidth).split(",") if b.strip()]
-    latency = parse_latency(args.latency)
+    if getattr(args, "rtt", None):
+        latencies = [parse_latency(r) / 2 for r in str(args.rtt).split(",") if r.strip()]
+    else:
+        latencies = [parse_latency(a) for a in str(args.latency).split(",") if a.strip()]
+    if not bandwidths or not latencies:
+        raise GraceConfigError("--bandwidth and --latency (or --rtt) need at least one value each")
     methods = measured_methods(read_records(args.dir))
     extra = [c.strip() for c in str(getattr(args, "communicators", "") or "").split(",") if c.strip()]
     if extra:
@@ -385,15 +476,18 @@ def run_project(args: argparse.Namespace) -> int:
     if group < 1:
         raise GraceConfigError(f"--group-size {group} must be >= 1")
     node = (group, parse_rate(getattr(args, "node_bandwidth", "100gbit")))
-    rows = project(methods, nodes, bandwidths, latency, node)
+    rows = [row for latency in latencies for row in project(methods, nodes, bandwidths, latency, node)]
+    needs = utilization_rows(methods, nodes, latencies, node)
     out = args.out or args.dir
     os.makedirs(out, exist_ok=True)
-    table = format_table(rows)
+    table = format_table(rows) + "\n\n" + format_utilization(needs)
     with open(os.path.join(out, "projection.md"), "w") as f:
         f.write(
             "# Projected step time and speedup over dense allreduce\n\n"
             "α-β model (see `grace_dgc.survey.project`); compute, compress/decompress times and "
-            "payload bytes measured by the survey.\n\n" + table + "\n"
+            "payload bytes measured by the survey. Utilization: compute time ÷ step time. The second "
+            "table: the bandwidth each method needs to keep that share of its step computing "
+            "(never: latency or compression alone prevent it).\n\n" + table + "\n"
         )
     with open(os.path.join(out, "projection.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, list(rows[0]))
