@@ -194,6 +194,8 @@ class SurveyConfig:
                     spec[key] = float(method[key])
             if "fusion_bytes" in method:
                 spec["fusion_bytes"] = _positive_int(method["fusion_bytes"], f"{where}: fusion_bytes", low=0)
+            if "schedule" in method:
+                spec["schedule"] = _schedule(method["schedule"], spec, f"{where} ({spec['label']!r})")
             if "tune_lr" in method:
                 cands = method["tune_lr"]
                 if not cands or not all(
@@ -239,7 +241,7 @@ class SurveyConfig:
             label=method["label"],
             method={
                 k: method[k]
-                for k in ("compressor", "memory", "communicator", "params", "tags", "fusion_bytes")
+                for k in ("compressor", "memory", "communicator", "params", "tags", "fusion_bytes", "schedule")
                 if k in method
             },
             tune_lr=method.get("tune_lr"),
@@ -315,3 +317,33 @@ def with_overrides(
         raw["networks"] = [network]
     raw.setdefault("name", config.name)
     return SurveyConfig(raw, source=config.source)
+
+
+def _schedule(raw: object, spec: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``{name = "diloco", inner_steps = 10, ...}`` checked by building the schedule on paper
+    (a one-parameter model, the method's Grace on one planned rank): every name and value
+    is refused here, before any rank starts."""
+    import torch
+
+    import grace_dgc
+
+    from .. import schedules
+
+    if not isinstance(raw, dict) or "name" not in raw:
+        raise GraceConfigError(
+            f'{where}: schedule must be a table with a name, e.g. {{name = "diloco", inner_steps = 10}}; '
+            f"schedules: {', '.join(schedules.list_schedules())}"
+        )
+    params = {k: v for k, v in raw.items() if k != "name"}
+    if "fusion_bytes" in params:
+        raise GraceConfigError(f"{where}: schedule: give fusion_bytes on the method, not in its schedule")
+    try:
+        name = schedules.SCHEDULES.canonical(raw["name"])
+        grace = grace_dgc.build(
+            spec["compressor"], spec["memory"], spec["communicator"], engine=PlanEngine(1), **spec["params"]
+        )
+        weight = torch.nn.Parameter(torch.zeros(1))
+        schedules.create(name, torch.optim.SGD([weight], lr=0.1), grace, [("w", weight)], **params)
+    except GraceConfigError as err:
+        raise GraceConfigError(f"{where}: schedule: {err}") from None
+    return {"name": name, "params": params}

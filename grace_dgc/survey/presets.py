@@ -137,12 +137,38 @@ def _preset_twobit(data_dir: str | None) -> Raw:
     }
 
 
+def _preset_modern(data_dir: str | None) -> Raw:
+    """Issue 23: gradient compression of 2018-2019, today's methods and local updates on one
+    workload, seeds and measurements. DeMo and DiLoCo carry their own momentum (the DeMo memory,
+    the outer Nesterov): DeMo's SGD runs without momentum, at a sign method's step size."""
+    return {
+        "name": "modern-methods",
+        "description": "dense vs DGC, PowerSGD, THC, EF21, DeMo and DiLoCo (H = 10, 50) on MNIST-1D with 2 ranks, "
+        "3 seeds: bytes per step (DiLoCo's averaged over its inner steps), time and epochs to the target",
+        "workload": "mnist1d-mlp",
+        "workers": 2,
+        "seeds": [0, 1, 2],
+        "epochs": 10,
+        "methods": [
+            _method("dense", "none"),
+            _method("dgc 0.1%", "dgc", "momentum", "allgather", params={"compress_ratio": 0.001, "warmup_epochs": 2}),
+            _method("powersgd r2", "powersgd", "powersgd", "allreduce", params={"compress_rank": 2}),
+            _method("thc 4-bit", "thc", "none", "allreduce", params={"bits": 4}),
+            _method("ef21 topk 1%", "topk", "ef21", "allgather", params={"compress_ratio": 0.01}),
+            _method("demo", "demo", "demo", "allgather", momentum=0.0, lr=0.002),
+            _method("diloco H=10", "none", "none", "allreduce", schedule={"name": "diloco", "inner_steps": 10}),
+            _method("diloco H=50", "none", "none", "allreduce", schedule={"name": "diloco", "inner_steps": 50}),
+        ],
+    }
+
+
 PRESETS: dict[str, Callable[[str | None], Raw]] = {
     "quick": _preset_quick,
     "kpercent-masking": _preset_kpercent,
     "dgc-resnet20-time-to-accuracy": _preset_dgc_resnet20,
     "tuned-topk-dgc-qsgd": _preset_topk_dgc_qsgd,
     "twobit-thresholds": _preset_twobit,
+    "modern-methods": _preset_modern,
 }
 #: the first names (by seed document number) → the names above
 PRESET_ALIASES = {

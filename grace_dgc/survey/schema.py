@@ -61,6 +61,11 @@ METHOD_KEYS: Schema = {
     "weight_decay": ((int, float), "this method's SGD weight decay"),
     "tune_lr": ((list,), "lr candidates: the best on a held-out split is used (and reported)"),
     "tags": ((dict,), "free-form values carried into the results (e.g. kpercent = 1 for the seed000 table)"),
+    "schedule": (
+        (dict,),
+        "a synchronization schedule instead of a step-by-step exchange (grace_dgc.schedules), e.g. "
+        '{name = "diloco", inner_steps = 10}: the method\'s Grace then carries the outer gradient',
+    ),
 }
 NETWORK_KEYS: Schema = {
     "bandwidth": ((str, int, float), 'rate of the shaped loopback, e.g. "1gbit"'),

@@ -16,6 +16,8 @@ from torch import Tensor, nn
 import grace_dgc
 
 from ..errors import GraceConfigError
+from ..schedules import OuterSync
+from ..schedules import create as create_schedule
 from ..stats import GRACE_KEYS
 from .extras import require
 from .metrics import RankTotals, epoch_record
@@ -122,7 +124,16 @@ def train(
         model.parameters(), lr=lr, momentum=workload.momentum, weight_decay=workload.weight_decay
     )
     fusion = {"fusion_bytes": method["fusion_bytes"]} if "fusion_bytes" in method else {}
-    dist_opt = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters(), **fusion)
+    schedule = method.get("schedule")
+    dist_opt: grace_dgc.DistributedOptimizer | OuterSync
+    if schedule is None:
+        dist_opt = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters(), **fusion)
+    else:  # the workload's optimizer steps locally; the Grace carries the outer gradient
+        dist_opt = create_schedule(
+            schedule["name"], optimizer, grace, model.named_parameters(), **fusion, **schedule["params"]
+        )
+    # what a step-by-step fp32 allreduce would send: a schedule's ratio is against it, not per sync
+    dense_per_step = 4 * sum(p.numel() for p in model.parameters())
 
     inputs, targets = train_split
     if ctx.device.type == "cuda":
@@ -183,11 +194,13 @@ def train(
                 loss.backward()
                 ctx.sync()
                 t1 = time.perf_counter()
-                if workload.grad_clip:  # clip the averaged gradient, then update once
-                    dist_opt.synchronize()
+                if workload.grad_clip and isinstance(dist_opt, grace_dgc.DistributedOptimizer):
+                    dist_opt.synchronize()  # clip the averaged gradient, then update once
                     torch.nn.utils.clip_grad_norm_(model.parameters(), workload.grad_clip)
                     optimizer.step()
                 else:
+                    if workload.grad_clip:  # a schedule: the local gradient, before the local step
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), workload.grad_clip)
                     dist_opt.step()
                 ctx.sync()
                 t2 = time.perf_counter()
@@ -197,7 +210,7 @@ def train(
                 totals.hits += hits.item()
                 totals.count += count
                 totals.bytes_sent += stats["bytes_sent"]
-                totals.dense_bytes += stats["dense_bytes"]
+                totals.dense_bytes += stats["dense_bytes"] if schedule is None else dense_per_step
                 totals.exchanges += stats["tensors"]
                 totals.groups += stats["groups"]
                 if global_step >= skip:
@@ -222,6 +235,14 @@ def train(
                     )
                 global_step += 1
                 bar.update()
+            # a schedule ends the epoch with a synchronization: the evaluated model is the ranks'
+            # common one (its bytes and time count as the epoch's)
+            if isinstance(dist_opt, OuterSync) and dist_opt.synchronize_now():
+                stats = grace.stats()
+                grace.reset_stats()
+                totals.bytes_sent += stats["bytes_sent"]
+                totals.exchanges += stats["tensors"]
+                totals.groups += stats["groups"]
             ctx.sync()
             totals.train_time = time.perf_counter() - epoch_start
             totals.peak_rss_mb, totals.peak_gpu_mb = _peak_memory(ctx)
@@ -247,7 +268,8 @@ def train(
                 on_epoch(record)
     finally:
         bar.close()
-        dist_opt.remove_hooks()
+        if isinstance(dist_opt, grace_dgc.DistributedOptimizer):
+            dist_opt.remove_hooks()
     return history, {
         "global_batch": global_batch,
         "steps_per_epoch": steps,
