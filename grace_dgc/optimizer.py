@@ -22,7 +22,38 @@ if TYPE_CHECKING:
     from .grace import Grace
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class WrappingOptimizer(torch.optim.Optimizer):
+    """What a wrapper of a user's optimizer shares with it (``DistributedOptimizer``, the
+    synchronization schedules): its ``param_groups``, ``state`` and ``defaults`` are the
+    wrapped optimizer's (LR schedulers act on it); it is not picklable (it holds a live
+    Grace: save ``state_dict()``)."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise GraceConfigError("add parameter groups to the wrapped optimizer before wrapping it")
+
+    def __getstate__(self) -> Any:
+        raise TypeError(f"{type(self).__name__} is not picklable; save state_dict() instead")
+
+
+class DistributedOptimizer(WrappingOptimizer):
     """Horovod-style distributed optimizer over a ``Grace``.
 
     1. Parameters are grouped into fusion buckets of up to ``fusion_bytes`` of gradient,
@@ -336,26 +367,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         return self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    # -- what the wrapped optimizer owns ---------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise GraceConfigError("add parameter groups to the wrapped optimizer before wrapping it")
-
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus grace's compressor and memory state."""
         return {"optimizer": self.optimizer.state_dict(), "grace": self.grace.state_dict()}
@@ -407,9 +418,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, {self.grace!r})"
-
-    def __getstate__(self) -> Any:
-        raise TypeError("DistributedOptimizer is not picklable; save state_dict() instead")
 
 
 class _Join:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from .errors import GraceConfigError, check_bool, check_range
+from .optimizer import WrappingOptimizer
 from .registry import Registry
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ def create(
     return schedule
 
 
-class OuterSync(torch.optim.Optimizer):
+class OuterSync(WrappingOptimizer):
     """An inner optimizer stepped locally; every ``inner_steps`` steps an outer step on the
     average over ranks of the outer gradient (DiLoCo, Douillard et al. 2023, arXiv 2311.08105,
     Algorithm 1; local SGD, Lin et al. 2018, arXiv 1808.07217, and torch's
@@ -265,25 +266,6 @@ class OuterSync(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         return self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise GraceConfigError("add parameter groups to the inner optimizer before building the schedule")
-
     # -- stats ---------------------------------------------------------------------------
     def reset_stats(self) -> None:
         """Zero the counters of :meth:`stats` (and the Grace's)."""
@@ -400,9 +382,6 @@ class OuterSync(torch.optim.Optimizer):
     def __repr__(self) -> str:
         listed = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
         return f"{type(self).__name__}({self.optimizer!r}, {self.grace!r}, {listed})"
-
-    def __getstate__(self) -> Any:
-        raise TypeError(f"{type(self).__name__} is not picklable; save state_dict() instead")
 
 
 @register_schedule("diloco")

@@ -78,8 +78,10 @@ class EF21Memory(Memory):
 
 @register_memory("ef21-sgdm", aliases=("ef21_sgdm",))
 class EF21SGDMMemory(EF21Memory):
-    """EF21-SGDM (Fatkhullin, Tyurin & Richtárik 2023): :class:`EF21Memory` with momentum,
-    η = 0.1 by default (the paper's experiments use η ∈ [0.01, 0.1])."""
+    """EF21-SGDM (Fatkhullin, Tyurin & Richtárik 2023): EF21 on a momentum of the gradients
+
+    :class:`EF21Memory` with η = 0.1 by default (the paper's experiments use η ∈ [0.01, 0.1]).
+    """
 
     def __init__(self, eta: float = 0.1) -> None:
         super().__init__(eta)
