@@ -143,8 +143,9 @@ def _preset_modern(data_dir: str | None) -> Raw:
     the outer Nesterov): DeMo's SGD runs without momentum, at a sign method's step size."""
     return {
         "name": "modern-methods",
-        "description": "dense vs DGC, PowerSGD, THC, EF21, DeMo and DiLoCo (H = 10, 50) on MNIST-1D with 2 ranks, "
-        "3 seeds: bytes per step (DiLoCo's averaged over its inner steps), time and epochs to the target",
+        "description": "dense vs DGC, PowerSGD, THC, EF21, DeMo, DiLoCo (H = 10, 50) and local SGD (H = 10) on "
+        "MNIST-1D with 2 ranks, 3 seeds: bytes per step (DiLoCo's averaged over its inner steps), time and epochs "
+        "to the target",
         "workload": "mnist1d-mlp",
         "workers": 2,
         "seeds": [0, 1, 2],
@@ -158,6 +159,7 @@ def _preset_modern(data_dir: str | None) -> Raw:
             _method("demo", "demo", "demo", "allgather", momentum=0.0, lr=0.002),
             _method("diloco H=10", "none", "none", "allreduce", schedule={"name": "diloco", "inner_steps": 10}),
             _method("diloco H=50", "none", "none", "allreduce", schedule={"name": "diloco", "inner_steps": 50}),
+            _method("local sgd H=10", "none", "none", "allreduce", schedule={"name": "local_sgd", "inner_steps": 10}),
         ],
     }
 

@@ -363,7 +363,7 @@ def utilization_rows(
 
 
 def _rate_or_never(bps: float) -> str:
-    return "never" if math.isinf(bps) else "any" if bps == 0 else format_rate(bps)
+    return "never" if math.isinf(bps) else "any" if bps == 0 else format_rate(float(f"{bps:.3g}"))
 
 
 def format_utilization(rows: Sequence[Mapping[str, Any]]) -> str:
