@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import grace_dgc
+from grace_dgc.registry import COMPRESSORS
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hvd_worker
@@ -155,7 +156,9 @@ def test_bytes_sent_follow_each_engines_definition(runs):
                         8 * len(mine) + max(sum(n * d.itemsize for d, n in p) for p in same)
                         for mine, *same in zip(logs[rank], *logs)
                     )
-                if expected is not None:
+                # a pre-round (thc's scale) is a collective of its own, not a logged exchange:
+                # tests/test_thc.py counts those bytes exactly
+                if expected is not None and not COMPRESSORS.get(key.split("+", 1)[0]).prerounds:
                     assert measured == expected, (engine, key, rank, measured, expected)
         for rank in range(WORLD):
             assert (
