@@ -52,6 +52,47 @@ class WrappingOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> Any:
         raise TypeError(f"{type(self).__name__} is not picklable; save state_dict() instead")
 
+    @staticmethod
+    def _fusion_groups(params: list[torch.nn.Parameter], fusion_bytes: int) -> list[list[torch.nn.Parameter]]:
+        """Consecutive groups of ``params`` of up to ``fusion_bytes`` each, one dtype and
+        device per group (``fusion_bytes=0``: one parameter per group)."""
+        groups: list[list[torch.nn.Parameter]] = []
+        size = 0
+        for param in params:
+            nbytes = param.numel() * param.element_size()
+            if (
+                not groups
+                or size + nbytes > fusion_bytes
+                or param.dtype != groups[-1][0].dtype
+                or param.device != groups[-1][0].device
+            ):
+                groups.append([])
+                size = 0
+            groups[-1].append(param)
+            size += nbytes
+        return groups
+
+    @staticmethod
+    def _name_parameters(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.nn.Parameter, str]:
+        """{parameter: name} for the wrapped optimizer's trainable parameters, in its order
+        (``param.<i>`` without names); duplicate or missing names are refused."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if named_parameters is None:
+            return {p: f"param.{i}" for i, p in enumerate(params)}
+        named = list(named_parameters)
+        names = [n for n, _ in named]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise GraceConfigError(f"named_parameters has duplicate names: {dupes}")
+        by_param = {p: n for n, p in named}
+        missing = [i for i, p in enumerate(params) if p not in by_param]
+        if missing:
+            raise GraceConfigError(
+                f"named_parameters lacks {len(missing)} of the optimizer's parameters "
+                f"(positions {missing[:5]}...); pass model.named_parameters() of the same model"
+            )
+        return {p: by_param[p] for p in params}
+
 
 class DistributedOptimizer(WrappingOptimizer):
     """Horovod-style distributed optimizer over a ``Grace``.
@@ -134,23 +175,9 @@ class DistributedOptimizer(WrappingOptimizer):
         grace.wrapper = {"backward_passes_per_step": backward_passes_per_step, "fusion_bytes": fusion_bytes}
         grace.expect_groups([[(self._names[p], p) for p in bucket] for bucket in self._buckets])
 
-    @staticmethod
-    def _make_buckets(params: list[torch.nn.Parameter], fusion_bytes: int) -> list[list[torch.nn.Parameter]]:
-        buckets: list[list[torch.nn.Parameter]] = []
-        size = 0
-        for param in reversed(params):
-            nbytes = param.numel() * param.element_size()
-            if (
-                not buckets
-                or size + nbytes > fusion_bytes
-                or param.dtype != buckets[-1][0].dtype
-                or param.device != buckets[-1][0].device
-            ):
-                buckets.append([])
-                size = 0
-            buckets[-1].append(param)
-            size += nbytes
-        return buckets
+    @classmethod
+    def _make_buckets(cls, params: list[torch.nn.Parameter], fusion_bytes: int) -> list[list[torch.nn.Parameter]]:
+        return cls._fusion_groups(list(reversed(params)), fusion_bytes)  # reverse order, as DDP
 
     @staticmethod
     def _bucket_views(buckets: list[list[torch.nn.Parameter]]) -> Any:
@@ -181,25 +208,6 @@ class DistributedOptimizer(WrappingOptimizer):
     def _attach_memory(self) -> None:
         # e.g. the momentum memory takes over SGD's momentum
         self.grace.memory.attach_optimizer(self.optimizer, self.grace, {n: p for p, n in self._names.items()})
-
-    @staticmethod
-    def _name_parameters(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.nn.Parameter, str]:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        if named_parameters is None:
-            return {p: f"param.{i}" for i, p in enumerate(params)}
-        named = list(named_parameters)
-        names = [n for n, _ in named]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise GraceConfigError(f"named_parameters has duplicate names: {dupes}")
-        by_param = {p: n for n, p in named}
-        missing = [i for i, p in enumerate(params) if p not in by_param]
-        if missing:
-            raise GraceConfigError(
-                f"named_parameters lacks {len(missing)} of the optimizer's parameters "
-                f"(positions {missing[:5]}...); pass model.named_parameters() of the same model"
-            )
-        return {p: by_param[p] for p in params}
 
     # -- the exchange ------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:

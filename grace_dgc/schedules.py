@@ -168,8 +168,10 @@ class OuterSync(WrappingOptimizer):
             )
         self.optimizer = optimizer
         self.grace = grace
-        self._names = _name_parameters(optimizer, named_parameters)
-        self._groups = _make_groups(list(self._names), self.fusion_bytes)
+        self._names = self._name_parameters(optimizer, named_parameters)
+        if not self._names:  # the outer SGD would refuse an empty list, less clearly
+            raise GraceConfigError("the inner optimizer has no trainable parameters (requires_grad=True)")
+        self._groups = self._fusion_groups(list(self._names), self.fusion_bytes)
         self.outer_optimizer = torch.optim.SGD(
             list(self._names), lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov
         )
@@ -425,45 +427,3 @@ class LocalSGD(OuterSync):
         super().__init__(
             optimizer, grace, named_parameters, inner_steps, outer_lr, outer_momentum, nesterov, fusion_bytes
         )
-
-
-def _name_parameters(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.nn.Parameter, str]:
-    """{parameter: name} for the inner optimizer's trainable parameters, in its order."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if not params:
-        raise GraceConfigError("the inner optimizer has no trainable parameters (requires_grad=True)")
-    if named_parameters is None:
-        return {p: f"param.{i}" for i, p in enumerate(params)}
-    named = list(named_parameters)
-    names = [n for n, _ in named]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise GraceConfigError(f"named_parameters has duplicate names: {dupes}")
-    by_param = {p: n for n, p in named}
-    missing = [i for i, p in enumerate(params) if p not in by_param]
-    if missing:
-        raise GraceConfigError(
-            f"named_parameters lacks {len(missing)} of the optimizer's parameters "
-            f"(positions {missing[:5]}...); pass model.named_parameters() of the same model"
-        )
-    return {p: by_param[p] for p in params}
-
-
-def _make_groups(params: list[torch.nn.Parameter], fusion_bytes: int) -> list[list[torch.nn.Parameter]]:
-    """Fusion groups in parameter order: up to ``fusion_bytes`` each, one dtype and device
-    (``fusion_bytes=0``: one parameter per group)."""
-    groups: list[list[torch.nn.Parameter]] = []
-    size = 0
-    for param in params:
-        nbytes = param.numel() * param.element_size()
-        if (
-            not groups
-            or size + nbytes > fusion_bytes
-            or param.dtype != groups[-1][0].dtype
-            or param.device != groups[-1][0].device
-        ):
-            groups.append([])
-            size = 0
-        groups[-1].append(param)
-        size += nbytes
-    return groups
