@@ -636,3 +636,34 @@ def test_tensorboard_scalars(tmp_path):
     assert events.Scalars("epoch/test_accuracy")[-1].value == pytest.approx(summaries[0]["final_test_accuracy"])
     with pytest.raises(GraceConfigError, match="tensorboard = 1 must be a bool"):
         cfg.SurveyConfig(dict(TINY, tensorboard=1))
+
+
+def _child_peaks():
+    import torch
+
+    from grace_dgc.survey.train import peak_rss_mb, reset_peak_rss
+
+    before = peak_rss_mb()
+    block = torch.ones(300 * 2**20 // 4)  # 300 MB touched
+    high = peak_rss_mb()
+    del block
+    reset_peak_rss()
+    return before, high, peak_rss_mb()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="VmHWM is Linux's")
+def test_each_rank_measures_its_own_peak_memory():
+    """Issue 21: ranks started by spawn inherited the launcher's ru_maxrss across exec, so every
+    run reported the same peak. A child of a parent that touched 600 MB reports its own peak,
+    sees its own 300 MB block, and a reset forgets it."""
+    import multiprocessing
+
+    import torch
+
+    parent_block = torch.ones(600 * 2**20 // 4)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        before, high, after_reset = pool.apply(_child_peaks)
+    del parent_block
+    assert before < 500, before  # not the parent's ≥ 600 MB
+    assert high >= before + 250, (before, high)
+    assert after_reset < high - 250, (high, after_reset)

@@ -82,10 +82,33 @@ def evaluate(ctx: Context, model: nn.Module, split: Split, batch_size: int) -> t
     return loss_sum / max(count, 1), hits / max(count, 1)
 
 
+def reset_peak_rss() -> None:
+    """Start this process's peak-RSS count afresh where the kernel allows it (Linux: writing 5
+    to /proc/self/clear_refs resets VmHWM), so a run's peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB: VmHWM from /proc/self/status on Linux. Not
+    ``ru_maxrss``: Linux carries it across exec, so every rank a launcher spawns would report
+    the launcher's peak (the survey's "390.9 MB" for every run). ``ru_maxrss`` elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB; macOS would be bytes
+
+
 def _peak_memory(ctx: Context) -> tuple[float, float]:
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     gpu_mb = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else 0.0
-    return rss_mb, gpu_mb
+    return peak_rss_mb(), gpu_mb
 
 
 def train(
@@ -149,6 +172,7 @@ def train(
     if cell.max_steps:
         steps = min(steps, cell.max_steps)
     skip = cell.timing_skip_steps
+    reset_peak_rss()
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
 
