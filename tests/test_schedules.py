@@ -10,26 +10,12 @@ import io
 
 import pytest
 import torch
+from test_distributed import batches, make_model  # the same tiny model and per-rank batches
 
 import grace_dgc
 from grace_dgc import schedules
 from grace_dgc.errors import GraceConfigError
 from grace_dgc.launch import run_local
-
-
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def batches(rank, steps, per_rank=6):
-    """Each rank's own slice of the same stream of batches."""
-    gen = torch.Generator().manual_seed(7)
-    data = [
-        (torch.randn(per_rank * 3, 8, generator=gen), torch.randint(0, 3, (per_rank * 3,), generator=gen))
-        for _ in range(steps)
-    ]
-    return [(x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]) for x, y in data]
 
 
 def flat(model):
