@@ -355,6 +355,12 @@ class Grace:
         self._stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._clock = Clock()
         self._steps: dict[str, int] = {}
+        self._wait_seconds = 0.0
+
+    def add_wait(self, seconds: float) -> None:
+        """Charge ``seconds`` the training thread spent blocked on this Grace's exchanges
+        (the optimizer wrappers call it; reported as ``wait_seconds``)."""
+        self._wait_seconds += seconds
 
     def stats(self) -> dict[str, Any]:
         """Counters since the last :meth:`reset_stats` (all measured, none assumed).
@@ -366,10 +372,14 @@ class Grace:
         (allgather: every other rank's buffer, so it grows with the world size; see
         :class:`~grace_dgc.engines.base.Engine`); dense_bytes: what an fp32 allreduce of the
         same tensors would hand over;
-        compression_ratio: bytes_sent / dense_bytes (0.001 = a thousandth is sent).
+        compression_ratio: bytes_sent / dense_bytes (0.001 = a thousandth is sent);
+        ``<phase>_seconds``: time in each phase of the data path, on the thread that ran it;
+        wait_seconds: time the training thread spent blocked on exchanges still in flight
+        (DistributedOptimizer.synchronize), the communication that backward did not hide.
         """
         out: dict[str, Any] = dict(self._stats)
         out.update({key + "_seconds": seconds for key, seconds in self._clock.seconds.items()})
+        out["wait_seconds"] = self._wait_seconds
         out["steps"] = max(self._steps.values(), default=0)
         out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
         out["bytes_per_step"] = out["bytes_sent"] / out["steps"] if out["steps"] else 0.0

@@ -7,6 +7,7 @@ It is a plain wrapper (no dynamically built subclass): it shares the wrapped opt
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -256,11 +257,13 @@ class DistributedOptimizer(WrappingOptimizer):
         for bucket in range(len(self._buckets)):
             if bucket not in self._pending:
                 self._submit(bucket)
+        started = time.perf_counter()
         for bucket, future in self._pending.items():
             for param, average in zip(self._buckets[bucket], future.result()):
                 grad = cast(torch.Tensor, param.grad)  # _submit gave every parameter one
                 if average.data_ptr() != grad.data_ptr():  # written in place: already there
                     grad.copy_(average)
+        self.grace.add_wait(time.perf_counter() - started)
         self._pending.clear()
         self._ready.clear()
         self._passes.clear()

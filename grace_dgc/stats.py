@@ -18,7 +18,8 @@ TIMERS = ("compress", "memory", "communicate", "decompress")
 COUNTERS = ("tensors", "groups", "bytes_sent", "bytes_received", "dense_bytes", "skipped")
 DERIVED = ("steps", "compression_ratio", "bytes_per_step")
 # every key Grace.stats() reports itself (a part adds its own, e.g. DGC's current ratio)
-GRACE_KEYS = frozenset(COUNTERS + DERIVED + tuple(key + "_seconds" for key in TIMERS))
+WAIT = "wait_seconds"  # the training thread blocked on exchanges (charged by the optimizer wrapper)
+GRACE_KEYS = frozenset(COUNTERS + DERIVED + (WAIT,) + tuple(key + "_seconds" for key in TIMERS))
 
 _active = threading.local()  # the clock of the exchange running on this thread, if any
 

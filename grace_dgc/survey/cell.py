@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 # not part of what makes a run's result: left out of the fingerprints
-_UNHASHED = ("run_id", "cell_hash", "tuning_key", "cache_dir", "tensorboard_dir", "survey")
+_UNHASHED = ("run_id", "cell_hash", "tuning_key", "cache_dir", "tensorboard_dir", "survey", "launcher")
 
 
 @dataclasses.dataclass
@@ -41,6 +41,10 @@ class Cell:
     backend: str
     cache_dir: str | None = None  # where a run keeps generated data (not hashed)
     tensorboard_dir: str | None = None  # where rank 0 logs scalars, if asked (not hashed)
+    script: str | None = None  # script mode: the user's training script (absolute path) instead of a workload
+    script_args: list[str] = dataclasses.field(default_factory=list)
+    script_sha: str = ""  # the script's content: an edited script is a different run
+    launcher: str = "local"  # script mode: how its ranks start (not hashed)
     run_id: str = ""
     cell_hash: str = ""
     tuning_key: str = ""

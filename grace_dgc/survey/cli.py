@@ -24,6 +24,7 @@ from ..errors import GraceConfigError
 from .project import add_project_args, run_project
 from .report import add_report_args, run_report
 from .results import CONFIG_JSON, RESULTS, SUMMARY_CSV
+from .script import SCRIPT_RUNS
 
 if TYPE_CHECKING:
     from .config import SurveyConfig
@@ -50,6 +51,18 @@ def add_survey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--out", required=True, metavar="DIR", help="results directory; rerunning with the same DIR skips finished runs"
     )
+    parser.add_argument(
+        "--script",
+        metavar="TRAIN.py",
+        help="script mode: run your own training script once per cell (it calls grace_dgc.survey.cell_grace() "
+        "and survey.report(); README: Your own script); the config's methods, workers and seeds make the grid",
+    )
+    parser.add_argument(
+        "--launcher",
+        metavar="CMD",
+        help="script mode: 'local' (default) or a command prefix that starts every rank of a cell, e.g. "
+        "'horovodrun -np {workers} -H a:2,b:2' or 'torchrun --nproc-per-node {workers} --master-port {port}'",
+    )
     parser.add_argument("--workers", metavar="N[,N...]", help="ranks per run (overrides the config)")
     parser.add_argument("--epochs", type=int, help="epochs per run (overrides the config)")
     parser.add_argument("--max-steps", type=int, metavar="S", help="at most S steps per epoch (overrides)")
@@ -75,6 +88,12 @@ def add_survey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-report", action="store_true", help="skip writing report.md and the plots")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     parser.add_argument("--network-tag", help=argparse.SUPPRESS)  # internal: the shaped child's share
+    parser.add_argument(
+        "--script-args",
+        nargs=argparse.REMAINDER,
+        metavar="ARG",
+        help="script mode: everything after this goes to the script (give it last)",
+    )
     return parser
 
 
@@ -101,14 +120,23 @@ def _checked_config(args: argparse.Namespace) -> SurveyConfig:
     """The survey's config with the command line's overrides, everything the run reads checked
     (names, values, --out, --data-dir, data files): a user error raises here, before the
     output directory is created."""
-    from .config import load_config, load_preset, with_overrides
+    from .config import SurveyConfig, load_config, load_preset, preset_dict, script_mode, with_overrides
     from .datasets import check_files
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise GraceConfigError(f"--out {args.out} is a file; give a directory (new, or holding an earlier run)")
     if args.data_dir is not None:  # an error even where no workload reads files: it was meant for something
         _existing_dir(args.data_dir, f"--data-dir {args.data_dir}")
-    config = load_config(args.config) if args.config else load_preset(args.preset, args.data_dir)
+    if args.script is not None and not os.path.isfile(args.script):
+        raise GraceConfigError(f"--script {args.script}: no such file; give the path of your training script")
+    if args.script is None and (args.script_args is not None or args.launcher is not None):
+        raise GraceConfigError("--script-args and --launcher belong to script mode: add --script TRAIN.py")
+    if args.config:
+        config = load_config(args.config, script=args.script)
+    elif args.script:  # a preset's methods on the user's script
+        config = SurveyConfig(script_mode(preset_dict(args.preset), args.script), source=f"preset {args.preset}")
+    else:
+        config = load_preset(args.preset, args.data_dir)
     workers: int | list[int] | None = None
     if args.workers:
         try:
@@ -127,6 +155,9 @@ def _checked_config(args: argparse.Namespace) -> SurveyConfig:
         network=network,
         max_steps=args.max_steps,
         tensorboard=args.tensorboard,
+        script=args.script,
+        script_args=args.script_args,
+        launcher=args.launcher,
     )
     if args.data_dir is None and config.data_dir is not None:
         _existing_dir(config.data_dir, f"data_dir = {config.data_dir!r} in {config.source}")
@@ -139,7 +170,7 @@ class _Undo:
     it created is removed; in one that was there, only the survey's own entries that it
     added (and survey_config.json restored); the user's files are never touched."""
 
-    ENTRIES = (CONFIG_JSON, RESULTS, SUMMARY_CSV, "data-cache", "tensorboard")
+    ENTRIES = (CONFIG_JSON, RESULTS, SUMMARY_CSV, "data-cache", "tensorboard", SCRIPT_RUNS)
 
     def __init__(self, out: str) -> None:
         self.out = os.path.abspath(out)

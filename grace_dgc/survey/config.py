@@ -8,6 +8,7 @@ reject — so a typo fails in a second, not after an hour of training.
 """
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -72,13 +73,21 @@ class SurveyConfig:
         _check_keys(raw, TOP_LEVEL, source)
         self.source = source
         self.raw = raw
-        if "workload" not in raw:
-            raise GraceConfigError(f"{source}: 'workload' is required (one of {', '.join(_workload_names())})")
-        if raw["workload"].lower() not in _workload_names():
-            from .workloads import get_workload
+        self.base_dir = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else os.getcwd()
+        self.script, self.script_args, self.script_sha = self._script(raw)
+        self.launcher: str = raw.get("launcher", "local")
+        if self.script is not None:
+            from .script import check_launcher
 
-            get_workload(raw["workload"])  # raises the registry's error with a suggestion
-        self.workload: str = raw["workload"].lower()
+            check_launcher(self.launcher)
+            self.workload = f"script:{os.path.basename(self.script)}"
+        elif "launcher" in raw or "script_args" in raw:
+            raise GraceConfigError(
+                f"{source}: launcher and script_args belong to script mode; give script = 'train.py' "
+                "(or --script) or remove them"
+            )
+        else:
+            self.workload = self._workload(raw)
         self.name: str = raw.get("name", os.path.splitext(os.path.basename(source))[0] or "survey")
         self.description: str = raw.get("description", "")
         self.workload_options: dict[str, Any] = dict(raw.get("workload_options", {}))
@@ -126,6 +135,40 @@ class SurveyConfig:
         self.methods = self._methods(raw.get("methods"))
 
     # -- validation ------------------------------------------------------------------
+    def _workload(self, raw: dict[str, Any]) -> str:
+        """The workload's canonical name, or its ``module:factory`` spec with a file path made
+        absolute (written back into ``raw``: the saved config and the ranks import the same)."""
+        from .workloads import is_spec, list_workloads, resolve_spec, workload_factory
+
+        if "workload" not in raw:
+            raise GraceConfigError(
+                f"{self.source}: 'workload' is required: one of {', '.join(list_workloads())}, your own as "
+                "'package.module:factory' or 'file.py:factory', or script mode (script = 'train.py' / --script)"
+            )
+        name = resolve_spec(raw["workload"], self.base_dir)
+        name, _ = workload_factory(name)  # an unknown name or a spec that does not import fails here
+        raw["workload"] = name
+        return name if is_spec(name) else name.lower()
+
+    def _script(self, raw: dict[str, Any]) -> tuple[str | None, list[str], str]:
+        """(absolute script path, its arguments, its content hash) in script mode, else (None, [], "")."""
+        if "script" not in raw:
+            return None, [], ""
+        path = os.path.abspath(os.path.join(self.base_dir, raw["script"]))
+        if not os.path.isfile(path):
+            raise GraceConfigError(f"{self.source}: script {raw['script']!r} is not a file ({path})")
+        args = raw.get("script_args", [])
+        if not all(isinstance(a, str) for a in args):
+            raise GraceConfigError(f"{self.source}: script_args = {args!r} must be a list of strings")
+        if "workload" in raw:
+            raise GraceConfigError(
+                f"{self.source}: give workload or script, not both (in script mode the script is the workload)"
+            )
+        with open(path, "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()[:16]
+        raw["script"] = path
+        return path, list(args), sha
+
     def _check_hyper(self) -> None:
         from .workloads import _checked
 
@@ -262,21 +305,29 @@ class SurveyConfig:
             backend=self.backend,
             cache_dir=cache_dir,
             tensorboard_dir=tensorboard_dir if self.tensorboard else None,
+            script=self.script,
+            script_args=list(self.script_args),
+            script_sha=self.script_sha,
+            launcher=self.launcher,
         )
 
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self.raw)
 
 
-def _workload_names() -> list[str]:
-    from .workloads import list_workloads
-
-    return list_workloads()
-
-
 # -- loading ---------------------------------------------------------------------------
-def load_config(path: str) -> SurveyConfig:
-    """A :class:`SurveyConfig` from a ``.toml`` file (or the ``.json`` a survey saves)."""
+def script_mode(raw: dict[str, Any], script: str | None) -> dict[str, Any]:
+    """``raw`` in script mode when ``script`` is given (``--script``, relative to the working
+    directory): the script replaces the config's workload, if it names one."""
+    if script is not None:
+        raw = {k: v for k, v in raw.items() if k not in ("workload", "workload_options", "data_dir")}
+        raw["script"] = os.path.abspath(script)
+    return raw
+
+
+def load_config(path: str, script: str | None = None) -> SurveyConfig:
+    """A :class:`SurveyConfig` from a ``.toml`` file (or the ``.json`` a survey saves), in
+    script mode if ``script`` is given."""
     if not os.path.isfile(path):
         raise GraceConfigError(f"config file {path!r} does not exist")
     kind = "JSON" if path.endswith(".json") else "TOML"
@@ -289,7 +340,7 @@ def load_config(path: str) -> SurveyConfig:
         raise GraceConfigError(f"{path}: not valid {kind}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except RecursionError:
         raise GraceConfigError(f"{path}: not valid {kind}: nested too deeply for a survey config") from None
-    return SurveyConfig(raw, source=path)
+    return SurveyConfig(script_mode(raw, script), source=path)
 
 
 def with_overrides(
@@ -300,9 +351,18 @@ def with_overrides(
     network: Mapping[str, Any] | None = None,
     max_steps: int | None = None,
     tensorboard: bool | None = None,
+    script: str | None = None,
+    script_args: list[str] | None = None,
+    launcher: str | None = None,
 ) -> SurveyConfig:
-    """A copy of ``config`` with the CLI's overrides applied (validated again)."""
-    raw = config.to_dict()
+    """A copy of ``config`` with the CLI's overrides applied (validated again). ``script``
+    (relative to the working directory) puts the config in script mode: its workload, if it
+    has one, is replaced by the script."""
+    raw = script_mode(config.to_dict(), script)
+    if script_args is not None:
+        raw["script_args"] = list(script_args)
+    if launcher is not None:
+        raw["launcher"] = launcher
     if workers is not None:
         raw["workers"] = workers
     if epochs is not None:

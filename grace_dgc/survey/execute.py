@@ -70,7 +70,7 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
         if writer is not None:
             writer.close()
     target = workload.target_accuracy
-    reached = next((h for h in history if h["test_accuracy"] >= target), None)
+    reached = None if target is None else next((h for h in history if h["test_accuracy"] >= target), None)
     timed = [h for h in history if h["timed_steps"]] or history
     weights = [h["timed_steps"] or 1 for h in timed]
 
@@ -94,6 +94,8 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
         latency_ms=cell.network["latency_ms"],
         workload=workload.name,
         workload_description=workload.description,
+        metric=workload.metric_name,
+        loss=workload.loss if isinstance(workload.loss, str) else "custom",
         parameters=facts["parameters"],
         batch_size=workload.batch_size,
         global_batch=facts["global_batch"],

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import GraceConfigError
 from .cell import Cell
+from .data import size
 from .execute import run_cell
 from .extras import require
 from .results import (
@@ -22,6 +23,7 @@ from .results import (
     read_records,
     write_summary_csv,
 )
+from .script import run_script_cell
 from .train import load_workload
 
 if TYPE_CHECKING:
@@ -65,10 +67,10 @@ def prepare(config: "SurveyConfig", out_dir: str, check_workload: bool = True) -
         return cells, None
     workload = load_workload(cells[0])
     for workers in config.workers:
-        if workload.batch_size * workers > len(workload.train[0]):
+        if workload.batch_size * workers > size(workload.train):
             raise GraceConfigError(
                 f"batch_size {workload.batch_size} × {workers} workers exceeds the "
-                f"{len(workload.train[0])} training samples of {workload.name!r}"
+                f"{size(workload.train)} training samples of {workload.name!r}"
             )
     return cells, workload
 
@@ -90,7 +92,7 @@ def run_grid(
     from . import netem
 
     # a shaped-network child runs a share of a grid its parent has already checked
-    cells, _ = prepare(config, out_dir, check_workload=network_tag is None)
+    cells, _ = prepare(config, out_dir, check_workload=network_tag is None and config.script is None)
     if network_tag is not None:
         cells = [c for c in cells if c.network["tag"] == network_tag]
     done = finished_runs(out_dir)
@@ -157,18 +159,22 @@ def run_grid(
                 backend, device = resolve_runtime(config, cell.workers, shaped)
                 bar.set_postfix_str(cell.run_id)
                 try:
-                    result = run_local(
-                        run_cell,
-                        cell.workers,
-                        (cell, out_dir, progress, device),
-                        backend=backend,
-                        timeout=config.timeout,
-                    )
-                    summary = result[0]
+                    summary: Record | None
+                    if cell.script is not None:  # script mode: the user's script is the training
+                        summary = run_script_cell(cell, out_dir, config.timeout, backend, device)
+                    else:
+                        result = run_local(
+                            run_cell,
+                            cell.workers,
+                            (cell, out_dir, progress, device),
+                            backend=backend,
+                            timeout=config.timeout,
+                        )
+                        summary = result[0]
                     assert summary is not None, "rank 0 returns the cell's summary"
                     summaries.append(summary)
                     bar.write(
-                        f"[survey] {cell['run_id']}: test acc {summary['final_test_accuracy']:.4f}, "
+                        f"[survey] {cell['run_id']}: test acc {_shown(summary['final_test_accuracy'])}, "
                         f"{summary['bytes_per_step']:.0f} B/step, ratio {summary['compression_ratio']:.4g}, "
                         f"{summary['train_time_s']:.1f} s"
                     )
@@ -190,3 +196,7 @@ def run_grid(
         bar.close()
         write_summary_csv(out_dir)
     return summaries, failures
+
+
+def _shown(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

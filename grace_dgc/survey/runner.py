@@ -53,6 +53,7 @@ import torch
 
 # the survey's API, re-exported where it was before the split
 from .. import environment
+from ..errors import GraceConfigError
 from .cell import Cell  # noqa: F401
 from .context import Context
 from .execute import execute_cell, netem_shaping, run_cell  # noqa: F401
@@ -112,6 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     config = load_config(args.config) if args.config else load_preset(args.preset, args.data_dir)
+    if config.script is not None:
+        raise GraceConfigError(
+            "script mode runs from `grace-dgc survey --script ...` (its --launcher starts torchrun or horovodrun per "
+            "cell); the runner module trains built-in and plugin workloads"
+        )
     _init_runtime(args.launcher, config.backend)
     ctx = Context.detect(config.device)
     cells = prepare(config, args.out)[0] if ctx.rank == 0 else None

@@ -12,7 +12,20 @@ Schema = dict[str, tuple[tuple[type, ...], str]]
 TOP_LEVEL: Schema = {
     "name": ((str,), "a name for the survey, shown in the report"),
     "description": ((str,), "free text, shown in the report"),
-    "workload": ((str,), "workload name (grace_dgc.survey.workloads.list_workloads())"),
+    "workload": (
+        (str,),
+        "workload name (grace-dgc list workloads), or your own as 'package.module:factory' / 'file.py:factory'",
+    ),
+    "script": (
+        (str,),
+        "script mode: your training script (path relative to this file), run once per cell instead of a workload",
+    ),
+    "script_args": ((list,), "script mode: command-line arguments for the script (strings)"),
+    "launcher": (
+        (str,),
+        "script mode: 'local' (default: the survey starts the ranks) or a command prefix that starts every rank of "
+        "a cell, e.g. 'horovodrun -np {workers} -H a:2,b:2' or 'torchrun --nproc-per-node {workers}'",
+    ),
     "workload_options": ((dict,), "extra get_workload options, e.g. {num_samples = 2000}"),
     "data_dir": ((str,), "directory with dataset files (never downloaded)"),
     "data_seed": ((int,), "seed of the generated dataset instance (same for every cell)"),

@@ -19,6 +19,8 @@ from ..errors import GraceConfigError
 from ..schedules import OuterSync
 from ..schedules import create as create_schedule
 from ..stats import GRACE_KEYS
+from . import data
+from .data import Split
 from .extras import require
 from .metrics import RankTotals, epoch_record
 
@@ -27,8 +29,6 @@ if TYPE_CHECKING:
     from .context import Context
     from .results import Record
     from .workloads import Workload
-
-Split = tuple[Tensor, Tensor]  # (inputs, targets)
 
 
 def load_workload(cell: Cell) -> Workload:
@@ -46,18 +46,65 @@ def _mix(*numbers: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _loss_and_hits(output: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, int]:
-    """(mean loss, correct predictions, predictions) for both workload kinds."""
-    if output.dim() == 3:  # lm: (N, bptt, vocab) against next tokens (N, bptt)
-        output = output.reshape(-1, output.shape[-1])
-        targets = targets.reshape(-1)
-    loss = F.cross_entropy(output, targets)
-    hits = (output.argmax(dim=-1) == targets).sum()
-    return loss, hits, targets.numel()
+Objective = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, int]]
 
 
-def evaluate(ctx: Context, model: nn.Module, split: Split, batch_size: int) -> tuple[float, float]:
-    """(loss, accuracy) on ``split``, sharded over ranks and summed; floating buffers
+def objective(workload: Workload | None) -> Objective:
+    """``score(output, targets) -> (mean loss, Σ metric, count)`` for ``workload``: its loss
+    (cross-entropy, next-token cross-entropy for "lm", or its own function) and its metric
+    (argmax accuracy unless it brings one)."""
+    loss_fn = "cross_entropy" if workload is None else workload.loss
+    metric = None if workload is None else workload.metric
+    where = f"workload {getattr(workload, 'name', '')!r}"
+
+    def score(output: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, int]:
+        if callable(loss_fn):
+            loss = loss_fn(output, targets)
+            if not (isinstance(loss, Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+                raise GraceConfigError(
+                    f"{where}: loss(output, targets) returned {_shown(loss)}; it must return the batch's mean "
+                    "loss as a one-element floating tensor (with a gradient)"
+                )
+        if loss_fn == "lm" or (not callable(loss_fn) and output.dim() == 3):  # (N, T, vocab) vs next tokens (N, T)
+            output = output.reshape(-1, output.shape[-1])
+            targets = targets.reshape(-1)
+        if not callable(loss_fn):
+            loss = F.cross_entropy(output, targets)
+        if metric is None:
+            return loss, (output.argmax(dim=-1) == targets).sum(), targets.numel()
+        return (loss, *_metric_value(metric(output, targets), where))
+
+    return score
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def _metric_value(value: object, where: str) -> tuple[Tensor, int]:
+    """A metric's (Σ score, count) as (0-d tensor, int), or an error saying what it must return."""
+    total, count, ok = torch.zeros((), dtype=torch.float64), 0, False
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        try:
+            total = torch.as_tensor(value[0]).detach().reshape(()).double()
+            count = int(torch.as_tensor(value[1]).reshape(()).item())
+            ok = bool(torch.isfinite(total)) and count >= 0
+        except (TypeError, ValueError, RuntimeError):
+            ok = False
+    if not ok:
+        raise GraceConfigError(
+            f"{where}: metric(output, targets) returned {_shown(value)}; it must return (sum of the batch's scores, "
+            "number of scores) as finite numbers or one-element tensors, e.g. ((pred == y).sum(), len(y))"
+        )
+    return total, count
+
+
+def evaluate(
+    ctx: Context, model: nn.Module, split: Split, batch_size: int, workload: Workload | None = None
+) -> tuple[float, float]:
+    """(loss, metric) on ``split`` (accuracy unless ``workload`` brings its own metric),
+    sharded over ranks and summed; floating buffers
     (BatchNorm statistics, which each rank updates from its own batches) are averaged
     over ranks first so every rank evaluates the same model."""
     if ctx.size > 1:
@@ -66,15 +113,15 @@ def evaluate(ctx: Context, model: nn.Module, split: Split, batch_size: int) -> t
                 if buffer.is_floating_point():
                     summed = ctx.engine.allreduce(buffer.detach().clone())
                     buffer.copy_(summed / ctx.size)
-    inputs, targets = split
-    shard = torch.arange(ctx.rank, len(inputs), ctx.size)
+    shard = torch.arange(ctx.rank, data.size(split), ctx.size)
+    score = objective(workload)
     loss_sum = hits = count = 0.0
     model.eval()
     with torch.no_grad():
-        for start in range(0, len(shard), batch_size):
-            idx = shard[start : start + batch_size]
-            x, y = inputs[idx].to(ctx.device), targets[idx].to(ctx.device)
-            loss, correct, n = _loss_and_hits(model(x), y)
+        index_batches = [shard[start : start + batch_size] for start in range(0, len(shard), batch_size)]
+        for x, y in data.batches(split, index_batches, getattr(workload, "loader_workers", 0)):
+            x, y = x.to(ctx.device), y.to(ctx.device)
+            loss, correct, n = score(model(x), y)
             loss_sum += loss.item() * n
             hits += correct.item()
             count += n
@@ -158,17 +205,18 @@ def train(
     # what a step-by-step fp32 allreduce would send: a schedule's ratio is against it, not per sync
     dense_per_step = 4 * sum(p.numel() for p in model.parameters())
 
-    inputs, targets = train_split
-    if ctx.device.type == "cuda":
-        inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+    if ctx.device.type == "cuda" and not data.is_streamed(train_split):
+        train_split = tuple(t.to(ctx.device) for t in train_split)  # type: ignore[union-attr, assignment]
+    examples = data.size(train_split)
     per_worker = workload.batch_size
     global_batch = per_worker * ctx.size
-    steps = len(inputs) // global_batch
+    steps = examples // global_batch
     if steps == 0:
         raise GraceConfigError(
-            f"batch_size {per_worker} × {ctx.size} workers = {global_batch} exceeds the {len(inputs)} "
+            f"batch_size {per_worker} × {ctx.size} workers = {global_batch} exceeds the {examples} "
             f"training samples of {workload.name!r}; lower batch_size or workers"
         )
+    score = objective(workload)
     if cell.max_steps:
         steps = min(steps, cell.max_steps)
     skip = cell.timing_skip_steps
@@ -195,26 +243,28 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = epoch_lr
             grace.set_epoch(epoch)
-            order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(_mix(seed, epoch)))
+            order = torch.randperm(examples, generator=torch.Generator().manual_seed(_mix(seed, epoch)))
             augment_rng = torch.Generator().manual_seed(_mix(seed, epoch, "augment", ctx.rank))
-            if ctx.device.type == "cuda":
+            if ctx.device.type == "cuda" and not data.is_streamed(train_split):
                 order = order.to(ctx.device)
+            # this rank's rows of each global batch: the same examples in the same order for
+            # every method, whether the split is held as tensors or streamed from a Dataset
+            mine = [order[step * global_batch + ctx.rank * per_worker :][:per_worker] for step in range(steps)]
+            loader = data.batches(train_split, mine, workload.loader_workers, pin_memory=ctx.device.type == "cuda")
             model.train()
             totals = RankTotals()
             method_stats: dict[str, Any] = {}
             ctx.sync()
             epoch_start = time.perf_counter()
-            for step in range(steps):
-                start = step * global_batch + ctx.rank * per_worker
-                idx = order[start : start + per_worker]
-                x, y = inputs[idx], targets[idx]
+            for _ in range(steps):
+                x, y = next(loader)
                 if workload.augment is not None:
                     x = workload.augment(x, augment_rng)
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 ctx.sync()
                 t0 = time.perf_counter()
                 dist_opt.zero_grad()
-                loss, hits, count = _loss_and_hits(model(x), y)
+                loss, hits, count = score(model(x), y)
                 loss.backward()
                 ctx.sync()
                 t1 = time.perf_counter()
@@ -271,7 +321,7 @@ def train(
             totals.train_time = time.perf_counter() - epoch_start
             totals.peak_rss_mb, totals.peak_gpu_mb = _peak_memory(ctx)
             ranks = [RankTotals.from_list(values) for values in ctx.gather(totals.as_list())]
-            test_loss, test_acc = evaluate(ctx, model, eval_split, cell.eval_batch_size)
+            test_loss, test_acc = evaluate(ctx, model, eval_split, cell.eval_batch_size, workload)
             record = epoch_record(
                 ranks, epoch + 1, epoch_lr, steps, global_batch, elapsed, test_loss, test_acc, method_stats
             )

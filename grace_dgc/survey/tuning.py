@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from . import data
 from .results import Record, append_record, read_records
 from .train import Split, _mix, train
 
@@ -22,11 +23,11 @@ def holdout_split(workload: Workload, cell: Cell) -> tuple[Split, Split]:
     (PTB), else a seeded ``tune_holdout`` fraction of train (same for every method)."""
     if workload.valid is not None:
         return workload.train, workload.valid
-    inputs, targets = workload.train
-    order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(_mix("holdout", cell.data_seed)))
-    held = max(1, int(round(len(inputs) * cell.tune_holdout)))
+    examples = data.size(workload.train)
+    order = torch.randperm(examples, generator=torch.Generator().manual_seed(_mix("holdout", cell.data_seed)))
+    held = max(1, int(round(examples * cell.tune_holdout)))
     keep, out = order[held:], order[:held]
-    return (inputs[keep], targets[keep]), (inputs[out], targets[out])
+    return data.subset(workload.train, keep), data.subset(workload.train, out)
 
 
 def tune_lr(ctx: Context, cell: Cell, workload: Workload, out_dir: str, progress: bool = False) -> tuple[float, Record]:
@@ -73,8 +74,8 @@ def tune_lr(ctx: Context, cell: Cell, workload: Workload, out_dir: str, progress
         "network": cell.network["tag"],
         "seed": cell.seed,
         "tune_epochs": epochs,
-        "holdout_size": len(held_part[0]),
-        "train_size": len(train_part[0]),
+        "holdout_size": data.size(held_part),
+        "train_size": data.size(train_part),
         "candidates": candidates,
         "chosen_lr": best["lr"],
     }

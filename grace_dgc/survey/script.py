@@ -1,0 +1,507 @@
+"""Script mode: the survey runs *your* training script once per cell.
+
+    grace-dgc survey --script train.py --config methods.toml --out runs/mine [--script-args ...]
+
+The script is an ordinary torchrun-style script. It asks for the cell's method with one
+call and reports its metrics with one call per epoch; grace's own counters (bytes, ratio,
+compress / communicate / decompress / wait time) are collected without it doing anything::
+
+    import grace_dgc, grace_dgc.survey as survey
+    dist.init_process_group(...)                           # as under torchrun
+    torch.manual_seed(survey.cell_seed())                  # the cell's seed (0 when run alone)
+    grace = survey.cell_grace("none")                      # the cell's method; the arguments are
+    opt = grace_dgc.DistributedOptimizer(sgd, grace, ...)  #   what a plain `torchrun` run uses
+    for epoch in range(epochs):
+        ...train, evaluate...
+        survey.report_metrics(epoch=epoch + 1, accuracy=acc, loss=test_loss, train_loss=tl, samples=n)
+
+Run alone (no survey), the same script trains with the fallback method and ``report_metrics`` is a
+no-op, so one script serves both.
+
+What the survey measures (per rank, between consecutive ``report_metrics`` calls):
+  * the wall time (evaluation included, unless the script passes ``train_time_s``); the
+    clock starts when ``cell_grace`` is called;
+  * grace's counters and timers since the previous report (``Grace.stats()`` deltas: the
+    script may read and reset nothing);
+  * the rank's peak memory.
+Rank 0's metrics are the run's; every rank's bytes and times are averaged as the built-in
+workloads' are. ``samples`` (examples this rank trained on since the last report) gives
+samples/s; without it the throughput column is empty.
+
+How a cell runs (the parent side, :func:`run_script_cell`): the survey starts the ranks —
+itself (``launcher = "local"``: N processes with torchrun's environment on localhost) or
+through a command prefix that starts every rank (``horovodrun -np {workers} -H ...``,
+``torchrun --nproc-per-node {workers}``, ``srun ... torchrun ...``) — and hands each the
+cell in the environment (``GRACE_DGC_CELL``). Each rank appends its reports to
+``OUT/script-runs/<run>/rank<r>.jsonl``; the survey composes the epoch lines and the
+summary line of ``results.jsonl`` from them, so the report, the statistics and
+``grace-dgc project`` read script results as they read any other. A rank that fails ends the
+cell on every rank (the others are stopped) with that rank's traceback in the results; a
+cell past the config's ``timeout`` is stopped likewise. Across nodes, ``--out`` must be on a
+filesystem every node sees.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import grace_dgc
+
+from ..errors import GraceConfigError
+from ..stats import COUNTERS, TIMERS, WAIT
+from .results import Record, append_record
+
+if TYPE_CHECKING:
+    from ..grace import Grace
+    from .cell import Cell
+
+CELL_ENV = "GRACE_DGC_CELL"  # the cell, as JSON
+DIR_ENV = "GRACE_DGC_CELL_DIR"  # where the ranks write their reports
+SCRIPT_RUNS = "script-runs"
+STARTED = "started"  # the marker cell_grace writes: the script asked for its method
+RENAMED = {"accuracy": "test_accuracy", "loss": "test_loss"}  # report_metrics()'s names -> the records' names
+STANDARD = ("test_accuracy", "test_loss", "train_accuracy", "train_loss", "lr")
+MEASURED = (*COUNTERS, *(f"{timer}_seconds" for timer in TIMERS), WAIT, "steps")
+
+
+# =============================================================== the script's side (each rank)
+class _Session:
+    """What this rank of a script-mode cell keeps between calls."""
+
+    def __init__(self, cell: Mapping[str, Any], directory: str, rank: int) -> None:
+        self.cell, self.directory, self.rank = cell, directory, rank
+        self.grace: Grace | None = None
+        self.started = self.last = time.perf_counter()
+        self.elapsed = 0.0
+        self.previous: dict[str, float] = dict.fromkeys(MEASURED, 0.0)
+
+
+_session: _Session | None = None
+
+
+def cell() -> dict[str, Any] | None:
+    """The running cell's settings (label, method, seed, workers, the config's ``hyper``
+    overrides such as epochs, lr, batch_size), or None when the script runs alone."""
+    raw = os.environ.get(CELL_ENV)
+    return None if raw is None else json.loads(raw)
+
+
+def cell_seed(default: int = 0) -> int:
+    """The cell's seed (model init and data order are the script's: seed them from this so
+    every method starts from the same weights); ``default`` when run alone."""
+    settings = cell()
+    return default if settings is None else int(settings["seed"])
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        import horovod.torch as hvd
+
+        return int(hvd.rank())
+    except (ImportError, ValueError):
+        return int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")))
+
+
+def cell_grace(compressor: str = "none", memory: str = "none", communicator: str = "allreduce", **params: Any) -> Grace:
+    """The cell's method as a :class:`~grace_dgc.Grace` (built on the engine the script
+    initialised: torch.distributed or Horovod). Run alone, the arguments are the method
+    (``grace_dgc.build(compressor, memory, communicator, **params)``). Call it once, after
+    initialising the process group and before training: the survey's clock starts here."""
+    global _session
+    settings = cell()
+    if settings is None:
+        return grace_dgc.build(compressor, memory, communicator, **params)
+    method = settings["method"]
+    params = dict(method["params"])
+    from ..registry import COMPRESSORS
+
+    if "seed" in COMPRESSORS.accepted_params(method["compressor"]) and "seed" not in params:
+        params["seed"] = settings["seed"]  # a stochastic method's randomness follows the run seed, as built-in
+    grace = grace_dgc.build(method["compressor"], method["memory"], method["communicator"], **params)
+    if grace.world_size != settings["workers"]:
+        raise GraceConfigError(
+            f"the cell {settings['run_id']!r} wants {settings['workers']} ranks but the script's process group has "
+            f"{grace.world_size}: initialise the process group from the launcher's environment (RANK, WORLD_SIZE)"
+        )
+    rank = _rank()
+    _session = _Session(settings, os.environ[DIR_ENV], rank)
+    _session.grace = grace
+    with open(os.path.join(_session.directory, f"{STARTED}{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    from .train import reset_peak_rss
+
+    reset_peak_rss()
+    return grace
+
+
+def _number(key: str, value: object) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().cpu().reshape(()).item())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise GraceConfigError(
+        f"report_metrics({key}=...) got {type(value).__name__} {value!r:.60}; a metric is a number "
+        "(int, float or a one-element tensor)"
+    )
+
+
+def report_metrics(epoch: int | None = None, *, train_time_s: float | None = None, **metrics: Any) -> None:
+    """Record this epoch's metrics (call it on every rank, once per epoch, or per step).
+
+    ``accuracy`` and ``loss`` are the test metric and loss the report ranks and tests (the
+    target of time-to-target is on ``accuracy``); ``train_loss``, ``train_accuracy``, ``lr``
+    and ``samples`` (examples this rank trained on since the last call) are read too; any
+    other name is kept as it is. Values are numbers. ``train_time_s`` replaces the measured
+    wall time since the last call (e.g. to leave evaluation out). A no-op when run alone."""
+    if cell() is None:
+        return
+    session = _session
+    if session is None or session.grace is None:
+        raise GraceConfigError("survey.report_metrics() before survey.cell_grace(): ask for the cell's method first")
+    values = {RENAMED.get(key, key): _number(key, value) for key, value in metrics.items()}
+    now = time.perf_counter()
+    wall = now - session.last if train_time_s is None else _number("train_time_s", train_time_s)
+    session.last = now
+    session.elapsed += wall
+    stats = session.grace.stats()
+    measured = {key: float(stats.get(key, 0.0)) - session.previous[key] for key in MEASURED}
+    session.previous = {key: float(stats.get(key, 0.0)) for key in MEASURED}
+    from .train import peak_rss_mb
+
+    gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    line = {
+        "epoch": None if epoch is None else int(epoch),
+        "metrics": values,
+        "wall_s": wall,
+        "elapsed_s": session.elapsed,
+        "measured": measured,
+        "method_stats": {k: v for k, v in stats.items() if k not in MEASURED and _plain(v)},
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_gpu_mb": gpu,
+    }
+    with open(os.path.join(session.directory, f"rank{session.rank}.jsonl"), "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def _plain(value: object) -> bool:
+    return isinstance(value, (int, float, str, bool)) or value is None
+
+
+# ================================================================ the survey's side (parent)
+def check_launcher(launcher: object) -> str:
+    """``local`` or a command prefix (with ``{workers}`` / ``{port}`` placeholders)."""
+    if not isinstance(launcher, str) or not launcher.strip():
+        raise GraceConfigError(f"launcher = {launcher!r}: give 'local' or a command prefix such as 'horovodrun ...'")
+    if launcher == "local":
+        return launcher
+    try:
+        words = shlex.split(launcher.format(workers=2, port=29500))
+    except (ValueError, KeyError, IndexError) as err:
+        raise GraceConfigError(
+            f"launcher = {launcher!r} is not a command line ({err}); placeholders: {{workers}}, {{port}}"
+        ) from None
+    if shutil.which(words[0]) is None:
+        raise GraceConfigError(f"launcher = {launcher!r}: {words[0]!r} is not on PATH")
+    return launcher
+
+
+def _command(cell: Cell, port: int) -> list[str]:
+    script = [cell.script or "", *cell.script_args]
+    if cell.launcher == "local":
+        return [sys.executable, *script]
+    prefix = shlex.split(cell.launcher.format(workers=cell.workers, port=port))
+    # torchrun takes the script itself; other launchers start a program
+    return (
+        [*prefix, *script] if os.path.basename(prefix[0]).startswith("torchrun") else [*prefix, sys.executable, *script]
+    )
+
+
+def _run_dir(out_dir: str, cell: Cell, attempt: str) -> str:
+    name = re.sub(r"[^\w.@-]+", "_", cell.run_id) + "-" + attempt
+    path = os.path.join(out_dir, SCRIPT_RUNS, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _start(cell: Cell, directory: str, backend: str, device: str) -> list[tuple[str, subprocess.Popen[bytes]]]:
+    """The cell's processes: one per rank (local) or the launcher's one, each logging to a file."""
+    from ..launch import free_port
+
+    port = free_port()
+    env = dict(os.environ)
+    env.update({CELL_ENV: json.dumps(cell.as_dict(), default=str), DIR_ENV: directory})
+    env.update(GRACE_DGC_BACKEND=backend, GRACE_DGC_DEVICE=device, PYTHONUNBUFFERED="1")
+    command = _command(cell, port)
+    cwd = os.path.dirname(cell.script or ".")
+    if cell.launcher != "local":
+        log = open(os.path.join(directory, "launcher.log"), "wb")
+        return [("launcher", subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd))]
+    procs = []
+    threads = max(1, (os.cpu_count() or 1) // cell.workers)  # ranks share the cores, as torchrun sets it
+    for rank in range(cell.workers):
+        rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+        rank_env.update(WORLD_SIZE=str(cell.workers), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(cell.workers))
+        rank_env.setdefault("OMP_NUM_THREADS", str(threads))
+        log = open(os.path.join(directory, f"rank{rank}.log"), "wb")
+        procs.append(
+            (
+                f"rank {rank}",
+                subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd),
+            )
+        )
+    return procs
+
+
+def _stop(procs: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+    for _, proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    for _, proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _traceback(directory: str, who: str) -> str:
+    """The last traceback in ``who``'s log (else the log's tail)."""
+    name = "launcher.log" if who == "launcher" else f"rank{who.split()[-1]}.log"
+    try:
+        with open(os.path.join(directory, name), errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return "(no log)"
+    start = text.rfind("Traceback (most recent call last)")
+    return (text[start:] if start >= 0 else text[-3000:]).strip()[-4000:] or "(the log is empty)"
+
+
+def _wait(procs: list[tuple[str, subprocess.Popen[bytes]]], directory: str, timeout: float, run_id: str) -> None:
+    """Wait for the cell's processes; the first failure (or the timeout) stops all of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        failed = [(who, proc.returncode) for who, proc in procs if proc.poll() not in (None, 0)]
+        if failed:
+            grace_period = time.monotonic() + 2  # let a rank whose peer died report its own error first
+            while time.monotonic() < grace_period and any(p.poll() is None for _, p in procs):
+                time.sleep(0.05)
+            _stop(procs)
+            who, code = failed[0]
+            raise RuntimeError(
+                f"{run_id}: {who} of the script exited with status {code}; the cell was stopped on every rank. "
+                f"{who}'s output ends:\n{_traceback(directory, who)}"
+            )
+        if all(proc.poll() == 0 for _, proc in procs):
+            return
+        if time.monotonic() > deadline:
+            _stop(procs)
+            alive = [who for who, proc in procs if proc.returncode not in (0,)]
+            raise TimeoutError(f"{run_id}: the script did not finish within timeout = {timeout:g} s ({alive} stopped)")
+        time.sleep(0.05)
+
+
+def _read_reports(directory: str, workers: int) -> dict[int, list[dict[str, Any]]]:
+    reports: dict[int, list[dict[str, Any]]] = {}
+    for rank in range(workers):
+        path = os.path.join(directory, f"rank{rank}.jsonl")
+        if os.path.isfile(path):
+            with open(path) as f:
+                reports[rank] = [json.loads(line) for line in f if line.strip()]
+    return reports
+
+
+def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, device: str) -> Record:
+    """Run ``cell``'s script on its ranks; append its epoch lines and summary to results.jsonl
+    and return the summary. Raises (with the failing rank's traceback) if it fails."""
+    attempt = os.urandom(6).hex()
+    directory = _run_dir(out_dir, cell, attempt)
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    procs = _start(cell, directory, backend, device)
+    try:
+        _wait(procs, directory, timeout, cell.run_id)
+    except BaseException:
+        _stop(procs)
+        raise
+    asked = [name for name in os.listdir(directory) if name.startswith(STARTED)]
+    if not asked:
+        raise GraceConfigError(
+            f"{cell.run_id}: the script {cell.script} finished without asking for its method: call "
+            "grace_dgc.survey.cell_grace() after initialising the process group, and train with that Grace "
+            f"(its output: {os.path.join(directory, '*.log')})"
+        )
+    reports = _read_reports(directory, cell.workers)
+    if not reports.get(0):
+        raise GraceConfigError(
+            f"{cell.run_id}: the script finished without reporting a metric: call grace_dgc.survey.report_metrics(epoch=..., "
+            "accuracy=..., loss=...) on every rank once per epoch"
+        )
+    summary = compose(cell, reports, attempt, started, backend, device)
+    for record in summary.pop("_epochs"):
+        append_record(out_dir, record)
+    append_record(out_dir, summary)
+    return summary
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def compose(
+    cell: Cell, reports: Mapping[int, list[dict[str, Any]]], attempt: str, started: str, backend: str, device: str
+) -> Record:
+    """The epoch records and the summary of a script-mode run, from every rank's reports:
+    rank 0's metrics, bytes and times averaged over ranks, wall time the slowest rank's."""
+    base: Record = {
+        "run_id": cell.run_id,
+        "attempt": attempt,
+        "label": cell.label,
+        "workers": cell.workers,
+        "seed": cell.seed,
+        "network": cell.network["tag"],
+    }
+    lines = reports[0]
+    ranks = [reports[r] for r in sorted(reports)]
+    epochs: list[Record] = []
+    for i, line in enumerate(lines):
+        peers = [r[i] for r in ranks if len(r) > i]  # the same report on each rank
+        steps = max(1.0, line["measured"]["steps"])
+        sent = _mean([p["measured"]["bytes_sent"] for p in peers])
+        dense = _mean([p["measured"]["dense_bytes"] for p in peers])
+        wall = max(p["wall_s"] for p in peers)
+        samples = [p["metrics"]["samples"] for p in peers if "samples" in p["metrics"]]
+        metrics = dict(line["metrics"])
+        record: Record = {
+            "epoch": line["epoch"] if line["epoch"] is not None else i + 1,
+            "lr": metrics.pop("lr", None),
+            "steps": int(line["measured"]["steps"]),
+            **{key: metrics.pop(key, None) for key in STANDARD if key != "lr"},
+            "epoch_time_s": wall,
+            "elapsed_s": max(p["elapsed_s"] for p in peers),
+            "samples_per_s": sum(samples) / wall if len(samples) == len(peers) and wall > 0 else None,
+            "bytes_per_step": sent / steps,
+            "dense_bytes_per_step": dense / steps,
+            "compression_ratio": sent / dense if dense else 0.0,
+            "exchanges_per_step": line["measured"]["tensors"] / steps,
+            "groups_per_step": line["measured"]["groups"] / steps,
+            "timed_steps": int(line["measured"]["steps"]),
+            "peak_rss_mb": max(p["peak_rss_mb"] for p in peers),
+            "peak_gpu_mb": max(p["peak_gpu_mb"] for p in peers),
+            "method_stats": line["method_stats"],
+            "metrics": {k: v for k, v in metrics.items() if k != "samples"},
+        }
+        per_step = {
+            "compress_s": ("compress_seconds", "memory_seconds"),
+            "communicate_s": ("communicate_seconds",),
+            "decompress_s": ("decompress_seconds",),
+            "wait_s": (WAIT,),
+        }
+        for key, parts in per_step.items():
+            record[key] = _mean([sum(p["measured"][part] for part in parts) for p in peers]) / steps
+        record["step_s"] = wall / steps
+        record["compute_s"] = max(0.0, record["step_s"] - record["wait_s"])  # forward, backward, data, optimizer
+        epochs.append(dict(base, type="epoch", **record))
+    return dict(_summary(cell, base, epochs, started, backend, device), _epochs=epochs)
+
+
+def _summary(cell: Cell, base: Record, epochs: list[Record], started: str, backend: str, device: str) -> Record:
+    target = cell.hyper.get("target_accuracy")
+    scored = [e for e in epochs if e["test_accuracy"] is not None]
+    reached = None if target is None else next((e for e in scored if e["test_accuracy"] >= target), None)
+    steps = sum(e["steps"] for e in epochs) or 1
+    last = epochs[-1]
+    sent = sum(e["bytes_per_step"] * e["steps"] for e in epochs)
+    dense = sum(e["dense_bytes_per_step"] * e["steps"] for e in epochs)
+    train_time = last["elapsed_s"]
+    samples = [e["samples_per_s"] * e["epoch_time_s"] for e in epochs if e["samples_per_s"] is not None]
+
+    def mean_step(key: str) -> float:
+        return sum(e[key] * e["steps"] for e in epochs) / steps
+
+    summary: Record = dict(
+        base,
+        type="summary",
+        cell_hash=cell.cell_hash,
+        survey=cell.survey,
+        compressor=cell.method["compressor"],
+        memory=cell.method["memory"],
+        communicator=cell.method["communicator"],
+        params=cell.method["params"],
+        tags=cell.method["tags"],
+        bandwidth_bps=cell.network["bandwidth_bps"],
+        latency_ms=cell.network["latency_ms"],
+        workload=cell.workload,
+        workload_description=f"script {cell.script} {' '.join(cell.script_args)}".strip(),
+        metric="accuracy",
+        loss="script",
+        script=cell.script,
+        script_args=cell.script_args,
+        script_sha=cell.script_sha,
+        parameters=round(last["dense_bytes_per_step"] / 4),  # fp32 gradient elements exchanged per step
+        batch_size=None,
+        global_batch=round(sum(samples) / steps) if len(samples) == len(epochs) else None,
+        lr=last["lr"],
+        lr_tuning=None,
+        momentum=None,
+        weight_decay=None,
+        epochs=len(epochs),
+        steps_per_epoch=round(steps / len(epochs)),
+        steps=steps,
+        final_test_accuracy=last["test_accuracy"],
+        final_test_loss=last["test_loss"],
+        final_train_accuracy=last["train_accuracy"],
+        final_train_loss=last["train_loss"],
+        best_test_accuracy=max((e["test_accuracy"] for e in scored), default=None),
+        target_accuracy=target,
+        epochs_to_target=reached["epoch"] if reached else None,
+        time_to_target_s=reached["elapsed_s"] if reached else None,
+        train_time_s=train_time,
+        samples_per_s=sum(samples) / train_time if len(samples) == len(epochs) and train_time > 0 else None,
+        bytes_per_step=sent / steps,
+        dense_bytes_per_step=dense / steps,
+        compression_ratio=sent / dense if dense else 0.0,
+        exchanges_per_step=last["exchanges_per_step"],
+        groups_per_step=last["groups_per_step"],
+        peak_rss_mb=max(e["peak_rss_mb"] for e in epochs),
+        peak_gpu_mb=max(e["peak_gpu_mb"] for e in epochs),
+        device=device,
+        backend=backend,
+        engine="horovod" if "horovodrun" in cell.launcher else "torch",
+        torch=torch.__version__,
+        grace_dgc=grace_dgc.__version__,
+        host=socket.gethostname(),
+        python=platform.python_version(),
+        started=started,
+        finished=datetime.datetime.now().isoformat(timespec="seconds"),
+        method_stats=last["method_stats"],
+        metrics=last["metrics"],
+        shaping=_shaping(),
+    )
+    for key in ("compute_s", "compress_s", "communicate_s", "decompress_s", "wait_s", "step_s"):
+        summary[key] = mean_step(key)
+    return summary
+
+
+def _shaping() -> dict[str, Any] | None:
+    from .netem import current_shaping
+
+    return current_shaping()
