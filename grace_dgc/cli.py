@@ -90,8 +90,18 @@ def registry_table(markdown: bool = False) -> str:
     return "\n".join(fmt.format(*r) for r in [header] + rows)
 
 
+def workloads_table() -> str:
+    """The survey's workloads, built-in and plugged in: name and where its factory lives."""
+    from .survey.workloads import _FACTORIES, list_workloads
+
+    rows = [("workload", "factory")]
+    rows += [(name, f"{_FACTORIES[name].__module__}:{_FACTORIES[name].__qualname__}") for name in list_workloads()]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:{width}}  {b}" for a, b in rows)
+
+
 def _cmd_list(args: argparse.Namespace) -> None:
-    print(registry_table(markdown=args.markdown))
+    print(workloads_table() if args.what == "workloads" else registry_table(markdown=args.markdown))
 
 
 def _add_demo(sub: argparse._SubParsersAction[OneLineParser]) -> None:
@@ -132,7 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int | None:
         "--debug", action="store_true", help="show the full traceback of an error (as GRACE_DGC_DEBUG=1 does)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("list", help="print the registered compressors, memories and communicators")
+    p = sub.add_parser(
+        "list", help="print the registered compressors, memories and communicators (or the survey's workloads)"
+    )
+    p.add_argument(
+        "what", nargs="?", choices=("methods", "workloads"), default="methods", help="methods (default) or workloads"
+    )
     p.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
     p.set_defaults(func=_cmd_list)
     _add_demo(sub)

@@ -158,6 +158,9 @@ def test_entry_point_workloads_register_and_a_broken_one_is_named(plugin_dir, tm
         names = list_workloads()
     assert "my-teacher" in names and "mnist1d-mlp" in names and "broken-net" not in names
     assert get_workload("my-teacher").description.startswith("teacher task")
+    from grace_dgc.cli import workloads_table
+
+    assert "my-teacher        my_workloads:make" in workloads_table()
     with pytest.raises(GraceConfigError, match=r"plugin 'broken-net' \(no_such_module:make, from my-workloads\)"):
         get_workload("broken-net")
 

@@ -252,36 +252,46 @@ def _start(cell: Cell, directory: str, backend: str, device: str) -> list[tuple[
     env.update(GRACE_DGC_BACKEND=backend, GRACE_DGC_DEVICE=device, PYTHONUNBUFFERED="1")
     command = _command(cell, port)
     cwd = os.path.dirname(cell.script or ".")
+
+    def start(log_name: str, process_env: dict[str, str]) -> subprocess.Popen[bytes]:
+        # its own session: stopping the cell reaches the launcher's ranks and DataLoader workers too
+        with open(os.path.join(directory, log_name), "wb") as log:
+            return subprocess.Popen(
+                command, env=process_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+            )
+
     if cell.launcher != "local":
-        log = open(os.path.join(directory, "launcher.log"), "wb")
-        return [("launcher", subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd))]
+        return [("launcher", start("launcher.log", env))]
     procs = []
     threads = max(1, (os.cpu_count() or 1) // cell.workers)  # ranks share the cores, as torchrun sets it
     for rank in range(cell.workers):
         rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
         rank_env.update(WORLD_SIZE=str(cell.workers), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(cell.workers))
         rank_env.setdefault("OMP_NUM_THREADS", str(threads))
-        log = open(os.path.join(directory, f"rank{rank}.log"), "wb")
-        procs.append(
-            (
-                f"rank {rank}",
-                subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd),
-            )
-        )
+        procs.append((f"rank {rank}", start(f"rank{rank}.log", rank_env)))
     return procs
 
 
+def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """``sig`` to ``proc``'s whole process group (it leads one: ``start_new_session``)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _stop(procs: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+    """SIGTERM to every process group of the cell, SIGKILL to what is left after 5 s."""
     for _, proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        _signal(proc, signal.SIGTERM)
     deadline = time.monotonic() + 5
     for _, proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            pass
+        _signal(proc, signal.SIGKILL)  # the group's stragglers (a launcher's ranks, loader workers)
+        proc.wait()
 
 
 def _traceback(directory: str, who: str) -> str:
@@ -296,20 +306,27 @@ def _traceback(directory: str, who: str) -> str:
     return (text[start:] if start >= 0 else text[-3000:]).strip()[-4000:] or "(the log is empty)"
 
 
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "no output"
+
+
 def _wait(procs: list[tuple[str, subprocess.Popen[bytes]]], directory: str, timeout: float, run_id: str) -> None:
     """Wait for the cell's processes; the first failure (or the timeout) stops all of them."""
     deadline = time.monotonic() + timeout
     while True:
         failed = [(who, proc.returncode) for who, proc in procs if proc.poll() not in (None, 0)]
         if failed:
-            grace_period = time.monotonic() + 2  # let a rank whose peer died report its own error first
+            grace_period = time.monotonic() + 2  # the others' errors (a peer gone) come second
             while time.monotonic() < grace_period and any(p.poll() is None for _, p in procs):
                 time.sleep(0.05)
             _stop(procs)
-            who, code = failed[0]
+            who, code = failed[0]  # the first to fail: the cause; the others lost their peer
+            later = [f"{w} ({_last_line(_traceback(directory, w))})" for w, p in procs if w != who and p.returncode]
             raise RuntimeError(
-                f"{run_id}: {who} of the script exited with status {code}; the cell was stopped on every rank. "
-                f"{who}'s output ends:\n{_traceback(directory, who)}"
+                f"{run_id}: {who} of the script failed first (exit status {code}); the cell was stopped on every "
+                f"rank{'; then ' + ', '.join(later) if later else ''}. {who}'s output ends:\n"
+                f"{_traceback(directory, who)}"
             )
         if all(proc.poll() == 0 for _, proc in procs):
             return
@@ -352,12 +369,14 @@ def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, devi
     reports = _read_reports(directory, cell.workers)
     if not reports.get(0):
         raise GraceConfigError(
-            f"{cell.run_id}: the script finished without reporting a metric: call grace_dgc.survey.report_metrics(epoch=..., "
-            "accuracy=..., loss=...) on every rank once per epoch"
+            f"{cell.run_id}: the script finished without reporting a metric: call "
+            "grace_dgc.survey.report_metrics(epoch=..., accuracy=..., loss=...) on every rank once per epoch"
         )
     summary = compose(cell, reports, attempt, started, backend, device)
-    for record in summary.pop("_epochs"):
+    epochs = summary.pop("_epochs")
+    for record in epochs:
         append_record(out_dir, record)
+    _tensorboard(cell, epochs)
     append_record(out_dir, summary)
     return summary
 
@@ -505,3 +524,28 @@ def _shaping() -> dict[str, Any] | None:
     from .netem import current_shaping
 
     return current_shaping()
+
+
+def _tensorboard(cell: Cell, epochs: list[Record]) -> None:
+    """The per-epoch scalars a built-in run logs, from the script's reports (``tensorboard = true``)."""
+    if not cell.tensorboard_dir:
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(os.path.join(cell.tensorboard_dir, re.sub(r"[^\w.@-]+", "_", cell.run_id)))
+    step = 0
+    try:
+        for record in epochs:
+            step += record["steps"]
+            for tag, key in (
+                ("epoch/test_accuracy", "test_accuracy"),
+                ("epoch/test_loss", "test_loss"),
+                ("epoch/train_loss", "train_loss"),
+                ("epoch/bytes_per_step", "bytes_per_step"),
+            ):
+                if record.get(key) is not None:
+                    writer.add_scalar(tag, record[key], step)
+            for name, value in record["metrics"].items():
+                writer.add_scalar(f"epoch/{name}", value, step)
+    finally:
+        writer.close()
