@@ -1,19 +1,40 @@
 """``grace-dgc report DIR``: report.md with the seeds' tables and PNG plots from a survey's
 results.jsonl.
 
-Tables: the general one (every method: test accuracy mean ± std over seeds, bytes per step,
-measured compression ratio, time split per step); the seed001 format (epochs and time to
-the target accuracy, final test/train accuracy, compression ratio, gradient update size);
-the seed000 format (``Send k% grads | Accuracy | Loss``) for runs tagged ``kpercent``; the
-lr-tuning outcomes. Plots (matplotlib, Agg): test accuracy and loss per epoch per method,
-accuracy vs measured compression ratio, time split per step as stacked bars.
+Sections, in order:
+
+1. **Time to the target** (the headline): per workers × network, methods ranked by the mean
+   over seeds of the training time to the workload's target metric (test accuracy;
+   next-token accuracy for language models), with a 95% CI over seeds, epochs to target
+   likewise, the speed-up against the baseline (the dense ``none`` compressor) and Welch's
+   p on the times. Methods every seed of which reached the target come first, by mean time;
+   then those some seeds of which did ("k of n seeds reached it"), by that share; then
+   those that never did ("never reached (best … < target …)"), by best accuracy
+   (:data:`RANKING_RULE`, printed under the table).
+2. **Throughput, bytes and final accuracy** (the general table): test accuracy mean ± std
+   over seeds, perplexity for language models, bytes per step, measured compression ratio,
+   time split per step, samples/s, peak memory.
+3. **How to read this**: notes computed from the records, each only where its case occurs
+   (a sparsifier with a smaller ratio sending more bytes, as DGC's dense small / 1-D tensors
+   do; fewer bytes but a slower step on an unshaped loopback; fastest to the target vs most
+   accurate at the end; "no significant difference" is not "equal").
+4. **Do the seeds support the differences?**: final accuracy CIs and Welch tests against
+   the baseline.
+5. The methods' settings, the seed001 format (epochs and time to the target, final
+   test/train accuracy, compression ratio, gradient update size), the seed000 format
+   (``Send k% grads | Accuracy | Loss``) for runs tagged ``kpercent``, the lr-tuning
+   outcomes, plots (matplotlib, Agg: test accuracy and loss per epoch, accuracy vs measured
+   compression ratio, time split per step as stacked bars), failed runs, definitions.
 """
 
 import argparse
+import inspect
 import json
+import math
 import os
 import statistics
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -117,9 +138,11 @@ def welch_test(values: Sequence[float], baseline: Sequence[float]) -> tuple[floa
     """(t, p) of Welch's two-sided t-test (unequal variances); None below 2 values a side
     or when both sides are constant."""
     a, b = np.asarray(values, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
-    if len(a) < 2 or len(b) < 2 or (a.std() == 0 and b.std() == 0):
+    if len(a) < 2 or len(b) < 2 or (np.ptp(a) == 0 and np.ptp(b) == 0):
         return None
-    result = _stats().ttest_ind(a, b, equal_var=False)
+    with warnings.catch_warnings():  # one constant side (equal accuracies): scipy warns, the result holds
+        warnings.filterwarnings("ignore", "Precision loss occurred in moment calculation", RuntimeWarning)
+        result = _stats().ttest_ind(a, b, equal_var=False)
     return float(result.statistic), float(result.pvalue)
 
 
@@ -162,6 +185,391 @@ def significance_table(groups: Sequence[Group], key: str = "final_test_accuracy"
     return "\n".join(lines)
 
 
+# -- the headline: time to the target ------------------------------------------------------
+def metric_name(run: Mapping[str, Any]) -> str:
+    """What the target is on, as the workload measures it on its test split: the summary's
+    ``metric`` (else next-token accuracy for a language model, else accuracy), as "test …"."""
+    name = str(run.get("metric") or ("next-token accuracy" if run.get("loss") == "lm" else "accuracy"))
+    return name if name.startswith("test") else f"test {name}"
+
+
+def is_language_model(run: Mapping[str, Any]) -> bool:
+    return run.get("metric") == "next-token accuracy" or run.get("loss") == "lm"
+
+
+def _target_text(target: float) -> str:
+    return f"{target:.2f}" if round(target, 2) == target else f"{target:g}"
+
+
+def _below(value: float, target: float) -> str:
+    """``value`` with 3 decimals, or more where rounding would carry it up to the target."""
+    for digits in (3, 4, 5, 6):
+        text = f"{value:.{digits}f}"
+        if float(text) < target:
+            return text
+    return repr(value)
+
+
+class Reach:
+    """Time and epochs to the target of one group, over its seeds."""
+
+    def __init__(self, group: Group) -> None:
+        reached = [r for r in group.runs if r.get("time_to_target_s") is not None]
+        self.seeds = len(group.runs)
+        self.times = [float(r["time_to_target_s"]) for r in reached]
+        self.epochs = [float(r["epochs_to_target"]) for r in reached if r.get("epochs_to_target") is not None]
+        self.target = float(group.runs[0]["target_accuracy"])
+        self.best = max(_best_accuracy(r, e) for r, e in zip(group.runs, group.epochs))
+
+    @property
+    def tier(self) -> int:
+        """0: every seed reached the target; 1: some did; 2: none did."""
+        return 0 if len(self.times) == self.seeds else 1 if self.times else 2
+
+    @property
+    def mean_time(self) -> float:
+        return statistics.mean(self.times) if self.times else float("inf")
+
+    def rank_key(self) -> tuple[int, float, float]:
+        if self.tier == 0:
+            return 0, self.mean_time, statistics.mean(self.epochs) if self.epochs else 0.0
+        if self.tier == 1:
+            return 1, -len(self.times) / self.seeds, self.mean_time
+        return 2, -self.best, 0.0
+
+
+def _best_accuracy(run: Record, epochs: Sequence[Record]) -> float:
+    if run.get("best_test_accuracy") is not None:
+        return float(run["best_test_accuracy"])
+    seen = [float(e["test_accuracy"]) for e in epochs if e.get("test_accuracy") is not None]
+    return max(seen) if seen else float(run["final_test_accuracy"])
+
+
+def _combos(groups: Sequence[Group]) -> list[tuple[int, str]]:
+    return list(dict.fromkeys((g.workers, g.network) for g in groups))
+
+
+def ranked(groups: Sequence[Group]) -> list[tuple[int, Group, Reach]]:
+    """(rank within its workers × network, group, reach), by :data:`RANKING_RULE`."""
+    out = []
+    for combo in _combos(groups):
+        peers = [(g, Reach(g)) for g in groups if (g.workers, g.network) == combo]
+        peers.sort(key=lambda pair: pair[1].rank_key())  # stable: ties keep the survey's order
+        out += [(i + 1, g, reach) for i, (g, reach) in enumerate(peers)]
+    return out
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    if seconds < 1:
+        return 1e-3, "ms"
+    if seconds < 120:
+        return 1.0, "s"
+    if seconds < 7200:
+        return 60.0, "min"
+    return 3600.0, "h"
+
+
+def _interval(values: Sequence[float], scale: float = 1.0, unit: str = "") -> tuple[str, str]:
+    """(mean, 95% CI) formatted, in ``unit`` (``scale`` seconds each)."""
+    mean, half = confidence_interval(values)
+    suffix = f" {unit}" if unit else ""
+    text = f"{mean / scale:.2f}{suffix}"
+    if half is None:
+        return text, "n/a (1 seed)"
+    return text, f"[{(mean - half) / scale:.2f}, {(mean + half) / scale:.2f}]{suffix}"
+
+
+RANKING_RULE = (
+    "**Ranking rule** (within each workers × network): first the methods whose every seed reached the "
+    "target, by mean time to target (ties: mean epochs); then those that reached it in only some seeds, by "
+    "the share of seeds that reached it, then by mean time over those seeds (a mean that leaves out the "
+    "seeds that never got there flatters a method, so such a method never ranks above one that got there in "
+    "every seed); last, those that never reached it, by the best {metric} any seed had at any epoch. Time is "
+    "training wall time (evaluation excluded) to the end of the first epoch at or above the target; mean and "
+    "95% confidence interval over the seeds that reached it (Student t, n − 1 degrees of freedom). Speed-up = "
+    "the baseline's mean time / the method's, shown where both reached the target in every seed; p: Welch's "
+    "two-sided t-test of the method's times against the baseline's (the baseline is the `none` compressor of "
+    "the same workers and network, else the first method)."
+)
+
+
+def headline_table(groups: Sequence[Group]) -> str:
+    """Methods ranked by time to the target metric (see :data:`RANKING_RULE`)."""
+    first = groups[0].runs[0]
+    metric, target = metric_name(first), _target_text(first["target_accuracy"])
+    rows = ranked(groups)
+    reaches = {id(g): reach for _, g, reach in rows}
+    scale, unit = _time_unit(min((reach.mean_time for _, _, reach in rows if reach.times), default=1.0))
+    lines = [
+        f"| Rank | Method | Workers | Network | Reached the target | Time to {target} {metric} (mean) | 95% CI | "
+        f"Epochs to {target} {metric} (mean) | 95% CI | Speed-up vs baseline | p (time vs baseline) | "
+        f"Final {metric} (mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rank, g, reach in rows:
+        base = _baseline(g, groups)
+        base_reach = reaches[id(base)]
+        if reach.tier == 2:
+            status = f"never reached (best {_below(reach.best, reach.target)} < target {_target_text(reach.target)})"
+            time, time_ci, epochs, epochs_ci = "—", "—", "—", "—"
+        else:
+            if reach.tier == 0:
+                status = f"all {reach.seeds} seeds" if reach.seeds > 1 else "yes (1 seed)"
+            else:
+                status = f"{len(reach.times)} of {reach.seeds} seeds reached it"
+            time, time_ci = _interval(reach.times, scale, unit)
+            epochs, epochs_ci = _interval(reach.epochs) if reach.epochs else ("n/a", "n/a")
+            if reach.tier == 1:
+                time += f" ({len(reach.times)} seeds)"
+        speedup, p = "—", "—"
+        if base is g:
+            speedup = "1.00× (baseline)" if reach.tier == 0 else "(baseline)"
+        elif reach.tier == 0 and base_reach.tier == 0 and reach.mean_time > 0:
+            ratio = base_reach.mean_time / reach.mean_time
+            speedup = f"{ratio:.2f}×" + (" (slower)" if ratio < 1 else "")
+            test = welch_test(reach.times, base_reach.times)
+            p = "—" if test is None else f"{test[1]:.3g}"
+        final = g.mean("final_test_accuracy")
+        lines.append(
+            f"| {rank} | {g.label} | {g.workers} | {g.network} | {status} | {time} | {time_ci} | {epochs} | "
+            f"{epochs_ci} | {speedup} | {p} | {'n/a' if final is None else f'{final:.4f}'} |"
+        )
+    return "\n".join(lines)
+
+
+# -- how to read this ---------------------------------------------------------------------
+def _peers(groups: Sequence[Group], combo: tuple[int, str]) -> list[Group]:
+    return [g for g in groups if (g.workers, g.network) == combo]
+
+
+def _nominal_ratio(group: Group) -> float | None:
+    value = (group.runs[0].get("params") or {}).get("compress_ratio")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _last_epoch_bytes(group: Group) -> float | None:
+    last = [e[-1]["bytes_per_step"] for e in group.epochs if e and e[-1].get("bytes_per_step") is not None]
+    return statistics.mean(last) if last else None
+
+
+def _dgc_setting(params: Mapping[str, Any], name: str) -> Any:
+    """A DGC setting as the run had it: its parameter, else the compressor's default."""
+    if name in params:
+        return params[name]
+    from ..compressors.dgc import DGCCompressor
+
+    return inspect.signature(DGCCompressor).parameters[name].default
+
+
+def _explain_bytes(groups: Sequence[Group]) -> list[str]:
+    """(a) a method that keeps a smaller share of the gradient but sends more bytes."""
+    out = []
+    for combo in _combos(groups):
+        sparse = [
+            g for g in _peers(groups, combo) if _nominal_ratio(g) is not None and g.mean("bytes_per_step") is not None
+        ]
+        for a in sparse:
+            for b in sparse:
+                ra, rb = _nominal_ratio(a), _nominal_ratio(b)
+                ba, bb = _bytes(a), _bytes(b)
+                if ra is None or rb is None or not (ra < rb and ba > bb):
+                    continue
+                text = (
+                    f"**{a.label} sends more bytes than {b.label}**, though it keeps a smaller share of each "
+                    f"gradient ({ra:g} against {rb:g}): measured {human_bytes(ba)} per step per worker "
+                    f"(compression ratio {a.mean('compression_ratio'):.4g}) against {human_bytes(bb)} "
+                    f"({b.mean('compression_ratio'):.4g})."
+                )
+                params = a.runs[0].get("params") or {}
+                if a.runs[0].get("compressor") == "dgc":
+                    text += _dgc_reasons(a, params, ra)
+                else:
+                    text += " Measured bytes count the whole wire format: indices, headers and any tensor sent whole."
+                out.append(text)
+    return out
+
+
+def _dgc_reasons(group: Group, params: Mapping[str, Any], ratio: float) -> str:
+    """Why a DGC run sent more than its ratio: warm-up and the tensors it sends whole."""
+    text = ""
+    warmup = params.get("warmup_epochs") or params.get("warmup_steps")
+    last = _last_epoch_bytes(group)
+    if warmup and last is not None:
+        what = "epochs" if params.get("warmup_epochs") else "steps"
+        text += (
+            f" Part of it is warm-up: the run average counts {warmup} warm-up {what} of denser exchanges; "
+            f"after them, in the last epoch, it still sent {human_bytes(last)} per step."
+        )
+    rules = []
+    if _dgc_setting(params, "dense_1d"):
+        rules.append("tensors of dim ≤ 1 (biases, norm weights)")
+    minimum = _dgc_setting(params, "min_compress_size")
+    if minimum:
+        rules.append(f"tensors of fewer than {minimum} elements")
+    if not rules:
+        return text
+    width = "fp16" if _dgc_setting(params, "fp16_values") else "fp32"
+    text += f" DGC sends {' and '.join(rules)} whole, in {width}"
+    dense = group.mean("dense_bytes_per_step")
+    sent = last if last is not None else group.mean("bytes_per_step")
+    if dense and sent and sent > 4 * ratio * dense:  # values + indices of the kept share are at most 2×
+        share = ratio * dense
+        text += (
+            f": {ratio:g} of the {human_bytes(dense)} dense gradient is {human_bytes(share)}, so most of the "
+            f"{human_bytes(sent)} it sends per step ({sent / share:.3g}×) is those whole tensors, which on a small "
+            f"model ({group.runs[0].get('parameters', '?')} parameters) outweigh what the ratio saves."
+        )
+    else:
+        text += "."
+    return text
+
+
+def _bytes(group: Group) -> float:
+    value = group.mean("bytes_per_step")
+    return float("nan") if value is None else value
+
+
+def _unshaped(group: Group) -> bool:
+    return all(not r.get("bandwidth_bps") and not r.get("latency_ms") for r in group.runs)
+
+
+def _explain_loopback(groups: Sequence[Group]) -> list[str]:
+    """(b) fewer bytes but no faster step, on an unshaped loopback."""
+    out = []
+    for combo in _combos(groups):
+        peers = _peers(groups, combo)
+        base = _baseline(peers[0], groups)
+        if not _unshaped(base) or base.mean("step_s") is None:
+            continue
+        slower = [
+            g
+            for g in peers
+            if g is not base
+            and _unshaped(g)
+            and _bytes(g) < _bytes(base)
+            and g.mean("step_s") is not None
+            and g.mean("step_s") >= base.mean("step_s")  # type: ignore[operator]
+        ]
+        if not slower:
+            continue
+        cases = "; ".join(
+            f"{g.label} sends {_bytes(base) / max(_bytes(g), 1e-9):.3g}× fewer bytes ({human_bytes(_bytes(g))}) "
+            f"in {_ms(g.mean('communicate_s'))} ms of communication, spends {_ms(g.mean('compress_s'))} ms "
+            f"compressing and {_ms(g.mean('decompress_s'))} ms decompressing, and its step takes "
+            f"{_ms(g.mean('step_s'))} ms"
+            for g in slower
+        )
+        where = f" ({combo[0]} workers, {combo[1]})" if len(_combos(groups)) > 1 else ""
+        out.append(
+            f"**Fewer bytes did not make a step faster here{where}.** These runs used an unshaped local loopback, "
+            f"where moving bytes costs almost nothing: {base.label} sends {human_bytes(_bytes(base))} per step "
+            f"in {_ms(base.mean('communicate_s'))} ms of communication and its step takes "
+            f"{_ms(base.mean('step_s'))} ms. Against that, {cases}. Bytes turn into time only where the network "
+            "is the bottleneck: rerun with `--bandwidth`, or model larger clusters with `grace-dgc project`."
+        )
+    return out
+
+
+def _explain_final_vs_time(groups: Sequence[Group]) -> list[str]:
+    """(c) the fastest to the target is not the most accurate at the end, or a seed reached the
+    target and ended below it."""
+    out = []
+    rows = ranked(groups)
+    for combo in _combos(groups):
+        peers = [(rank, g, reach) for rank, g, reach in rows if (g.workers, g.network) == combo]
+        scored = [(rank, g, reach) for rank, g, reach in peers if g.mean("final_test_accuracy") is not None]
+        if not scored:
+            continue
+        first = scored[0]
+        best = max(scored, key=lambda row: row[1].mean("final_test_accuracy") or 0.0)
+        metric = metric_name(first[1].runs[0])
+        if best[1] is not first[1] and first[2].tier < 2:
+            out.append(
+                f"**Fastest to the target is not most accurate at the end.** {first[1].label} ranks first "
+                f"(reaches {_target_text(first[2].target)} {metric} first) yet ends at "
+                f"{first[1].mean('final_test_accuracy'):.4f}; {best[1].label} ranks {best[0]} and ends at "
+                f"{best[1].mean('final_test_accuracy'):.4f}. The headline answers how fast a method gets to a "
+                f"fixed {metric}; the final {metric} (the throughput table, the seed statistics) answers where "
+                f"it stands after {first[1].runs[0].get('epochs', '?')} epochs. They are different questions."
+            )
+        dropped = [
+            (
+                g,
+                sum(
+                    1
+                    for r in g.runs
+                    if r.get("time_to_target_s") is not None and r["final_test_accuracy"] < reach.target
+                ),
+            )
+            for _, g, reach in peers
+        ]
+        dropped = [(g, n) for g, n in dropped if n]
+        if dropped:
+            listing = ", ".join(f"{g.label} ({n} of {len(g.runs)} seeds)" for g, n in dropped)
+            out.append(
+                f"**Reached the target, then ended below it:** {listing}. {metric.capitalize()} moves from epoch to "
+                "epoch; the headline counts the first epoch at or above the target, the final figures the last."
+            )
+    return out
+
+
+def _difference_interval(values: Sequence[float], baseline: Sequence[float]) -> tuple[float, float] | None:
+    """95% CI of mean(values) − mean(baseline), Welch–Satterthwaite degrees of freedom."""
+    a, b = np.asarray(values, dtype=np.float64), np.asarray(baseline, dtype=np.float64)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    if va + vb == 0:
+        return None
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = float(_stats().t.ppf(1 - ALPHA / 2, df)) * float(np.sqrt(va + vb))
+    delta = float(a.mean() - b.mean())
+    return delta - half, delta + half
+
+
+def _explain_not_significant(groups: Sequence[Group], key: str = "final_test_accuracy") -> list[str]:
+    """(d) "no significant difference" is not "equal"; one seed supports no claim."""
+    cases, untestable = [], []
+    for g in groups:
+        base = _baseline(g, groups)
+        if base is g:
+            continue
+        values, reference = g.values(key), base.values(key)
+        test = welch_test(values, reference) if values and reference else None
+        if test is None:
+            if values and reference and (len(values) < 2 or len(reference) < 2):
+                untestable.append(g.label)
+            continue
+        interval = _difference_interval(values, reference)
+        if test[1] >= ALPHA and interval is not None:
+            delta = float(np.mean(values) - np.mean(reference))
+            cases.append(f"{g.label} − {base.label}: {delta:+.4f}, 95% CI [{interval[0]:+.4f}, {interval[1]:+.4f}]")
+    out = []
+    if cases:
+        seeds = sorted({len(g.runs) for g in groups})
+        n = "/".join(map(str, seeds))
+        out.append(
+            f'**"No significant difference" means not shown different, not equal.** With {n} seeds a test '
+            f"only detects large differences; the final {metric_name(groups[0].runs[0])} differences the seeds "
+            f"could not tell apart from zero still allow these ranges: {'; '.join(cases)}. A difference inside "
+            "the interval is as consistent with the data as no difference."
+        )
+    if untestable:
+        out.append(
+            f"**One seed supports no claim:** {', '.join(untestable)} (or its baseline) ran one seed, so no test "
+            "could be made; add seeds to compare them."
+        )
+    return out
+
+
+def explanations(groups: Sequence[Group]) -> list[str]:
+    """The "How to read this" bullets: each only where its case is in the data."""
+    return (
+        _explain_bytes(groups)
+        + _explain_loopback(groups)
+        + _explain_final_vs_time(groups)
+        + _explain_not_significant(groups)
+    )
+
+
 # -- tables --------------------------------------------------------------------------------
 def _group_title(group: Group, groups: Sequence[Group]) -> str:
     """Label, plus workers / network only where the survey varies them."""
@@ -178,24 +586,44 @@ def _ms(value: float | None) -> str:
 
 
 def general_table(groups: Sequence[Group]) -> str:
+    """Throughput, bytes and the final figures (perplexity too where a workload is a language model)."""
+    lm = any(is_language_model(r) for g in groups for r in g.runs)
     lines = [
-        "| Method | Workers | Network | Seeds | Test acc (mean ± std) | Test loss | Bytes/step/worker | "
-        "Compression ratio | Compute ms | Compress ms | Communicate ms | Decompress ms | Step ms | "
-        "Samples/s | Peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Method | Workers | Network | Seeds | Test acc (mean ± std) | Test loss | "
+        + ("Perplexity | " if lm else "")
+        + "Bytes/step/worker | Compression ratio | Compute ms | Compress ms | Communicate ms | Decompress ms | "
+        "Step ms | Samples/s | Peak RSS |",
+        "|---|---|---|---|---|---|" + ("---|" if lm else "") + "---|---|---|---|---|---|---|---|---|",
     ]
     for g in groups:
         rss = g.mean("peak_rss_mb")
         gpu = g.mean("peak_gpu_mb")
         memory = f"{rss:.0f} MB" + (f" (GPU {gpu:.0f} MB)" if gpu else "")
+        perplexity = ""
+        if lm:
+            perplexity = f"{_perplexity(g)} | "
         lines.append(
             f"| {g.label} | {g.workers} | {g.network} | {len(g.runs)} | {g.mean_std('final_test_accuracy')} | "
-            f"{g.mean_std('final_test_loss')} | {human_bytes(g.mean('bytes_per_step'))} | "
+            f"{g.mean_std('final_test_loss')} | {perplexity}{human_bytes(g.mean('bytes_per_step'))} | "
             f"{g.mean('compression_ratio'):.4g} | {_ms(g.mean('compute_s'))} | {_ms(g.mean('compress_s'))} | "
             f"{_ms(g.mean('communicate_s'))} | {_ms(g.mean('decompress_s'))} | {_ms(g.mean('step_s'))} | "
             f"{g.mean('samples_per_s'):.0f} | {memory} |"
         )
     return "\n".join(lines)
+
+
+def _perplexity(group: Group) -> str:
+    """exp(final test loss) per seed, mean ± std over seeds (n/a for a non-language-model)."""
+    values = [
+        math.exp(r["final_test_loss"])
+        for r in group.runs
+        if is_language_model(r) and r.get("final_test_loss") is not None
+    ]
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
 def target_table(groups: Sequence[Group]) -> str:
@@ -350,8 +778,10 @@ DEFINITIONS = """\
   the update). The first `timing_skip_steps` steps of each run are left out of these means.
 - **Epochs / time to target**: the first epoch whose test accuracy reaches the target, and the training
   wall time (evaluation excluded) until the end of that epoch.
-- **Samples/s**: global samples per second of training wall time. **Peak RSS**: the largest
-  `ru_maxrss` over the ranks (GPU: `torch.cuda.max_memory_allocated`)."""
+- **Speed-up**: the baseline's mean time to target / the method's (above 1: faster than the baseline).
+- **Samples/s**: global samples per second of training wall time. **Peak RSS**: the largest peak resident
+  memory over the ranks, each rank's own since its training started (Linux `VmHWM`; GPU:
+  `torch.cuda.max_memory_allocated`)."""
 
 
 def write_report(out_dir: str, report_dir: str | None = None) -> str:
@@ -393,6 +823,29 @@ def write_report(out_dir: str, report_dir: str | None = None) -> str:
         f"- Device: {first.get('device')}, backend {first.get('backend')}, torch {first.get('torch')}, "
         f"host {first.get('host')}",
         "",
+        f"## Time to {metric_name(first)} {_target_text(first['target_accuracy'])} (the headline)",
+        "",
+        headline_table(groups),
+        "",
+        RANKING_RULE.format(metric=metric_name(first)),
+        "",
+        "## Throughput, bytes and final accuracy",
+        "",
+        general_table(groups),
+        "",
+    ]
+    notes = explanations(groups)
+    if notes:
+        parts += ["## How to read this", ""] + [f"- {note}" for note in notes] + [""]
+    parts += [
+        "## Do the seeds support the differences?",
+        "",
+        "Test accuracy: mean and 95% confidence interval over seeds (Student t, n−1 degrees of freedom); "
+        "Welch's t-test against the baseline of the same workers and network (the `none` compressor, else "
+        "the first method). A difference is called only at p < 0.05; one seed supports no claim.",
+        "",
+        significance_table(groups),
+        "",
         "## Methods",
         "",
         "| Method | Compressor | Memory | Communicator | Parameters | lr |",
@@ -406,19 +859,7 @@ def write_report(out_dir: str, report_dir: str | None = None) -> str:
         parts.append(f"| {g.label} | {r['compressor']} | {r['memory']} | {r['communicator']} | {params} | {lr} |")
     parts += [
         "",
-        "## Results",
-        "",
-        general_table(groups),
-        "",
-        "## Do the seeds support the differences?",
-        "",
-        "Test accuracy: mean and 95% confidence interval over seeds (Student t, n−1 degrees of freedom); "
-        "Welch's t-test against the baseline of the same workers and network (the `none` compressor, else "
-        "the first method). A difference is called only at p < 0.05; one seed supports no claim.",
-        "",
-        significance_table(groups),
-        "",
-        f"## Time to accuracy (the seed001 format; target {first['target_accuracy'] * 100:g}%)",
+        f"## Epochs and time to {first['target_accuracy'] * 100:g}% (the seed001 format)",
         "",
         target_table(groups),
         "",
@@ -447,7 +888,10 @@ def write_report(out_dir: str, report_dir: str | None = None) -> str:
             for f in failures
         ]
         parts.append("")
-    parts += ["## Definitions", "", DEFINITIONS, ""]
+    definitions = DEFINITIONS
+    if any(is_language_model(r) for g in groups for r in g.runs):
+        definitions += "\n- **Perplexity** (language models): exp(final test loss) per seed, mean ± std over seeds."
+    parts += ["## Definitions", "", definitions, ""]
     path = os.path.join(report_dir, "report.md")
     with open(path, "w") as f:
         f.write("\n".join(parts))
