@@ -213,7 +213,8 @@ def measured_methods(records: Sequence[dict[str, Any]]) -> list[Method]:
             "exchanges_per_step",
             "batch_size",
         )
-        mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+        # a script-mode run that reports no samples has no batch size: its projection has no samples/s
+        mean = {k: None if any(r.get(k) is None for r in rows) else sum(r[k] for r in rows) / len(rows) for k in keys}
         if all(r.get("groups_per_step") for r in rows):  # older surveys lack it
             mean["groups_per_step"] = sum(r["groups_per_step"] for r in rows) / len(rows)
         try:
@@ -309,7 +310,7 @@ def project(
                         "communication_s": comm,
                         "dense_step_s": dense_time,
                         "speedup": dense_time / step,
-                        "samples_per_s": method["batch_size"] * nodes / step,
+                        "samples_per_s": None if method["batch_size"] is None else method["batch_size"] * nodes / step,
                         "utilization": method["compute_s"] / step,
                         "bytes_per_step": method["bytes_per_step"],
                         "measured_workers": method["workers"],
@@ -389,7 +390,8 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
             f"| {r['label']} | {r['nodes']} | {format_rate(r['bandwidth_bps'])} | {r['latency_ms']:g} ms | "
             f"{r['step_s'] * 1000:.2f} ms | {r['communication_s'] * 1000:.2f} ms | "
             f"{r['dense_step_s'] * 1000:.2f} ms | {r['speedup']:.2f}× | {r['utilization']:.0%} | "
-            f"{r['samples_per_s']:.0f} | {human_bytes(r['bytes_per_step'])} |"
+            f"{'n/a' if r['samples_per_s'] is None else format(r['samples_per_s'], '.0f')} | "
+            f"{human_bytes(r['bytes_per_step'])} |"
         )
     return "\n".join(lines)
 

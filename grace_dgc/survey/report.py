@@ -473,7 +473,9 @@ def _explain_loopback(groups: Sequence[Group]) -> list[str]:
 def _explain_final_vs_time(groups: Sequence[Group]) -> list[str]:
     """(c) the fastest to the target is not the most accurate at the end, or a seed reached the
     target and ended below it."""
-    out = []
+    out: list[str] = []
+    if groups[0].runs[0].get("target_accuracy") is None:  # no target: nothing reached it first
+        return out
     rows = ranked(groups)
     for combo in _combos(groups):
         peers = [(rank, g, reach) for rank, g, reach in rows if (g.workers, g.network) == combo]
@@ -607,7 +609,7 @@ def general_table(groups: Sequence[Group]) -> str:
             f"{g.mean_std('final_test_loss')} | {perplexity}{human_bytes(g.mean('bytes_per_step'))} | "
             f"{g.mean('compression_ratio'):.4g} | {_ms(g.mean('compute_s'))} | {_ms(g.mean('compress_s'))} | "
             f"{_ms(g.mean('communicate_s'))} | {_ms(g.mean('decompress_s'))} | {_ms(g.mean('step_s'))} | "
-            f"{g.mean('samples_per_s'):.0f} | {memory} |"
+            f"{_rate(g.mean('samples_per_s'))} | {memory} |"
         )
     return "\n".join(lines)
 
@@ -817,18 +819,29 @@ def write_report(out_dir: str, report_dir: str | None = None) -> str:
     parts += [
         f"- Workload: **{first['workload']}** — {first.get('workload_description', '')}",
         f"- Workers: {', '.join(str(w) for w in sorted({g.workers for g in groups}))}; seeds: "
-        f"{', '.join(map(str, seeds))}; epochs: {first['epochs']} ({first['steps_per_epoch']} steps each, "
-        f"global batch {first['global_batch']} = {first['batch_size']} per worker × workers); "
-        f"lr {first['lr']:g} unless tuned; momentum {first['momentum']:g}",
+        f"{', '.join(map(str, seeds))}; {_setup_text(first)}",
         f"- Device: {first.get('device')}, backend {first.get('backend')}, torch {first.get('torch')}, "
         f"host {first.get('host')}",
         "",
-        f"## Time to {metric_name(first)} {_target_text(first['target_accuracy'])} (the headline)",
-        "",
-        headline_table(groups),
-        "",
-        RANKING_RULE.format(metric=metric_name(first)),
-        "",
+    ]
+    if first.get("target_accuracy") is None:  # a workload or script without a target
+        parts += [
+            "## Time to the target",
+            "",
+            f"No target {metric_name(first)} was set (`target_accuracy` in the config or the workload), so no time "
+            "to target was measured; the methods are compared by final accuracy and throughput below.",
+            "",
+        ]
+    else:
+        parts += [
+            f"## Time to {metric_name(first)} {_target_text(first['target_accuracy'])} (the headline)",
+            "",
+            headline_table(groups),
+            "",
+            RANKING_RULE.format(metric=metric_name(first)),
+            "",
+        ]
+    parts += [
         "## Throughput, bytes and final accuracy",
         "",
         general_table(groups),
@@ -854,16 +867,18 @@ def write_report(out_dir: str, report_dir: str | None = None) -> str:
     for g in dict((g.label, g) for g in groups).values():
         r = g.runs[0]
         params = ", ".join(f"{k}={v}" for k, v in r.get("params", {}).items()) or "—"
-        lrs = sorted({x["lr"] for x in g.runs})
-        lr = ", ".join(f"{x:g}" for x in lrs) + (" (tuned)" if r.get("lr_tuning") else "")
+        lrs = sorted({x["lr"] for x in g.runs if x.get("lr") is not None})
+        lr = ", ".join(f"{x:g}" for x in lrs if x is not None) or "the script's"
+        lr += " (tuned)" if r.get("lr_tuning") else ""
         parts.append(f"| {g.label} | {r['compressor']} | {r['memory']} | {r['communicator']} | {params} | {lr} |")
-    parts += [
-        "",
-        f"## Epochs and time to {first['target_accuracy'] * 100:g}% (the seed001 format)",
-        "",
-        target_table(groups),
-        "",
-    ]
+    parts.append("")
+    if first.get("target_accuracy") is not None:
+        parts += [
+            f"## Epochs and time to {first['target_accuracy'] * 100:g}% (the seed001 format)",
+            "",
+            target_table(groups),
+            "",
+        ]
     kp = kpercent_tables(groups)
     if kp:
         parts += ["## Send k% of the gradient (the seed000 format)", ""]
@@ -918,3 +933,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _setup_text(first: Record) -> str:
+    """Epochs, batch and optimizer of the runs; a script-mode run's are its script's."""
+    text = f"epochs: {first['epochs']} ({first['steps_per_epoch']} steps each"
+    if first.get("script"):
+        batch = f", global batch {first['global_batch']}" if first.get("global_batch") else ""
+        return f"{text}{batch}); batch size, lr and optimizer are the script's"
+    return (
+        f"{text}, global batch {first['global_batch']} = {first['batch_size']} per worker × workers); "
+        f"lr {first['lr']:g} unless tuned; momentum {first['momentum']:g}"
+    )
+
+
+def _rate(value: float | None) -> str:
+    """samples/s, or n/a (a script that does not report ``samples``)."""
+    return "n/a" if value is None else f"{value:.0f}"

@@ -476,7 +476,7 @@ def _summary(cell: Cell, base: Record, epochs: list[Record], started: str, backe
         script_args=cell.script_args,
         script_sha=cell.script_sha,
         parameters=round(last["dense_bytes_per_step"] / 4),  # fp32 gradient elements exchanged per step
-        batch_size=None,
+        batch_size=round(sum(samples) / steps / cell.workers) if len(samples) == len(epochs) else None,
         global_batch=round(sum(samples) / steps) if len(samples) == len(epochs) else None,
         lr=last["lr"],
         lr_tuning=None,
