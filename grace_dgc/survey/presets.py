@@ -169,6 +169,53 @@ def _preset_modern(data_dir: str | None) -> Raw:
     }
 
 
+def _fidelity_methods(clip: float) -> list[Raw]:
+    """Issue 21's fidelity grid: does 99.9 % sparsity lose accuracy where 0.1 % of a layer is
+    hundreds of elements? Dense; DGC as the paper trains it (momentum correction and factor
+    masking, warm-up, local clipping); top-k 0.1 % with plain error feedback; top-k 0.1 %
+    dropping the rest (no memory)."""
+    return [
+        _method("dense", "none"),
+        _method(
+            "dgc 0.1%",
+            "dgc",
+            "momentum",
+            "allgather",
+            params={"compress_ratio": 0.001, "warmup_epochs": 2, "gradient_clipping": clip},
+        ),
+        _method("topk 0.1% + EF", "topk", "residual", "allgather", params={"compress_ratio": 0.001}),
+        _method("topk 0.1% dropped", "topk", "none", "allgather", params={"compress_ratio": 0.001}),
+    ]
+
+
+def _preset_fidelity_mnist1d(data_dir: str | None) -> Raw:
+    return {
+        "name": "dgc-fidelity-mnist1d",
+        "description": "99.9 % sparsity where it means something: MNIST-1D generated at 50,000 samples (40,000 "
+        "train) on a 1.1M-parameter MLP 40-1024-1024-10, 2 ranks, 3 seeds; dense vs DGC 0.1 % (momentum "
+        "correction, 2 warm-up epochs, local clipping) vs top-k 0.1 % with error feedback vs top-k 0.1 % dropped",
+        "workload": "mnist1d-mlp",
+        "workload_options": {"num_samples": 50000, "hidden": [1024, 1024]},
+        "workers": 2,
+        "seeds": [0, 1, 2],
+        "epochs": 6,
+        "target_accuracy": 0.85,
+        "methods": _fidelity_methods(clip=5.0),
+    }
+
+
+def _preset_fidelity_transformer(data_dir: str | None) -> Raw:
+    return {
+        "name": "dgc-fidelity-transformer",
+        "description": "The same four methods on the pydoc-gpt transformer (character-level GPT, 0.83M parameters, "
+        "Python's help text), 2 ranks, 3 seeds; DGC's local clipping at the workload's global-norm clip (1.0)",
+        "workload": "pydoc-gpt",
+        "workers": 2,
+        "seeds": [0, 1, 2],
+        "methods": _fidelity_methods(clip=1.0),
+    }
+
+
 PRESETS: dict[str, Callable[[str | None], Raw]] = {
     "quick": _preset_quick,
     "kpercent-masking": _preset_kpercent,
@@ -176,6 +223,8 @@ PRESETS: dict[str, Callable[[str | None], Raw]] = {
     "tuned-topk-dgc-qsgd": _preset_topk_dgc_qsgd,
     "twobit-thresholds": _preset_twobit,
     "modern-methods": _preset_modern,
+    "dgc-fidelity-mnist1d": _preset_fidelity_mnist1d,
+    "dgc-fidelity-transformer": _preset_fidelity_transformer,
 }
 #: the first names (by seed document number) → the names above
 PRESET_ALIASES = {
