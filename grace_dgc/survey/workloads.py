@@ -391,13 +391,28 @@ def _classification(
 
 # ------------------------------------------------------------------------- offline defaults
 @register_workload("mnist1d-mlp")
-def _mnist1d_mlp(data_dir: str | None, seed: int, num_samples: int = 5000, data_seed: int | None = None) -> Workload:
+def _mnist1d_mlp(
+    data_dir: str | None,
+    seed: int,
+    num_samples: int = 5000,
+    data_seed: int | None = None,
+    hidden: tuple[int, ...] | list[int] = (100, 100),
+) -> Workload:
+    """``hidden``: the hidden layers' widths; (1024, 1024) makes the ~1.1M-parameter MLP of the
+    fidelity preset, where 0.1 % of a layer is hundreds of elements rather than a few."""
+    if not (
+        isinstance(hidden, (list, tuple))
+        and hidden
+        and all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in hidden)
+    ):
+        raise GraceConfigError(f"hidden = {hidden!r} must be a non-empty list of layer widths (ints >= 1)")
     data = datasets.mnist1d(num_samples, seed if data_seed is None else data_seed, cache_dir=data_dir)
+    sizes = [40, *hidden, 10]
     return _classification(
         "mnist1d-mlp",
         data,
-        lambda: models.mlp([40, 100, 100, 10]),
-        f"MNIST-1D ({num_samples} generated samples, 80/20 split, length 40); MLP 40-100-100-10",
+        lambda: models.mlp(sizes),
+        f"MNIST-1D ({num_samples} generated samples, 80/20 split, length 40); MLP {'-'.join(map(str, sizes))}",
         {"source": "generated offline by mnist1d.data.make_dataset"},
         batch_size=32,
         lr=0.05,
@@ -559,3 +574,10 @@ def _ptb_lstm(data_dir: str | None, seed: int, bptt: int = 35) -> Workload:
             "vocabulary": vocabulary,
         },
     )
+
+
+# ------------------------------------------------------------------ a transformer on offline text
+# at the end: text.py builds a Workload, defined above
+from . import text  # noqa: E402
+
+register_workload("pydoc-gpt")(text.build_workload)
