@@ -24,6 +24,7 @@ ALL = {
     "cifar10-resnet20",
     "ptb-lstm",
     "fc-heavy",
+    "pydoc-gpt",
 }
 
 
