@@ -94,8 +94,11 @@ def workloads_table() -> str:
     """The survey's workloads, built-in and plugged in: name and where its factory lives."""
     from .survey.workloads import _FACTORIES, list_workloads
 
+    def where(factory: object) -> str:  # a functools.partial has no __qualname__
+        return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', repr(factory))}"
+
     rows = [("workload", "factory")]
-    rows += [(name, f"{_FACTORIES[name].__module__}:{_FACTORIES[name].__qualname__}") for name in list_workloads()]
+    rows += [(name, where(_FACTORIES[name])) for name in list_workloads()]
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:{width}}  {b}" for a, b in rows)
 

@@ -71,32 +71,42 @@ def run_local(
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
+    # not daemonic: a rank may start processes of its own (a DataLoader's workers); every path
+    # below ends them (join, else terminate, else kill)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results), daemon=False)
         for r in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
     collected: dict[int, T] = {}
     failures: list[tuple[int, str]] = []
-    deadline = time.monotonic() + timeout
-    while len(collected) + len(failures) < world_size:
-        if results.empty():
-            if time.monotonic() > deadline or (not any(p.is_alive() for p in procs) and results.empty()):
-                break
-            time.sleep(0.02)
-            continue
-        rank, ok, value = results.get()
-        if ok:
-            collected[rank] = pickle.loads(value)
-        else:
-            failures.append((rank, value))
-        if failures:
-            break  # the other ranks may be blocked in a collective: stop them
-    for proc in procs:
-        proc.join(timeout=5 if not failures else 0.5)
-        if proc.is_alive():
-            proc.terminate()
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        while len(collected) + len(failures) < world_size:
+            if results.empty():
+                if time.monotonic() > deadline or (not any(p.is_alive() for p in procs) and results.empty()):
+                    break
+                time.sleep(0.02)
+                continue
+            rank, ok, value = results.get()
+            if ok:
+                collected[rank] = pickle.loads(value)
+            else:
+                failures.append((rank, value))
+            if failures:
+                break  # the other ranks may be blocked in a collective: stop them
+    finally:
+        for proc in procs:
+            if proc.pid is None:
+                continue  # never started
+            proc.join(timeout=5 if not failures and len(collected) == world_size else 0.5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
     if failures:
         rank, tb = failures[0]
         raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")

@@ -157,6 +157,35 @@ def test_run_alone_the_script_api_falls_back(monkeypatch):
     report_metrics(epoch=1, accuracy=0.5)  # a no-op: nothing to write to
 
 
+def test_report_metrics_advances_the_epoch_and_records_the_rank(tmp_path, monkeypatch):
+    """In-process, one rank: DGC's warm-up follows the epochs the script reports."""
+    from grace_dgc.survey import script as script_mode
+
+    conf = cfg.SurveyConfig(
+        {"script": __file__, "workers": 1, "methods": [{"compressor": "dgc", "memory": "momentum",
+         "communicator": "allgather", "params": {"compress_ratio": 0.001, "warmup_epochs": 2}}]}
+    )  # fmt: skip
+    cell = conf.cells()[0]
+    monkeypatch.setenv(script_mode.CELL_ENV, json.dumps(cell.as_dict()))
+    monkeypatch.setenv(script_mode.DIR_ENV, str(tmp_path))
+    grace = cell_grace(engine="local")
+    assert grace.compressor.current_ratio == pytest.approx(0.001**0.5)  # epoch 0 of the warm-up
+    report_metrics(epoch=1, accuracy=0.5)
+    assert grace.compressor.epoch == 1 and grace.compressor.current_ratio == pytest.approx(0.001)
+    (line,) = [json.loads(x) for x in open(tmp_path / "rank0.jsonl")]
+    assert line["engine"] == "local" and line["timed_by_script"] is False and line["metrics"] == {"test_accuracy": 0.5}
+    assert os.path.exists(tmp_path / "started0")
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+
+
+def test_a_relative_out_and_a_script_elsewhere(script, tmp_path, monkeypatch):
+    """The ranks run in the user's folder and write their reports to --out as given (relative)."""
+    monkeypatch.chdir(tmp_path)
+    summaries, failures = _run(script, "out-relative")
+    assert not failures, failures
+    assert os.path.isdir(tmp_path / "out-relative" / "script-runs") and summaries[0]["epochs"] == 2
+
+
 def test_the_torchrun_launcher_runs_a_cell(script, tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     if not os.path.exists(torchrun):
@@ -184,6 +213,12 @@ def test_the_horovodrun_launcher_runs_a_horovod_script(script, tmp_path):
 
 
 def test_config_errors_of_script_mode(script, tmp_path):
+    with pytest.raises(GraceConfigError, match="epochs belong to the training loop.*--script-args"):
+        cfg.SurveyConfig({"script": script, "epochs": 3, "methods": METHODS})
+    with pytest.raises(GraceConfigError, match=r"methods\[0\] sets schedule, which script mode cannot apply"):
+        cfg.SurveyConfig({"script": script, "methods": [dict(METHODS[0], schedule={"name": "diloco"})]})
+    # a preset's or a workload config's training settings are dropped, not errors
+    assert cfg.SurveyConfig(cfg.script_mode(cfg.preset_dict("quick"), script)).script == script
     with pytest.raises(GraceConfigError, match="not a file"):
         cfg.SurveyConfig({"script": str(tmp_path / "nope.py"), "methods": METHODS})
     with pytest.raises(GraceConfigError, match="give workload or script, not both"):

@@ -41,7 +41,7 @@ PLUGIN = textwrap.dedent(
                     f.write(f"{i}\\n")
             return self.x[i], self.y[i]
 
-    def make(data_dir=None, seed=0, streamed=False, log="", n=384):
+    def make(data_dir=None, seed=0, streamed=False, log="", n=384, workers=0):
         x, y = _data(n, 7)
         xt, yt = _data(128, 8)
         train = Logged(x, y, log) if streamed else (x, y)
@@ -49,7 +49,7 @@ PLUGIN = textwrap.dedent(
         return Workload(
             train=train, test=test,
             make_model=lambda: torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
-            batch_size=16, lr=0.1, epochs=2, target_accuracy=0.6, description="teacher task",
+            batch_size=16, lr=0.1, epochs=2, target_accuracy=0.6, description="teacher task", loader_workers=workers,
         )
 
     def returns_wrong_type(data_dir=None, seed=0):
@@ -206,7 +206,8 @@ def test_a_streamed_workload_trains_exactly_as_its_tensors_and_each_rank_reads_i
     base = {"workers": 2, "seeds": [0], "methods": METHODS[1:], "eval_batch_size": 64}
     tensors = _survey(dict(base, workload="my_workloads:make"), tmp_path / "tensors")
     streamed = _survey(
-        dict(base, workload="my_workloads:make", workload_options={"streamed": True, "log": str(log)}),
+        # two DataLoader worker processes per rank (the ranks are not daemonic, so they may have children)
+        dict(base, workload="my_workloads:make", workload_options={"streamed": True, "log": str(log), "workers": 2}),
         tmp_path / "streamed",
     )
     epochs = [[r for r in read_records(str(tmp_path / d)) if r["type"] == "epoch"] for d in ("tensors", "streamed")]

@@ -55,7 +55,7 @@ def add_survey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--script",
         metavar="TRAIN.py",
         help="script mode: run your own training script once per cell (it calls grace_dgc.survey.cell_grace() "
-        "and survey.report(); README: Your own script); the config's methods, workers and seeds make the grid",
+        "and survey.report_metrics(); README: Your own script); the config's methods, workers and seeds make the grid",
     )
     parser.add_argument(
         "--launcher",
@@ -129,8 +129,6 @@ def _checked_config(args: argparse.Namespace) -> SurveyConfig:
         _existing_dir(args.data_dir, f"--data-dir {args.data_dir}")
     if args.script is not None and not os.path.isfile(args.script):
         raise GraceConfigError(f"--script {args.script}: no such file; give the path of your training script")
-    if args.script is None and (args.script_args is not None or args.launcher is not None):
-        raise GraceConfigError("--script-args and --launcher belong to script mode: add --script TRAIN.py")
     if args.config:
         config = load_config(args.config, script=args.script)
     elif args.script:  # a preset's methods on the user's script
@@ -147,6 +145,8 @@ def _checked_config(args: argparse.Namespace) -> SurveyConfig:
     network = None
     if args.bandwidth or args.latency:
         network = {k: v for k, v in (("bandwidth", args.bandwidth), ("latency", args.latency)) if v}
+    if config.script is None and args.script is None and (args.script_args is not None or args.launcher is not None):
+        raise GraceConfigError("--script-args and --launcher belong to script mode: add --script TRAIN.py")
     config = with_overrides(
         config,
         workers=workers,

@@ -80,6 +80,7 @@ class SurveyConfig:
             from .script import check_launcher
 
             check_launcher(self.launcher)
+            _check_script_mode(raw, source)
             self.workload = f"script:{os.path.basename(self.script)}"
         elif "launcher" in raw or "script_args" in raw:
             raise GraceConfigError(
@@ -316,13 +317,37 @@ class SurveyConfig:
 
 
 # -- loading ---------------------------------------------------------------------------
+# what a script owns in script mode: the survey cannot hand these to its training loop
+SCRIPT_OWNS = tuple(k for k in WORKLOAD_HYPER if k != "target_accuracy") + ("max_steps", "tune_epochs", "tune_holdout")
+SCRIPT_OWNS_PER_METHOD = ("schedule", "fusion_bytes", "tune_lr", "lr", "momentum", "weight_decay")
+
+
 def script_mode(raw: dict[str, Any], script: str | None) -> dict[str, Any]:
     """``raw`` in script mode when ``script`` is given (``--script``, relative to the working
-    directory): the script replaces the config's workload, if it names one."""
+    directory): the script replaces the config's workload, if it names one, and that
+    workload's training settings (epochs, lr, batch size ...: the script owns its own)."""
     if script is not None:
-        raw = {k: v for k, v in raw.items() if k not in ("workload", "workload_options", "data_dir")}
+        dropped = ("workload", "workload_options", "data_dir", *SCRIPT_OWNS)
+        raw = {k: v for k, v in raw.items() if k not in dropped}
         raw["script"] = os.path.abspath(script)
     return raw
+
+
+def _check_script_mode(raw: Mapping[str, Any], source: str) -> None:
+    """Settings the survey cannot apply to a script are errors, not silently other runs."""
+    given = [k for k in SCRIPT_OWNS if k in raw]
+    if given:
+        raise GraceConfigError(
+            f"{source}: {', '.join(given)} belong to the training loop, and in script mode the loop is your "
+            "script's: pass them with --script-args (the script may also read grace_dgc.survey.cell())"
+        )
+    for i, method in enumerate(raw.get("methods") or []):
+        owned = [k for k in SCRIPT_OWNS_PER_METHOD if isinstance(method, dict) and k in method]
+        if owned:
+            raise GraceConfigError(
+                f"{source}: methods[{i}] sets {', '.join(owned)}, which script mode cannot apply (the script builds "
+                "its own optimizer and DistributedOptimizer from cell_grace()); remove them or use a workload"
+            )
 
 
 def load_config(path: str, script: str | None = None) -> SurveyConfig:

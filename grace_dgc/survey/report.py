@@ -940,7 +940,7 @@ def _setup_text(first: Record) -> str:
     text = f"epochs: {first['epochs']} ({first['steps_per_epoch']} steps each"
     if first.get("script"):
         batch = f", global batch {first['global_batch']}" if first.get("global_batch") else ""
-        return f"{text}{batch}); batch size, lr and optimizer are the script's"
+        return f"{text}{batch}); batch size, lr and optimizer are the script's; time is {first.get('timing', 'n/a')}"
     return (
         f"{text}, global batch {first['global_batch']} = {first['batch_size']} per worker × workers); "
         f"lr {first['lr']:g} unless tuned; momentum {first['momentum']:g}"

@@ -74,6 +74,8 @@ CELL_ENV = "GRACE_DGC_CELL"  # the cell, as JSON
 DIR_ENV = "GRACE_DGC_CELL_DIR"  # where the ranks write their reports
 SCRIPT_RUNS = "script-runs"
 STARTED = "started"  # the marker cell_grace writes: the script asked for its method
+FAILED = "failed"  # failed<rank>: the time and traceback of a rank's uncaught exception
+STRAGGLE_S = 300.0  # ranks still running this long after another finished cleanly are stopped
 RENAMED = {"accuracy": "test_accuracy", "loss": "test_loss"}  # report_metrics()'s names -> the records' names
 STANDARD = ("test_accuracy", "test_loss", "train_accuracy", "train_loss", "lr")
 MEASURED = (*COUNTERS, *(f"{timer}_seconds" for timer in TIMERS), WAIT, "steps")
@@ -89,6 +91,7 @@ class _Session:
         self.started = self.last = time.perf_counter()
         self.elapsed = 0.0
         self.previous: dict[str, float] = dict.fromkeys(MEASURED, 0.0)
+        self.history: list[int] = []  # the epochs reported
 
 
 _session: _Session | None = None
@@ -147,10 +150,30 @@ def cell_grace(compressor: str = "none", memory: str = "none", communicator: str
     _session.grace = grace
     with open(os.path.join(_session.directory, f"{STARTED}{rank}"), "w") as f:
         f.write(str(os.getpid()))
+    _record_failures(_session.directory, rank)
     from .train import reset_peak_rss
 
     reset_peak_rss()
     return grace
+
+
+def _record_failures(directory: str, rank: int) -> None:
+    """Chain an excepthook that writes ``failed<rank>`` (time and traceback): the survey then
+    names the rank that failed first, not the peers that died of losing it."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        import traceback
+
+        try:
+            with open(os.path.join(directory, f"{FAILED}{rank}"), "w") as f:
+                text = "".join(traceback.format_exception(kind, error, tb))
+                json.dump({"rank": rank, "time": time.time(), "traceback": text}, f)
+        except OSError:
+            pass
+        previous(kind, error, tb)
+
+    sys.excepthook = hook
 
 
 def _number(key: str, value: object) -> float:
@@ -165,7 +188,9 @@ def _number(key: str, value: object) -> float:
 
 
 def report_metrics(epoch: int | None = None, *, train_time_s: float | None = None, **metrics: Any) -> None:
-    """Record this epoch's metrics (call it on every rank, once per epoch, or per step).
+    """Record this epoch's metrics (call it on every rank, once per epoch, after the epoch;
+    ``epoch`` counts the epochs done, from 1). It also tells grace the next epoch
+    (``grace.set_epoch(epoch)``), so schedule-driven methods such as DGC's warm-up advance.
 
     ``accuracy`` and ``loss`` are the test metric and loss the report ranks and tests (the
     target of time-to-target is on ``accuracy``); ``train_loss``, ``train_accuracy``, ``lr``
@@ -178,6 +203,8 @@ def report_metrics(epoch: int | None = None, *, train_time_s: float | None = Non
     if session is None or session.grace is None:
         raise GraceConfigError("survey.report_metrics() before survey.cell_grace(): ask for the cell's method first")
     values = {RENAMED.get(key, key): _number(key, value) for key, value in metrics.items()}
+    done = len(session.history) + 1 if epoch is None else int(epoch)
+    session.history.append(done)
     now = time.perf_counter()
     wall = now - session.last if train_time_s is None else _number("train_time_s", train_time_s)
     session.last = now
@@ -197,9 +224,13 @@ def report_metrics(epoch: int | None = None, *, train_time_s: float | None = Non
         "method_stats": {k: v for k, v in stats.items() if k not in MEASURED and _plain(v)},
         "peak_rss_mb": peak_rss_mb(),
         "peak_gpu_mb": gpu,
+        "timed_by_script": train_time_s is not None,
+        "backend": session.grace.engine.backend,
+        "engine": session.grace.engine.name,
     }
     with open(os.path.join(session.directory, f"rank{session.rank}.jsonl"), "a") as f:
         f.write(json.dumps(line) + "\n")
+    session.grace.set_epoch(done)  # the next epoch, 0-based, is the number of epochs done
 
 
 def _plain(value: object) -> bool:
@@ -229,15 +260,15 @@ def _command(cell: Cell, port: int) -> list[str]:
     if cell.launcher == "local":
         return [sys.executable, *script]
     prefix = shlex.split(cell.launcher.format(workers=cell.workers, port=port))
-    # torchrun takes the script itself; other launchers start a program
-    return (
-        [*prefix, *script] if os.path.basename(prefix[0]).startswith("torchrun") else [*prefix, sys.executable, *script]
-    )
+    # torchrun (anywhere in the prefix: `srun ... torchrun ...`) takes the script itself; other launchers a program
+    if any(os.path.basename(word).startswith("torchrun") or word == "torch.distributed.run" for word in prefix):
+        return [*prefix, *script]
+    return [*prefix, sys.executable, *script]
 
 
 def _run_dir(out_dir: str, cell: Cell, attempt: str) -> str:
     name = re.sub(r"[^\w.@-]+", "_", cell.run_id) + "-" + attempt
-    path = os.path.join(out_dir, SCRIPT_RUNS, name)
+    path = os.path.abspath(os.path.join(out_dir, SCRIPT_RUNS, name))  # the ranks run in the user's folder
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -251,13 +282,12 @@ def _start(cell: Cell, directory: str, backend: str, device: str) -> list[tuple[
     env.update({CELL_ENV: json.dumps(cell.as_dict(), default=str), DIR_ENV: directory})
     env.update(GRACE_DGC_BACKEND=backend, GRACE_DGC_DEVICE=device, PYTHONUNBUFFERED="1")
     command = _command(cell, port)
-    cwd = os.path.dirname(cell.script or ".")
 
     def start(log_name: str, process_env: dict[str, str]) -> subprocess.Popen[bytes]:
         # its own session: stopping the cell reaches the launcher's ranks and DataLoader workers too
         with open(os.path.join(directory, log_name), "wb") as log:
             return subprocess.Popen(
-                command, env=process_env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+                command, env=process_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
 
     if cell.launcher != "local":
@@ -281,17 +311,22 @@ def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def _stop(procs: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
-    """SIGTERM to every process group of the cell, SIGKILL to what is left after 5 s."""
+    """SIGTERM to each of the cell's processes (a launcher then stops its ranks, remote ones
+    too), then, 5 s later, SIGKILL to their whole process groups (stragglers, loader workers)."""
     for _, proc in procs:
-        _signal(proc, signal.SIGTERM)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 5
     for _, proc in procs:
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        _signal(proc, signal.SIGKILL)  # the group's stragglers (a launcher's ranks, loader workers)
-        proc.wait()
+        _signal(proc, signal.SIGKILL)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # unkillable (D state): reported by the caller, not waited on
+            pass
 
 
 def _traceback(directory: str, who: str) -> str:
@@ -311,9 +346,31 @@ def _last_line(text: str) -> str:
     return lines[-1][:200] if lines else "no output"
 
 
-def _wait(procs: list[tuple[str, subprocess.Popen[bytes]]], directory: str, timeout: float, run_id: str) -> None:
-    """Wait for the cell's processes; the first failure (or the timeout) stops all of them."""
+def _first_failure(directory: str) -> tuple[str, str] | None:
+    """(rank, traceback) of the earliest exception the ranks' excepthook recorded, if any: the
+    cause, where the others died of a lost peer (a launcher's one log interleaves them all)."""
+    found = []
+    for name in os.listdir(directory):
+        if name.startswith(FAILED):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    found.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    if not found:
+        return None
+    first = min(found, key=lambda entry: entry["time"])
+    return f"rank {first['rank']}", first["traceback"]
+
+
+def _wait(
+    procs: list[tuple[str, subprocess.Popen[bytes]]], directory: str, timeout: float, run_id: str, straggle: float
+) -> None:
+    """Wait for the cell's processes; the first failure, the timeout, or ranks still running
+    ``straggle`` seconds after another rank finished cleanly (blocked on a peer that left) stop
+    all of them."""
     deadline = time.monotonic() + timeout
+    first_done: float | None = None
     while True:
         failed = [(who, proc.returncode) for who, proc in procs if proc.poll() not in (None, 0)]
         if failed:
@@ -321,15 +378,28 @@ def _wait(procs: list[tuple[str, subprocess.Popen[bytes]]], directory: str, time
             while time.monotonic() < grace_period and any(p.poll() is None for _, p in procs):
                 time.sleep(0.05)
             _stop(procs)
-            who, code = failed[0]  # the first to fail: the cause; the others lost their peer
+            who, code = failed[0]
+            output = _traceback(directory, who)
+            recorded = _first_failure(directory)
+            if recorded is not None:  # the excepthook's clock beats the order of the polls
+                who, output = recorded
             later = [f"{w} ({_last_line(_traceback(directory, w))})" for w, p in procs if w != who and p.returncode]
             raise RuntimeError(
                 f"{run_id}: {who} of the script failed first (exit status {code}); the cell was stopped on every "
-                f"rank{'; then ' + ', '.join(later) if later else ''}. {who}'s output ends:\n"
-                f"{_traceback(directory, who)}"
+                f"rank{'; then ' + ', '.join(later) if later else ''}. {who}'s traceback:\n{output[-3000:]}"
             )
-        if all(proc.poll() == 0 for _, proc in procs):
+        done = [proc.poll() == 0 for _, proc in procs]
+        if all(done):
             return
+        if any(done) and first_done is None:
+            first_done = time.monotonic()
+        if first_done is not None and time.monotonic() - first_done > straggle:
+            _stop(procs)
+            waiting = [who for (who, _), ok in zip(procs, done) if not ok]
+            raise TimeoutError(
+                f"{run_id}: {', '.join(waiting)} still running {straggle:g} s after another rank finished: blocked on "
+                "a peer that left (every rank must run the same collectives); the cell was stopped"
+            )
         if time.monotonic() > deadline:
             _stop(procs)
             alive = [who for who, proc in procs if proc.returncode not in (0,)]
@@ -337,13 +407,27 @@ def _wait(procs: list[tuple[str, subprocess.Popen[bytes]]], directory: str, time
         time.sleep(0.05)
 
 
-def _read_reports(directory: str, workers: int) -> dict[int, list[dict[str, Any]]]:
+def _read_reports(directory: str, workers: int, run_id: str) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's report lines; a rank without reports, or with another number of them, is an
+    error naming it (its figures would silently drop out of the averages)."""
     reports: dict[int, list[dict[str, Any]]] = {}
     for rank in range(workers):
         path = os.path.join(directory, f"rank{rank}.jsonl")
         if os.path.isfile(path):
             with open(path) as f:
                 reports[rank] = [json.loads(line) for line in f if line.strip()]
+    if not reports.get(0):
+        raise GraceConfigError(
+            f"{run_id}: the script finished without reporting a metric: call "
+            "grace_dgc.survey.report_metrics(epoch=..., accuracy=..., loss=...) on every rank once per epoch"
+        )
+    counts = {rank: len(reports.get(rank, [])) for rank in range(workers)}
+    if len(set(counts.values())) > 1:
+        odd = ", ".join(f"rank {r}: {n}" for r, n in counts.items() if n != counts[0])
+        raise GraceConfigError(
+            f"{run_id}: every rank must call report_metrics() as often as rank 0 ({counts[0]} times); {odd} "
+            f"(reports in {directory}; across nodes, --out must be on a filesystem every node sees)"
+        )
     return reports
 
 
@@ -353,12 +437,12 @@ def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, devi
     attempt = os.urandom(6).hex()
     directory = _run_dir(out_dir, cell, attempt)
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    procs = _start(cell, directory, backend, device)
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
-        _wait(procs, directory, timeout, cell.run_id)
-    except BaseException:
-        _stop(procs)
-        raise
+        procs = _start(cell, directory, backend, device)
+        _wait(procs, directory, timeout, cell.run_id, straggle=min(timeout, STRAGGLE_S))
+    finally:
+        _stop(procs)  # after a success too: nothing the script started outlives its cell
     asked = [name for name in os.listdir(directory) if name.startswith(STARTED)]
     if not asked:
         raise GraceConfigError(
@@ -366,12 +450,7 @@ def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, devi
             "grace_dgc.survey.cell_grace() after initialising the process group, and train with that Grace "
             f"(its output: {os.path.join(directory, '*.log')})"
         )
-    reports = _read_reports(directory, cell.workers)
-    if not reports.get(0):
-        raise GraceConfigError(
-            f"{cell.run_id}: the script finished without reporting a metric: call "
-            "grace_dgc.survey.report_metrics(epoch=..., accuracy=..., loss=...) on every rank once per epoch"
-        )
+    reports = _read_reports(directory, cell.workers, cell.run_id)
     summary = compose(cell, reports, attempt, started, backend, device)
     epochs = summary.pop("_epochs")
     for record in epochs:
@@ -402,7 +481,7 @@ def compose(
     ranks = [reports[r] for r in sorted(reports)]
     epochs: list[Record] = []
     for i, line in enumerate(lines):
-        peers = [r[i] for r in ranks if len(r) > i]  # the same report on each rank
+        peers = [r[i] for r in ranks]  # the same report on each rank (equal counts: checked)
         steps = max(1.0, line["measured"]["steps"])
         sent = _mean([p["measured"]["bytes_sent"] for p in peers])
         dense = _mean([p["measured"]["dense_bytes"] for p in peers])
@@ -427,6 +506,9 @@ def compose(
             "peak_gpu_mb": max(p["peak_gpu_mb"] for p in peers),
             "method_stats": line["method_stats"],
             "metrics": {k: v for k, v in metrics.items() if k != "samples"},
+            "timed_by_script": all(p.get("timed_by_script") for p in peers),
+            "backend": line.get("backend"),
+            "engine": line.get("engine", "torch"),
         }
         per_step = {
             "compress_s": ("compress_seconds", "memory_seconds"),
@@ -503,8 +585,13 @@ def _summary(cell: Cell, base: Record, epochs: list[Record], started: str, backe
         peak_rss_mb=max(e["peak_rss_mb"] for e in epochs),
         peak_gpu_mb=max(e["peak_gpu_mb"] for e in epochs),
         device=device,
-        backend=backend,
-        engine="horovod" if "horovodrun" in cell.launcher else "torch",
+        backend=epochs[-1]["backend"] or backend,
+        engine=epochs[-1]["engine"],
+        timing=(
+            "the script's train_time_s"
+            if all(e["timed_by_script"] for e in epochs)
+            else "wall time between reports (the script's evaluation and data loading included)"
+        ),
         torch=torch.__version__,
         grace_dgc=grace_dgc.__version__,
         host=socket.gethostname(),
