@@ -16,6 +16,7 @@ Run alone:  torchrun --nproc-per-node 2 examples/survey_transformer.py --epochs 
 import argparse
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,7 @@ def main():
     for epoch in range(args.epochs):
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
         losses = []
+        started = time.perf_counter()
         for start in range(0, len(x) - global_batch + 1, global_batch):
             mine = order[start + rank * args.batch : start + (rank + 1) * args.batch]
             optimizer.zero_grad()
@@ -87,9 +89,11 @@ def main():
             with optimizer.skip_synchronize():
                 optimizer.step()
             losses.append(loss.item())
+        train_time = time.perf_counter() - started
         test_loss, accuracy = evaluate(model, x_test, y_test, rank, world_size)
         survey.report_metrics(
             epoch=epoch + 1,
+            train_time_s=train_time,  # evaluation left out, as the built-in workloads time it
             accuracy=accuracy,
             loss=test_loss,
             perplexity=math.exp(test_loss),
