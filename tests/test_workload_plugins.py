@@ -149,13 +149,16 @@ def test_entry_point_workloads_register_and_a_broken_one_is_named(plugin_dir, tm
         tmp_path,
         monkeypatch,
         "my-workloads",
-        "[grace_dgc.workloads]\nmy-teacher = my_workloads:make\nbroken-net = no_such_module:make\n",
+        "[grace_dgc.workloads]\nmy-teacher = my_workloads:make\nbroken-net = no_such_module:make\n"
+        "digits-mlp = my_workloads:make\n",
     )
     monkeypatch.setattr(wl, "_FACTORIES", dict(wl._FACTORIES))
     monkeypatch.setattr(wl, "_BROKEN", {})
     monkeypatch.setattr(wl, "_plugins_loaded", False)
-    with pytest.warns(UserWarning, match="broken-net"):
+    with pytest.warns(UserWarning) as warned:
         names = list_workloads()
+    messages = " ".join(str(w.message) for w in warned)
+    assert "broken-net" in messages and "'digits-mlp' (my_workloads:make, from my-workloads) is not loaded" in messages
     assert "my-teacher" in names and "mnist1d-mlp" in names and "broken-net" not in names
     assert get_workload("my-teacher").description.startswith("teacher task")
     from grace_dgc.cli import workloads_table

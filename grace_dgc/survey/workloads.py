@@ -73,7 +73,8 @@ class Workload:
     (output (N, T, vocab) against the next tokens (N, T)), or a function
     ``loss(output, targets)`` returning the batch's mean loss. ``metric(output, targets)``
     returns ``(sum of the batch's scores, number of scores)`` — numbers or 0-d tensors —
-    and higher must be better; the default is the accuracy of ``output.argmax(-1)``.
+    and higher must be better, in [0, 1] like an accuracy (``target_accuracy`` is checked to
+    lie there); the default is the accuracy of ``output.argmax(-1)``.
     ``metric_name`` names it in the report; ``target_accuracy`` is the value of the metric
     that time-to-target measures to (None: the run reports no time to target).
     """
@@ -154,9 +155,16 @@ def _load_plugins() -> None:
         return
     _plugins_loaded = True
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if entry.name.lower() in _FACTORIES:
-            continue
         dist = getattr(getattr(entry, "dist", None), "name", "an unknown distribution")
+        if entry.name.lower() in _FACTORIES:
+            owner = _FACTORIES[entry.name.lower()]
+            if f"{owner.__module__}:{owner.__qualname__}" != entry.value:
+                warnings.warn(
+                    f"grace_dgc: the workload plugin {entry.name!r} ({entry.value}, from {dist}) is not loaded: "
+                    f"the name is taken by {_qualname(owner)}; register it under another name",
+                    stacklevel=2,
+                )
+            continue
         try:
             factory = entry.load()
             register_workload(entry.name)(factory)
