@@ -54,6 +54,27 @@ class Cell:
         self.cell_hash = fingerprint(self.as_dict())
         self.tuning_key = fingerprint(self.as_dict(), "seed")
 
+    def record_head(self, attempt: str) -> dict[str, Any]:
+        """The fields every results.jsonl line of one attempt at this run starts with."""
+        return {
+            "run_id": self.run_id,
+            "attempt": attempt,
+            "label": self.label,
+            "workers": self.workers,
+            "seed": self.seed,
+            "network": self.network["tag"],
+        }
+
+    def summary_fields(self) -> dict[str, Any]:
+        """What a summary line says of the cell itself: its method, network and fingerprint."""
+        return {
+            "cell_hash": self.cell_hash,
+            "survey": self.survey,
+            **{key: self.method[key] for key in ("compressor", "memory", "communicator", "params", "tags")},
+            "bandwidth_bps": self.network["bandwidth_bps"],
+            "latency_ms": self.network["latency_ms"],
+        }
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

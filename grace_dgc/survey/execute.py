@@ -38,14 +38,7 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
         lr = workload.lr
     attempt = ctx.broadcast_object(uuid.uuid4().hex[:12])
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    base: Record = {
-        "run_id": cell.run_id,
-        "attempt": attempt,
-        "label": cell.label,
-        "workers": cell.workers,
-        "seed": cell.seed,
-        "network": cell.network["tag"],
-    }
+    base: Record = cell.record_head(attempt)
 
     def on_epoch(record: Record) -> None:
         if ctx.rank == 0:
@@ -83,15 +76,7 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
     summary = dict(
         base,
         type="summary",
-        cell_hash=cell.cell_hash,
-        survey=cell.survey,
-        compressor=cell.method["compressor"],
-        memory=cell.method["memory"],
-        communicator=cell.method["communicator"],
-        params=cell.method["params"],
-        tags=cell.method["tags"],
-        bandwidth_bps=cell.network["bandwidth_bps"],
-        latency_ms=cell.network["latency_ms"],
+        **cell.summary_fields(),
         workload=workload.name,
         workload_description=workload.description,
         metric=workload.metric_name,
@@ -129,10 +114,7 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
         device=str(ctx.device),
         backend=ctx.backend,
         engine=ctx.engine_kind,
-        torch=torch.__version__,
-        grace_dgc=grace_dgc.__version__,
-        host=socket.gethostname(),
-        python=platform.python_version(),
+        **host_fields(),
         started=started,
         finished=datetime.datetime.now().isoformat(timespec="seconds"),
         method_stats=last["method_stats"],
@@ -161,6 +143,16 @@ def _scalars(writer: "SummaryWriter") -> Callable[[int, Mapping[str, float]], No
             writer.add_scalar(tag, value, step)
 
     return log
+
+
+def host_fields() -> dict[str, str]:
+    """The software and machine a run's summary records."""
+    return {
+        "torch": torch.__version__,
+        "grace_dgc": grace_dgc.__version__,
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+    }
 
 
 def netem_shaping() -> dict[str, Any] | None:

@@ -46,12 +46,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -469,14 +467,7 @@ def compose(
 ) -> Record:
     """The epoch records and the summary of a script-mode run, from every rank's reports:
     rank 0's metrics, bytes and times averaged over ranks, wall time the slowest rank's."""
-    base: Record = {
-        "run_id": cell.run_id,
-        "attempt": attempt,
-        "label": cell.label,
-        "workers": cell.workers,
-        "seed": cell.seed,
-        "network": cell.network["tag"],
-    }
+    base: Record = cell.record_head(attempt)
     lines = reports[0]
     ranks = [reports[r] for r in sorted(reports)]
     epochs: list[Record] = []
@@ -525,6 +516,8 @@ def compose(
 
 
 def _summary(cell: Cell, base: Record, epochs: list[Record], started: str, backend: str, device: str) -> Record:
+    from .execute import host_fields, netem_shaping  # the parent's side only: the script's import stays light
+
     target = cell.hyper.get("target_accuracy")
     scored = [e for e in epochs if e["test_accuracy"] is not None]
     reached = None if target is None else next((e for e in scored if e["test_accuracy"] >= target), None)
@@ -541,15 +534,7 @@ def _summary(cell: Cell, base: Record, epochs: list[Record], started: str, backe
     summary: Record = dict(
         base,
         type="summary",
-        cell_hash=cell.cell_hash,
-        survey=cell.survey,
-        compressor=cell.method["compressor"],
-        memory=cell.method["memory"],
-        communicator=cell.method["communicator"],
-        params=cell.method["params"],
-        tags=cell.method["tags"],
-        bandwidth_bps=cell.network["bandwidth_bps"],
-        latency_ms=cell.network["latency_ms"],
+        **cell.summary_fields(),
         workload=cell.workload,
         workload_description=f"script {cell.script} {' '.join(cell.script_args)}".strip(),
         metric="accuracy",
@@ -592,25 +577,16 @@ def _summary(cell: Cell, base: Record, epochs: list[Record], started: str, backe
             if all(e["timed_by_script"] for e in epochs)
             else "wall time between reports (the script's evaluation and data loading included)"
         ),
-        torch=torch.__version__,
-        grace_dgc=grace_dgc.__version__,
-        host=socket.gethostname(),
-        python=platform.python_version(),
+        **host_fields(),
         started=started,
         finished=datetime.datetime.now().isoformat(timespec="seconds"),
         method_stats=last["method_stats"],
         metrics=last["metrics"],
-        shaping=_shaping(),
+        shaping=netem_shaping(),
     )
     for key in ("compute_s", "compress_s", "communicate_s", "decompress_s", "wait_s", "step_s"):
         summary[key] = mean_step(key)
     return summary
-
-
-def _shaping() -> dict[str, Any] | None:
-    from .netem import current_shaping
-
-    return current_shaping()
 
 
 def _tensorboard(cell: Cell, epochs: list[Record]) -> None:
