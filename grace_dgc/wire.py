@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import kernels
 from .workspace import Workspace, for_chunks
 
 
@@ -141,13 +142,19 @@ def pack_chunks(
     (:func:`~grace_dgc.workspace.for_chunks`: ``encode`` writes only its own chunk), and no
     full-size code tensor exists.
 
-    Packing: on a CPU by numpy (:func:`_pack_host`); elsewhere eight bytes per int64 word,
-    folded in three shift-or-mask stages (SWAR) until the word's low ``bits`` bytes hold its
-    eight codes in stream order, a narrowing cast then keeping those bytes. Same stream.
+    Packing: on a GPU by one fused kernel (:mod:`grace_dgc.kernels`, the whole tensor as one
+    chunk); on a CPU by numpy (:func:`_pack_host`); elsewhere, or with
+    ``GRACE_DGC_KERNELS=torch``, eight bytes per int64 word, folded in three shift-or-mask
+    stages (SWAR) until the word's low ``bits`` bytes hold its eight codes in stream order, a
+    narrowing cast then keeping those bytes. The same stream on every path.
     """
     if bits not in _PACKED_WORD:
         raise ValueError(f"bits={bits!r}; pack_chunks packs 1, 2 or 4 bits")
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=device)
+    if kernels.enabled(device):
+        if n:
+            kernels.pack(encode(0, n), bits, out=out)
+        return out
     host = torch.device(device).type == "cpu"
 
     def pack(start: int, stop: int) -> None:
@@ -202,6 +209,14 @@ def unpack_chunks(
     (:func:`~grace_dgc.workspace.for_chunks`: ``decode`` writes only its own chunk)."""
     if bits not in _PACKED_WORD:
         raise ValueError(f"bits={bits!r}; unpack_chunks unpacks 1, 2 or 4 bits")
+    if kernels.enabled(packed.device):  # one fused kernel, the whole tensor as one chunk
+        if n:
+            decode(
+                0,
+                n,
+                kernels.unpack(packed, bits, n, out=_scratch(workspace, "unpacked", n, torch.uint8, packed.device)),
+            )
+        return
     host = packed.device.type == "cpu"
 
     def unpack(start: int, stop: int) -> object:
@@ -319,6 +334,8 @@ def pack_signs(tensor: Tensor, workspace: Workspace | None = None) -> Tensor:
     One bit cannot say 0, so an exact zero travels as +1 (as in GRACE).
     """
     flat = tensor.reshape(-1)
+    if kernels.enabled(flat.device):  # x ≥ 0 and the packing in one pass
+        return kernels.pack_signs(flat)
 
     def encode(start: int, stop: int) -> Tensor:
         return torch.ge(flat[start:stop], 0, out=_scratch(workspace, "signs", stop - start, torch.bool, flat.device))
@@ -344,6 +361,9 @@ def unpack_select(
     n = out.numel()
     direct = out.dtype == torch.float32 and out.is_contiguous()
     target = out if direct else _scratch(workspace, "select", n, torch.float32, out.device)
+    if kernels.enabled(out.device):
+        kernels.unpack_select(packed, target.view(-1), if_set, if_clear)
+        return out if direct else out.copy_(target.view(out.shape))
     words = target.view(-1).view(torch.int32)
     set_bits, clear_bits = _float_bits(if_set), _float_bits(if_clear)
 

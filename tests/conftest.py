@@ -1,6 +1,15 @@
 """Helpers shared by the test files."""
 
+import os
+
+import torch
+
 from grace_dgc.registry import COMPRESSORS
+
+# Without a GPU the fused kernels (tests/test_kernels.py) run under Triton's interpreter, which
+# must be chosen before Triton is first imported: here, before any test module imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def install_dummy_distribution(tmp_path, monkeypatch, name, entry_points):

@@ -1,0 +1,203 @@
+"""Fused GPU kernels (Triton) for the bit packing of :mod:`grace_dgc.wire`.
+
+Why: on a GPU every torch op is a kernel launch and a full pass over memory. Packing 1-, 2- or
+4-bit codes by the SWAR stages of :mod:`grace_dgc.wire` takes about ten such passes over the
+codes, and the sign methods' encoder two more over the gradient. Each kernel here reads its
+input once and writes its output once:
+
+    pack(codes, bits)          byte b = Σ_j codes[p·b + j] << (j·bits),  p = 8 / bits
+    unpack(packed, bits, n)    codes[p·b + j] = (packed[b] >> (j·bits)) & (2^bits − 1)
+    pack_signs(x)              pack(x ≥ 0, 1) without the bool tensor in between
+    unpack_select(packed, out) out_i = if_set where bit i is 1, else if_clear (fp32)
+
+The same little-endian bit stream as :func:`grace_dgc.wire.pack_bits` (element i at bits
+[i·bits, (i+1)·bits)): the bytes are equal, tested bit for bit against the torch and numpy
+paths. So the choice of path is rank-local and the handshake does not compare it: ranks that
+run different paths still exchange the same bytes.
+
+Which path runs, per call (``GRACE_DGC_KERNELS``):
+
+- ``auto`` (default): these kernels for CUDA tensors when Triton imports (it ships with the
+  CUDA builds of torch), the torch/numpy paths otherwise: the CPU path is unchanged;
+- ``torch``: never these kernels (to compare, or to rule them out);
+- ``triton``: always, CPU tensors too — which runs only under Triton's interpreter
+  (``TRITON_INTERPRET=1``): how the tests prove the kernels on a machine without a GPU.
+
+The kernels are built on first use, so importing grace_dgc never imports Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor
+
+MODES = ("auto", "torch", "triton")
+BLOCK = 1024  # packed bytes per program: 8192 one-bit codes
+
+
+def mode() -> str:
+    """``GRACE_DGC_KERNELS``, checked: one of :data:`MODES`."""
+    value = os.environ.get("GRACE_DGC_KERNELS", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"GRACE_DGC_KERNELS={value!r}; accepted: {', '.join(MODES)}")
+    return value
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def enabled(device: torch.device | str) -> bool:
+    """Do the fused kernels pack and unpack tensors on ``device``? (See the module's doc.)"""
+    chosen = mode()
+    if chosen == "torch":
+        return False
+    device = torch.device(device)
+    if chosen == "auto":
+        return device.type == "cuda" and _triton_importable()
+    if not _triton_importable():
+        raise RuntimeError("GRACE_DGC_KERNELS=triton, but Triton does not import: install triton, or use auto/torch")
+    if device.type != "cuda" and not _interpreted():
+        raise RuntimeError(
+            f"GRACE_DGC_KERNELS=triton on a {device.type} tensor needs Triton's interpreter (TRITON_INTERPRET=1); "
+            "on a GPU it needs a CUDA tensor"
+        )
+    return True
+
+
+@functools.cache
+def _kernels(interpreted: bool) -> SimpleNamespace:
+    """The jitted kernels, built once per mode (the interpreter is chosen when they are built)."""
+    del interpreted  # the cache key: TRITON_INTERPRET is read by triton.jit below
+    import triton
+    import triton.language as tl
+
+    # the kernels' parameters are untyped: Triton reads their annotations (tl.constexpr) itself
+    @triton.jit
+    def pack_kernel(codes, out, n, BITS: tl.constexpr, PER: tl.constexpr, SIGNS: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        lanes = tl.arange(0, PER)
+        index = rows[:, None] * PER + lanes[None, :]
+        if SIGNS:  # x ≥ 0 (NaN: 0; −0.0: 1), as torch.ge
+            code = (tl.load(codes + index, mask=index < n, other=-1.0) >= 0).to(tl.int32)
+        else:
+            code = tl.load(codes + index, mask=index < n, other=0).to(tl.int32)
+        byte = tl.sum(code << (lanes[None, :] * BITS), axis=1)  # disjoint bits: the sum is an OR
+        tl.store(out + rows, byte.to(tl.uint8), mask=rows < (n * BITS + 7) // 8)
+
+    @triton.jit
+    def unpack_kernel(packed, out, n, BITS: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        lanes = tl.arange(0, PER)
+        byte = tl.load(packed + rows, mask=rows < (n * BITS + 7) // 8, other=0).to(tl.int32)
+        code = (byte[:, None] >> (lanes[None, :] * BITS)) & ((1 << BITS) - 1)
+        index = rows[:, None] * PER + lanes[None, :]
+        tl.store(out + index, code.to(tl.uint8), mask=index < n)
+
+    @triton.jit
+    def select_kernel(packed, out, n, set_bits, clear_bits, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        lanes = tl.arange(0, 8)
+        byte = tl.load(packed + rows, mask=rows < (n + 7) // 8, other=0).to(tl.int32)
+        bit = (byte[:, None] >> lanes[None, :]) & 1
+        value = tl.where(bit != 0, set_bits, clear_bits).to(tl.int32)  # fp32 bit patterns: −0.0 stays −0.0
+        index = rows[:, None] * 8 + lanes[None, :]
+        tl.store(out + index, value, mask=index < n)
+
+    return SimpleNamespace(pack=pack_kernel, unpack=unpack_kernel, select=select_kernel, cdiv=triton.cdiv)
+
+
+def _built() -> SimpleNamespace:
+    return _kernels(_interpreted())
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    """``tensor`` as a contiguous 1-D tensor (a view when it already is one)."""
+    return tensor.reshape(-1).contiguous()
+
+
+def _check_out(out: Tensor, size: int, dtype: torch.dtype, device: torch.device) -> None:
+    if out.numel() < size or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of at least {size} elements on {device}; "
+            f"got {out.dtype}, {out.numel()} elements on {out.device}"
+        )
+
+
+def _bits_ok(bits: int) -> None:
+    if bits not in (1, 2, 4):
+        raise ValueError(f"bits={bits!r}; the fused kernels pack 1, 2 or 4 bits")
+
+
+def pack(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor:
+    """``codes`` (uint8 or bool, each < 2**bits) packed to ⌈n·bits/8⌉ bytes (into ``out``)."""
+    _bits_ok(bits)
+    codes = _flat(codes.view(torch.uint8) if codes.dtype == torch.bool else codes)
+    n = codes.numel()
+    size = (n * bits + 7) // 8
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8, device=codes.device)
+    _check_out(out, size, torch.uint8, codes.device)
+    if size:
+        kernels = _built()
+        grid = (kernels.cdiv(size, BLOCK),)
+        kernels.pack[grid](codes, out, n, BITS=bits, PER=8 // bits, SIGNS=False, BLOCK=BLOCK)
+    return out
+
+
+def pack_signs(values: Tensor, out: Tensor | None = None) -> Tensor:
+    """Bit i = 1 where ``values_i ≥ 0``, packed 8 per byte: ``pack(values >= 0, 1)`` in one pass."""
+    values = _flat(values)
+    n = values.numel()
+    size = (n + 7) // 8
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8, device=values.device)
+    _check_out(out, size, torch.uint8, values.device)
+    if n:
+        kernels = _built()
+        kernels.pack[(kernels.cdiv(size, BLOCK),)](values, out, n, BITS=1, PER=8, SIGNS=True, BLOCK=BLOCK)
+    return out
+
+
+def unpack(packed: Tensor, bits: int, n: int, out: Tensor | None = None) -> Tensor:
+    """The first ``n`` codes of a :func:`pack` stream as uint8 (into ``out``)."""
+    _bits_ok(bits)
+    packed = _flat(packed)
+    size = (n * bits + 7) // 8
+    if packed.numel() < size:
+        raise ValueError(f"{n} codes of {bits} bits need {size} bytes; the packed stream has {packed.numel()}")
+    if out is None:
+        out = torch.empty(n, dtype=torch.uint8, device=packed.device)
+    _check_out(out, n, torch.uint8, packed.device)
+    if n:
+        kernels = _built()
+        kernels.unpack[(kernels.cdiv(size, BLOCK),)](packed, out, n, BITS=bits, PER=8 // bits, BLOCK=BLOCK)
+    return out
+
+
+def unpack_select(packed: Tensor, out: Tensor, if_set: float, if_clear: float) -> Tensor:
+    """``out_i = if_set`` where bit i of a 1-bit stream is 1, else ``if_clear``, into ``out``
+    (a contiguous fp32 tensor, returned); each value rounded to fp32 once, as torch does."""
+    packed = _flat(packed)
+    n = out.numel()
+    if packed.numel() < (n + 7) // 8:
+        raise ValueError(f"{n} one-bit codes need {(n + 7) // 8} bytes; the packed stream has {packed.numel()}")
+    _check_out(out, n, torch.float32, packed.device)
+    if n:
+        kernels = _built()
+        grid = (kernels.cdiv((n + 7) // 8, BLOCK),)
+        set_bits, clear_bits = (
+            torch.tensor([float(if_set), float(if_clear)], dtype=torch.float32).view(torch.int32).tolist()
+        )
+        kernels.select[grid](packed, out.view(torch.int32), n, set_bits, clear_bits, BLOCK=BLOCK)
+    return out

@@ -1,0 +1,182 @@
+"""The fused Triton kernels (grace_dgc.kernels) write the same bytes as the torch and numpy
+paths of grace_dgc.wire, bit for bit, for every width, size and special value, and every
+compressor that packs gives the same payload and the same decoded tensor on either path.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest.py before Triton is imported): the same kernel source a GPU compiles, so CI
+proves their arithmetic; ``make gpu-check`` runs this file on a GPU, where the ``cuda`` cases
+compare the compiled kernels with the torch path on the same device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from method_params import PARAMS
+from test_quantizers import reference_pack
+
+import grace_dgc
+from grace_dgc import kernels, wire
+from grace_dgc.registry import COMPRESSORS
+
+pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it on Linux x86-64)")
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run `make gpu-check` on a machine with one")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=needs_cuda)])
+def device(request, monkeypatch):
+    """The device, with the fused kernels forced on (interpreted on a CPU)."""
+    monkeypatch.setenv("GRACE_DGC_KERNELS", "triton")
+    return torch.device(request.param)
+
+
+def torch_path(monkeypatch, fn, *args):
+    """``fn(*args)`` with the kernels off (numpy on a CPU, SWAR torch ops on a GPU)."""
+    with monkeypatch.context() as m:
+        m.setenv("GRACE_DGC_KERNELS", "torch")
+        return fn(*args)
+
+
+# -- the kernels against independent references ------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_pack_and_unpack_equal_the_reference_stream(device, data):
+    bits = data.draw(st.sampled_from([1, 2, 4]))
+    codes = data.draw(st.lists(st.integers(0, 2**bits - 1), max_size=3000))
+    tensor = torch.tensor(codes, dtype=torch.uint8, device=device)
+    packed = kernels.pack(tensor, bits)
+    assert packed.tolist() == reference_pack(codes, bits)
+    spare = torch.full((len(codes) + 5,), 255, dtype=torch.uint8, device=device)  # a larger out: only n written
+    assert kernels.unpack(packed, bits, len(codes), out=spare)[: len(codes)].tolist() == codes
+    assert spare[len(codes) :].tolist() == [255] * 5
+
+
+def test_sizes_across_program_boundaries(device):
+    """Sizes at and around one program's BLOCK bytes, where masks decide what is written."""
+    gen = torch.Generator().manual_seed(0)
+    for bits in (1, 2, 4):
+        per_block = kernels.BLOCK * 8 // bits
+        for n in (1, 7, 8, per_block - 1, per_block, per_block + 1, 2 * per_block + 3):
+            codes = torch.randint(0, 2**bits, (n,), generator=gen, dtype=torch.uint8)
+            packed = kernels.pack(codes.to(device), bits)
+            assert torch.equal(packed.cpu(), wire._pack_host(codes, bits)), (bits, n)
+            assert torch.equal(kernels.unpack(packed, bits, n).cpu(), codes), (bits, n)
+
+
+SPECIALS = [float("nan"), -0.0, 0.0, float("inf"), float("-inf"), 1e-45, -1e-45, 65504.0, -3.0e38]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32) | st.sampled_from(SPECIALS), max_size=900),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+)
+def test_pack_signs_equals_ge_zero(device, values, dtype):
+    """Bit i = (x_i ≥ 0) exactly as torch.ge decides it: NaN → 0, −0.0 → 1, in every float dtype."""
+    x = torch.tensor(values, dtype=torch.float32).to(dtype)
+    expected = reference_pack(torch.ge(x, 0).to(torch.uint8).tolist(), 1)
+    assert kernels.pack_signs(x.to(device)).tolist() == expected
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    bits=st.lists(st.booleans(), max_size=2000),
+    if_set=st.floats(allow_nan=False, width=32),
+    if_clear=st.floats(allow_nan=False, width=32),
+)
+def test_unpack_select_equals_where(device, bits, if_set, if_clear):
+    flags = torch.tensor(bits, dtype=torch.bool)
+    packed = torch.tensor(reference_pack(flags.to(torch.uint8).tolist(), 1), dtype=torch.uint8)
+    out = torch.full((len(bits),), 7.0, device=device)
+    kernels.unpack_select(packed.to(device), out, if_set, if_clear)
+    expected = torch.where(flags, torch.tensor(if_set), torch.tensor(if_clear))
+    assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))
+
+
+# -- through grace_dgc.wire and every compressor --------------------------------------------
+
+
+def test_wire_dispatch_gives_the_same_bytes_on_either_path(device, monkeypatch):
+    """pack_bits/unpack_bits/pack_signs/unpack_select with the kernels and without, sizes on
+    both sides of the CPU path's chunking (one fused span against several numpy chunks)."""
+    gen = torch.Generator().manual_seed(1)
+    for n in (0, 13, 4096, 70001):
+        for bits in (1, 2, 4):
+            codes = torch.randint(0, 2**bits, (n,), generator=gen, dtype=torch.uint8).to(device)
+            fused = wire.pack_bits(codes, bits)
+            assert torch.equal(fused, torch_path(monkeypatch, wire.pack_bits, codes, bits)), (n, bits)
+            assert torch.equal(wire.unpack_bits(fused, bits, n), codes), (n, bits)
+        x = torch.randn(n, generator=gen).to(device)
+        signs = wire.pack_signs(x)
+        assert torch.equal(signs, torch_path(monkeypatch, wire.pack_signs, x)), n
+        for dtype in (torch.float32, torch.float16):  # fp16: through the fp32 scratch
+            out, ref = (torch.empty(n, dtype=dtype, device=device) for _ in range(2))
+            wire.unpack_select(signs, out, 0.3, -1.7)
+            torch_path(monkeypatch, wire.unpack_select, signs, ref, 0.3, -1.7)
+            assert torch.equal(out, ref), (n, dtype)
+
+
+def compress_and_decode(name, x):
+    comp = COMPRESSORS.get(name)(**PARAMS.get(name, {}))  # fresh: the same random streams
+    payload, ctx = comp.compress(x, "w")
+    while comp.rounds > 1:
+        following = comp.next_round(payload, ctx)
+        if following is None:
+            break
+        payload, ctx = following
+    out = torch.full_like(x, 7.0)
+    comp.decompress_into(payload, ctx, out)
+    return [t.clone() for t in payload], out, comp.decompress_aggregate([payload, payload], ctx)
+
+
+@pytest.mark.parametrize("name", grace_dgc.list_compressors())
+def test_every_compressor_is_bit_identical_with_the_kernels(device, monkeypatch, name):
+    """The payload (the bytes on the wire), the decoded tensor and the decoded aggregate of
+    each method, with the kernels and without."""
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(2))
+    x[::7] = 0.0
+    x = x.reshape(-1, 10).to(device)
+    fused = compress_and_decode(name, x)
+    plain = torch_path(monkeypatch, compress_and_decode, name, x)
+    assert len(fused[0]) == len(plain[0])
+    for a, b in zip(fused[0], plain[0]):
+        assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), f"{name}: payload bytes differ"
+    assert torch.equal(fused[1], plain[1]), f"{name}: decoded tensors differ"
+    assert torch.equal(fused[2], plain[2]), f"{name}: decoded aggregates differ"
+
+
+# -- the switch -------------------------------------------------------------------------------
+
+
+def test_auto_keeps_the_cpu_path_and_uses_the_kernels_on_cuda(monkeypatch):
+    monkeypatch.delenv("GRACE_DGC_KERNELS", raising=False)
+    assert kernels.mode() == "auto" and not kernels.enabled("cpu")
+    if CUDA:
+        assert kernels.enabled("cuda")
+    monkeypatch.setenv("GRACE_DGC_KERNELS", "torch")
+    assert not kernels.enabled("cuda")
+
+
+def test_bad_settings_and_arguments_are_named(monkeypatch):
+    monkeypatch.setenv("GRACE_DGC_KERNELS", "fast")
+    with pytest.raises(ValueError, match="GRACE_DGC_KERNELS='fast'; accepted: auto, torch, triton"):
+        wire.pack_bits(torch.zeros(8, dtype=torch.uint8), 1)
+    monkeypatch.setenv("GRACE_DGC_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="needs Triton's interpreter"):
+        wire.pack_signs(torch.zeros(8))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="bits=3; the fused kernels pack 1, 2 or 4 bits"):
+        kernels.pack(torch.zeros(8, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="at least 2 elements"):
+        kernels.pack(torch.zeros(16, dtype=torch.uint8), 1, out=torch.empty(1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="need 2 bytes; the packed stream has 1"):
+        kernels.unpack(torch.zeros(1, dtype=torch.uint8), 1, 9)
+    with pytest.raises(ValueError, match="contiguous torch.float32"):
+        kernels.unpack_select(torch.zeros(1, dtype=torch.uint8), torch.empty(8, dtype=torch.float16), 1.0, -1.0)
