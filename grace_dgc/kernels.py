@@ -31,13 +31,23 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 MODES = ("auto", "torch", "triton")
+AUTO_DEVICES = ("cuda",)  # where ``auto`` uses the kernels
 BLOCK = 1024  # packed bytes per program: 8192 one-bit codes
+
+failure: str | None = None  # why the kernels failed in this process (auto mode then stops using them)
+
+
+class Unavailable(RuntimeError):
+    """A kernel could not be built or launched here (no C compiler for Triton's launcher, an
+    unsupported GPU, a Triton incompatible with this torch...): in ``auto`` mode the caller
+    runs the torch path instead, and so does every later call in this process."""
 
 
 def mode() -> str:
@@ -64,7 +74,7 @@ def enabled(device: torch.device | str) -> bool:
         return False
     device = torch.device(device)
     if chosen == "auto":
-        return device.type == "cuda" and _triton_importable()
+        return device.type in AUTO_DEVICES and failure is None and _triton_importable()
     if not _triton_importable():
         raise RuntimeError("GRACE_DGC_KERNELS=triton, but Triton does not import: install triton, or use auto/torch")
     if device.type != "cuda" and not _interpreted():
@@ -114,11 +124,30 @@ def _kernels(interpreted: bool) -> SimpleNamespace:
         index = rows[:, None] * 8 + lanes[None, :]
         tl.store(out + index, value, mask=index < n)
 
-    return SimpleNamespace(pack=pack_kernel, unpack=unpack_kernel, select=select_kernel, cdiv=triton.cdiv)
+    return SimpleNamespace(pack=pack_kernel, unpack=unpack_kernel, select=select_kernel)
 
 
-def _built() -> SimpleNamespace:
-    return _kernels(_interpreted())
+def _launch(name: str, grid: tuple[int], *args: object, **meta: object) -> None:
+    """Kernel ``name`` on ``grid``; in ``auto`` mode a failure is warned about once and raised
+    as :class:`Unavailable` (the caller's cue to run the torch path), else raised as it is."""
+    global failure
+    try:
+        getattr(_kernels(_interpreted()), name)[grid](*args, **meta)
+    except Exception as error:
+        if mode() != "auto":
+            raise
+        failure = f"{type(error).__name__}: {error}".strip()
+        warnings.warn(
+            f"grace_dgc's fused Triton kernels failed here ({failure.splitlines()[0]}); the torch ops take over "
+            "for the rest of this process (GRACE_DGC_KERNELS=torch turns the kernels off)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        raise Unavailable(failure) from error
+
+
+def _blocks(size: int) -> tuple[int]:
+    return (-(-size // BLOCK),)
 
 
 def _flat(tensor: Tensor) -> Tensor:
@@ -149,9 +178,7 @@ def pack(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor:
         out = torch.empty(size, dtype=torch.uint8, device=codes.device)
     _check_out(out, size, torch.uint8, codes.device)
     if size:
-        kernels = _built()
-        grid = (kernels.cdiv(size, BLOCK),)
-        kernels.pack[grid](codes, out, n, BITS=bits, PER=8 // bits, SIGNS=False, BLOCK=BLOCK)
+        _launch("pack", _blocks(size), codes, out, n, BITS=bits, PER=8 // bits, SIGNS=False, BLOCK=BLOCK)
     return out
 
 
@@ -164,8 +191,7 @@ def pack_signs(values: Tensor, out: Tensor | None = None) -> Tensor:
         out = torch.empty(size, dtype=torch.uint8, device=values.device)
     _check_out(out, size, torch.uint8, values.device)
     if n:
-        kernels = _built()
-        kernels.pack[(kernels.cdiv(size, BLOCK),)](values, out, n, BITS=1, PER=8, SIGNS=True, BLOCK=BLOCK)
+        _launch("pack", _blocks(size), values, out, n, BITS=1, PER=8, SIGNS=True, BLOCK=BLOCK)
     return out
 
 
@@ -180,8 +206,7 @@ def unpack(packed: Tensor, bits: int, n: int, out: Tensor | None = None) -> Tens
         out = torch.empty(n, dtype=torch.uint8, device=packed.device)
     _check_out(out, n, torch.uint8, packed.device)
     if n:
-        kernels = _built()
-        kernels.unpack[(kernels.cdiv(size, BLOCK),)](packed, out, n, BITS=bits, PER=8 // bits, BLOCK=BLOCK)
+        _launch("unpack", _blocks(size), packed, out, n, BITS=bits, PER=8 // bits, BLOCK=BLOCK)
     return out
 
 
@@ -194,10 +219,6 @@ def unpack_select(packed: Tensor, out: Tensor, if_set: float, if_clear: float) -
         raise ValueError(f"{n} one-bit codes need {(n + 7) // 8} bytes; the packed stream has {packed.numel()}")
     _check_out(out, n, torch.float32, packed.device)
     if n:
-        kernels = _built()
-        grid = (kernels.cdiv((n + 7) // 8, BLOCK),)
-        set_bits, clear_bits = (
-            torch.tensor([float(if_set), float(if_clear)], dtype=torch.float32).view(torch.int32).tolist()
-        )
-        kernels.select[grid](packed, out.view(torch.int32), n, set_bits, clear_bits, BLOCK=BLOCK)
+        pair = torch.tensor([float(if_set), float(if_clear)], dtype=torch.float32).view(torch.int32).tolist()
+        _launch("select", _blocks((n + 7) // 8), packed, out.view(torch.int32), n, *pair, BLOCK=BLOCK)
     return out

@@ -151,10 +151,16 @@ def pack_chunks(
     if bits not in _PACKED_WORD:
         raise ValueError(f"bits={bits!r}; pack_chunks packs 1, 2 or 4 bits")
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=device)
-    if kernels.enabled(device):
-        if n:
-            kernels.pack(encode(0, n), bits, out=out)
-        return out
+    if n and kernels.enabled(device):
+        made = encode(0, n)
+        try:
+            kernels.pack(made, bits, out=out)
+            return out
+        except kernels.Unavailable:  # warned; the codes made are packed below, not made (drawn) again
+
+            def encode(start: int, stop: int) -> Tensor:
+                return made[start:stop]
+
     host = torch.device(device).type == "cpu"
 
     def pack(start: int, stop: int) -> None:
@@ -209,14 +215,15 @@ def unpack_chunks(
     (:func:`~grace_dgc.workspace.for_chunks`: ``decode`` writes only its own chunk)."""
     if bits not in _PACKED_WORD:
         raise ValueError(f"bits={bits!r}; unpack_chunks unpacks 1, 2 or 4 bits")
-    if kernels.enabled(packed.device):  # one fused kernel, the whole tensor as one chunk
-        if n:
-            decode(
-                0,
-                n,
-                kernels.unpack(packed, bits, n, out=_scratch(workspace, "unpacked", n, torch.uint8, packed.device)),
-            )
-        return
+    if n and kernels.enabled(packed.device):  # one fused kernel, the whole tensor as one chunk
+        codes = _scratch(workspace, "unpacked", n, torch.uint8, packed.device)
+        try:
+            kernels.unpack(packed, bits, n, out=codes)
+        except kernels.Unavailable:  # warned; the torch path below
+            pass
+        else:
+            decode(0, n, codes)
+            return
     host = packed.device.type == "cpu"
 
     def unpack(start: int, stop: int) -> object:
@@ -334,8 +341,11 @@ def pack_signs(tensor: Tensor, workspace: Workspace | None = None) -> Tensor:
     One bit cannot say 0, so an exact zero travels as +1 (as in GRACE).
     """
     flat = tensor.reshape(-1)
-    if kernels.enabled(flat.device):  # x ≥ 0 and the packing in one pass
-        return kernels.pack_signs(flat)
+    if flat.numel() and kernels.enabled(flat.device):  # x ≥ 0 and the packing in one pass
+        try:
+            return kernels.pack_signs(flat)
+        except kernels.Unavailable:  # warned; the torch path below
+            pass
 
     def encode(start: int, stop: int) -> Tensor:
         return torch.ge(flat[start:stop], 0, out=_scratch(workspace, "signs", stop - start, torch.bool, flat.device))
@@ -361,9 +371,12 @@ def unpack_select(
     n = out.numel()
     direct = out.dtype == torch.float32 and out.is_contiguous()
     target = out if direct else _scratch(workspace, "select", n, torch.float32, out.device)
-    if kernels.enabled(out.device):
-        kernels.unpack_select(packed, target.view(-1), if_set, if_clear)
-        return out if direct else out.copy_(target.view(out.shape))
+    if n and kernels.enabled(out.device):
+        try:
+            kernels.unpack_select(packed, target.view(-1), if_set, if_clear)
+            return out if direct else out.copy_(target.view(out.shape))
+        except kernels.Unavailable:  # warned; the torch path below
+            pass
     words = target.view(-1).view(torch.int32)
     set_bits, clear_bits = _float_bits(if_set), _float_bits(if_clear)
 

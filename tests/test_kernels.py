@@ -10,6 +10,9 @@ compare the compiled kernels with the torch path on the same device.
 
 from __future__ import annotations
 
+import warnings
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -180,3 +183,77 @@ def test_bad_settings_and_arguments_are_named(monkeypatch):
         kernels.unpack(torch.zeros(1, dtype=torch.uint8), 1, 9)
     with pytest.raises(ValueError, match="contiguous torch.float32"):
         kernels.unpack_select(torch.zeros(1, dtype=torch.uint8), torch.empty(8, dtype=torch.float16), 1.0, -1.0)
+
+
+BUILD = kernels._kernels  # the real builder, before a fixture replaces it
+
+
+class BrokenKernel:
+    """Stands in for a jitted kernel whose build fails, as Triton's does on a machine without a
+    C compiler for its launcher."""
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.launches.append(grid)
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+        return launch
+
+
+@pytest.fixture
+def broken_kernels(monkeypatch):
+    """``auto`` mode as on a GPU (here on the CPU), every kernel failing; the launches listed."""
+    launches = []
+    monkeypatch.setenv("GRACE_DGC_KERNELS", "auto")
+    monkeypatch.setattr(kernels, "AUTO_DEVICES", ("cpu",))
+    monkeypatch.setattr(kernels, "failure", None)
+    monkeypatch.setattr(kernels, "_triton_importable", lambda: True)
+    broken = SimpleNamespace(pack=BrokenKernel(launches), unpack=BrokenKernel(launches), select=BrokenKernel(launches))
+    monkeypatch.setattr(kernels, "_kernels", lambda interpreted: broken)
+    return launches
+
+
+def test_a_failing_kernel_warns_once_and_the_torch_path_takes_over(broken_kernels, monkeypatch):
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(4))
+    expected = torch_path(monkeypatch, wire.pack_signs, x)
+    with pytest.warns(RuntimeWarning, match="Failed to find C compiler.*the torch ops take over"):
+        assert torch.equal(wire.pack_signs(x), expected)
+    assert len(broken_kernels) == 1 and not kernels.enabled("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second launch
+        assert torch.equal(wire.pack_signs(x), expected)
+        out = torch.empty(3000)
+        wire.unpack_select(expected, out, 1.0, -1.0)
+        assert torch.equal(out, torch.where(x >= 0, 1.0, -1.0))
+    assert len(broken_kernels) == 1
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural", "twobit", "onebit", "signsgd"])
+@pytest.mark.parametrize("fails_in", ["pack", "unpack", "select"])
+def test_a_method_whose_kernel_fails_sends_what_the_torch_path_sends(broken_kernels, monkeypatch, name, fails_in):
+    """Whichever kernel fails first, the payload and the decoded tensor are the torch path's:
+    the codes a stochastic method made before the failed launch are packed, not drawn again."""
+    working = BUILD(True)  # the interpreted kernels; only ``fails_in`` is broken
+    mixed = SimpleNamespace(**{k: getattr(working, k) for k in ("pack", "unpack", "select")})
+    setattr(mixed, fails_in, BrokenKernel(broken_kernels))
+    monkeypatch.setattr(kernels, "_kernels", lambda interpreted: mixed)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(5)).reshape(-1, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fallen = compress_and_decode(name, x)
+    plain = torch_path(monkeypatch, compress_and_decode, name, x)
+    for a, b in zip(fallen[0], plain[0], strict=True):
+        assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), f"{name}: payload bytes differ"
+    assert torch.equal(fallen[1], plain[1]) and torch.equal(fallen[2], plain[2])
+
+
+def test_a_forced_kernel_that_fails_raises(broken_kernels, monkeypatch):
+    monkeypatch.setenv("GRACE_DGC_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="Failed to find C compiler"):
+        wire.pack_signs(torch.randn(100))
+    assert kernels.failure is None

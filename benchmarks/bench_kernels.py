@@ -1,0 +1,114 @@
+"""The fused Triton kernels (grace_dgc.kernels) against the torch ops they replace, per kernel,
+as multiples of one ``copy_`` of an fp32 gradient of the same length (issue 22).
+
+    python benchmarks/bench_kernels.py [--device cuda] [--sizes 1000000 25000000] [--repeats 7]
+
+For each size n and each operation of grace_dgc.wire that has a fused kernel:
+
+    pack k      n codes of k bits (uint8, one per byte) → ⌈n·k/8⌉ bytes     (k = 1, 2, 4)
+    unpack k    the inverse, into a preallocated buffer
+    pack_signs  fp32 gradient → sign bits (the sign methods' whole encoder)
+    select      sign bits → ±1.0 fp32, into the gradient (the sign methods' decoder)
+
+the torch path (``GRACE_DGC_KERNELS=torch``: SWAR shift-or-mask stages on a GPU, numpy on a
+CPU) and the fused kernel are timed alternately with the copy_ (one warm-up round, then
+``--repeats`` rounds, each sample the mean of enough calls for ~1M elements). ``x copy`` is the
+minimum over the rounds divided by the copy_'s minimum; ``speed-up`` = torch / fused (minima).
+Each operation's outputs are compared byte for byte first (``same``).
+
+On a CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, which the script
+sets itself before Triton is imported): the figures only show that the script works.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+from bench_compressors import interleaved
+from timing import Report, shown_argv
+
+from grace_dgc import kernels, wire
+from grace_dgc.workspace import Workspace
+
+
+def in_mode(mode, fn):
+    """``fn`` run with ``GRACE_DGC_KERNELS=mode`` (read by grace_dgc.wire at each call)."""
+
+    def call():
+        os.environ["GRACE_DGC_KERNELS"] = mode
+        return fn()
+
+    return call
+
+
+def operations(n, device):
+    """name → (torch-path call, fused call), each returning what it wrote."""
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(n, generator=gen).to(device)
+    workspace = Workspace()
+    ops = {}
+    for bits in (1, 2, 4):
+        codes = torch.randint(0, 2**bits, (n,), generator=gen, dtype=torch.uint8).to(device)
+        packed = wire.pack_bits(codes, bits)
+        unpacked = torch.empty(n, dtype=torch.uint8, device=device)
+        ops[f"pack {bits}"] = (
+            lambda c=codes, b=bits: wire.pack_bits(c, b, workspace),
+            lambda c=codes, b=bits: kernels.pack(c, b),
+        )
+        ops[f"unpack {bits}"] = (
+            lambda p=packed, b=bits: wire.unpack_bits(p, b, n, workspace),
+            lambda p=packed, b=bits, u=unpacked: kernels.unpack(p, b, n, out=u),
+        )
+    signs = wire.pack_signs(grad)
+    out = torch.empty_like(grad)
+    ops["pack_signs"] = (lambda: wire.pack_signs(grad, workspace), lambda: kernels.pack_signs(grad))
+    ops["select"] = (
+        lambda: wire.unpack_select(signs, out, 1.0, -1.0, workspace),
+        lambda: kernels.unpack_select(signs, out, 1.0, -1.0),
+    )
+    return grad, ops
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:
+            raise SystemExit("on a CPU the kernels need Triton's interpreter: run with TRITON_INTERPRET=1")
+        os.environ["TRITON_INTERPRET"] = "1"  # chosen before Triton is first imported
+    report = Report()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter: not a timing)"
+    report(f"fused kernels vs torch ops on {name}; torch {torch.__version__}; min of {args.repeats} rounds")
+    report(f"{'op':<11} {'n':>10} {'copy_ us':>9} {'torch x copy':>13} {'fused x copy':>13} {'speed-up':>9}  same")
+    saved = os.environ.get("GRACE_DGC_KERNELS")
+    try:
+        for n in args.sizes:
+            grad, ops = operations(n, device)
+            copy_out = torch.empty_like(grad)
+            inner = max(1, 1_000_000 // n)
+            for op, (plain, fused) in ops.items():
+                plain, fused = in_mode("torch", plain), in_mode("triton", fused)
+                same = torch.equal(wire.as_bytes(plain()), wire.as_bytes(fused()))
+                times, _ = interleaved([lambda: copy_out.copy_(grad), plain, fused], device, args.repeats, inner)
+                copy, torch_s, fused_s = (min(t) for t in times)
+                report(
+                    f"{op:<11} {n:>10} {copy * 1e6:>9.1f} {torch_s / copy:>13.2f} {fused_s / copy:>13.2f} "
+                    f"{torch_s / fused_s:>9.2f}  {'yes' if same else 'NO'}"
+                )
+                if not same:
+                    raise SystemExit(f"{op} at n={n}: the fused kernel's bytes differ from the torch path's")
+    finally:
+        if saved is None:
+            os.environ.pop("GRACE_DGC_KERNELS", None)
+        else:
+            os.environ["GRACE_DGC_KERNELS"] = saved
+    report(f"command: python benchmarks/bench_kernels.py {' '.join(shown_argv(argv))}")
+
+
+if __name__ == "__main__":
+    main()
