@@ -37,6 +37,8 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from .errors import GraceConfigError
+
 MODES = ("auto", "torch", "triton")
 AUTO_DEVICES = ("cuda",)  # where ``auto`` uses the kernels
 BLOCK = 1024  # packed bytes per program: 8192 one-bit codes
@@ -51,10 +53,11 @@ class Unavailable(RuntimeError):
 
 
 def mode() -> str:
-    """``GRACE_DGC_KERNELS``, checked: one of :data:`MODES`."""
-    value = os.environ.get("GRACE_DGC_KERNELS", "auto").strip().lower() or "auto"
+    """``GRACE_DGC_KERNELS``, checked: one of :data:`MODES` (see grace_dgc.environment)."""
+    text = os.environ.get("GRACE_DGC_KERNELS", "auto")
+    value = text.strip().lower() or "auto"
     if value not in MODES:
-        raise ValueError(f"GRACE_DGC_KERNELS={value!r}; accepted: {', '.join(MODES)}")
+        raise GraceConfigError(f"GRACE_DGC_KERNELS={text!r} in the environment; accepted: {', '.join(MODES)}")
     return value
 
 

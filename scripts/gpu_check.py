@@ -2,17 +2,26 @@
 
     make gpu-check                      # on a machine with a GPU: venv (TORCH=cu128 by default there) + this
     python scripts/gpu_check.py [--device cuda|cpu] [--out REPORT.md] [--step-timeout S]
+                                [--budget S] [--steps 1,3-5]
 
 Steps, each in its own process group under a time limit (a step that hangs is killed and
 reported as such, and the check goes on to the next):
 
   1. the CUDA tests (tests/test_cuda.py: the device fixture on cuda, NCCL, streams, the DDP
-     hook on a CUDA bucket, CUDA random streams across ranks, peak CUDA memory of a step);
-  2. benchmarks/bench_compressors.py --device cuda (compress+decompress as a multiple of one copy_);
-  3. benchmarks/bench_dgc.py --device cuda;
-  4. benchmarks/bench_overhead.py --backend nccl (DDP's allreduce vs DistributedOptimizer vs the
+     hook on a CUDA bucket, CUDA random streams across ranks, peak CUDA memory of a step;
+     tests/test_kernels.py: the fused Triton kernels compiled, bit for bit against the torch path);
+  2. benchmarks/bench_kernels.py (each fused kernel against the torch ops it replaces);
+  3. benchmarks/bench_compressors.py --device cuda (compress+decompress as a multiple of one
+     copy_), with the fused kernels (the default) and
+  4. with torch ops only (GRACE_DGC_KERNELS=torch), side by side;
+  5. benchmarks/bench_dgc.py --device cuda;
+  6. benchmarks/bench_overhead.py --backend nccl (DDP's allreduce vs DistributedOptimizer vs the
      DDP hook, one rank per GPU);
-  5. a short DGC-vs-dense training survey on CUDA (benchmarks/configs/gpu-check.toml).
+  7. a short DGC-vs-dense training survey on CUDA (benchmarks/configs/gpu-check.toml).
+
+The whole check stops starting steps at ``--budget`` seconds (default 570: it fits a
+10-minute slot on a lent machine), each step's limit cut to what is left; steps left out are
+listed in the report with the ``--steps`` that runs them.
 
 The report (markdown: device, driver, torch/CUDA/NCCL versions, every step's command, exit
 status, seconds and output) goes to ``--out``, by default docs/results/gpu-check-<device>.md.
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import os
 import platform
 import re
@@ -70,17 +80,30 @@ def environment(device):
             lines.append(f"- driver {smi.stdout.strip().splitlines()[0]}")
     else:
         lines.append("- device: CPU (dry run: tiny sizes; the GPU-only tests skip)")
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = "not installed (the fused kernels are off: the torch ops run)"
+    lines.append(f"- Triton {triton}")
     return lines
 
 
+TORCH_OPS_ONLY = {"GRACE_DGC_KERNELS": "torch"}
+TESTS = ["tests/test_cuda.py", "tests/test_kernels.py"]
+
+
 def steps(device, gpus, scratch):
-    """(title, argv) per step; sizes cut to a dry run on the CPU."""
+    """(title, argv, extra environment) per step; sizes cut to a dry run on the CPU."""
     py = sys.executable
     survey_config = ROOT / "benchmarks/configs/gpu-check.toml"
+    pytest = [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TESTS]
     if device == "cuda":
+        compressors = [py, "benchmarks/bench_compressors.py", "--device", "cuda"]
         return [
-            ("CUDA tests", [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"]),
-            ("compress + decompress vs copy_", [py, "benchmarks/bench_compressors.py", "--device", "cuda"]),
+            ("CUDA tests", pytest),
+            ("fused kernels vs torch ops", [py, "benchmarks/bench_kernels.py", "--device", "cuda"]),
+            ("compress + decompress vs copy_", compressors),
+            ("compress + decompress vs copy_, torch ops only", compressors, TORCH_OPS_ONLY),
             ("DGC selection", [py, "benchmarks/bench_dgc.py", "--device", "cuda"]),
             (
                 "dense-path overhead on NCCL",
@@ -95,12 +118,15 @@ def steps(device, gpus, scratch):
         ]
     dry_config = scratch / "gpu-check-cpu.toml"
     dry_config.write_text(survey_config.read_text().replace('device = "cuda"', 'device = "cpu"'))
+    compressors = [py, "benchmarks/bench_compressors.py", "--device", "cpu", "--sizes", "20000", "--repeats", "1"]
     return [
-        ("CUDA tests", [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"]),
+        ("CUDA tests", pytest),
         (
-            "compress + decompress vs copy_",
-            [py, "benchmarks/bench_compressors.py", "--device", "cpu", "--sizes", "20000", "--repeats", "1"],
+            "fused kernels vs torch ops",
+            [py, "benchmarks/bench_kernels.py", "--device", "cpu", "--sizes", "20000", "--repeats", "1"],
         ),
+        ("compress + decompress vs copy_", compressors),
+        ("compress + decompress vs copy_, torch ops only", compressors, TORCH_OPS_ONLY),
         ("DGC selection", [py, "benchmarks/bench_dgc.py", "--device", "cpu", "--sizes", "20000", "--repeats", "1"]),
         (
             "dense-path overhead on gloo",
@@ -125,11 +151,14 @@ def steps(device, gpus, scratch):
     ]
 
 
-def run_step(argv, timeout):
+def run_step(argv, timeout, extra_env=None):
     """(exit status or 'timeout', seconds, output); the step's whole process group is killed
     at the limit, so a hung collective ends here instead of hanging the check."""
     env = dict(
-        os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        **(extra_env or {}),
     )
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -145,12 +174,30 @@ def run_step(argv, timeout):
     return status, time.monotonic() - start, output
 
 
-def shown(argv):
+def shown(argv, extra_env=None):
     """The command as a user would type it from the repository's root."""
-    words = [
+    words = [f"{k}={v}" for k, v in (extra_env or {}).items()]
+    words += [
         "python" if a == sys.executable else os.path.relpath(a, ROOT) if a.startswith(str(ROOT)) else a for a in argv
     ]
     return " ".join(words)
+
+
+def chosen_steps(text, count):
+    """``--steps`` ("1,3-5") as a sorted list of 1-based step numbers, checked against ``count``."""
+    if text is None:
+        return list(range(1, count + 1))
+    numbers = set()
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        try:
+            span = range(int(low), int(high or low) + 1)
+        except ValueError:
+            raise SystemExit(f"--steps {text!r}: expected numbers and ranges like 1,3-5") from None
+        if not span or span[0] < 1 or span[-1] > count:
+            raise SystemExit(f"--steps {text!r}: steps are numbered 1 to {count}")
+        numbers.update(span)
+    return sorted(numbers)
 
 
 def trimmed(output):
@@ -165,6 +212,10 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when torch sees a GPU, else cpu")
     parser.add_argument("--out", type=Path, help="the report (default: docs/results/gpu-check-<device>.md)")
     parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds before a step is killed")
+    parser.add_argument(
+        "--budget", type=float, default=570.0, help="seconds for the whole check: no step starts after (0: no limit)"
+    )
+    parser.add_argument("--steps", help="which steps to run, by number (e.g. 1,3-5; default: all)")
     args = parser.parse_args(argv)
     import torch
 
@@ -183,10 +234,20 @@ def main(argv=None):
     report = [f"# GPU check: {name}", "", *environment(device), ""]
     summary, details, failed = [], [], 0
     out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        for title, step in steps(device, gpus, Path(scratch)):
-            print(f"== {title}: {shown(step)}", flush=True)
-            status, seconds, output = run_step(step, args.step_timeout)
+        planned = steps(device, gpus, Path(scratch))
+        wanted = chosen_steps(args.steps, len(planned))
+        left_out = []
+        for number in wanted:
+            title, step, extra_env = (*planned[number - 1], None)[:3]
+            remaining = args.budget - (time.monotonic() - started) if args.budget else float("inf")
+            if remaining < 10:
+                left_out.append(number)
+                summary.append(f"| {number}. {title} | not run: the --budget of {args.budget:.0f} s was spent | 0 |")
+                continue
+            print(f"== {number}. {title}: {shown(step, extra_env)}", flush=True)
+            status, seconds, output = run_step(step, min(args.step_timeout, remaining), extra_env)
             ok = status == 0
             failed += not ok
             verdict = (
@@ -195,14 +256,14 @@ def main(argv=None):
             print(f"   {verdict} in {seconds:.0f} s", flush=True)
             if not ok:
                 print(trimmed(output)[-4000:], flush=True)
-            summary.append(f"| {title} | {verdict} | {seconds:.0f} |")
+            summary.append(f"| {number}. {title} | {verdict} | {seconds:.0f} |")
             written = Path(scratch) / "survey" / "report.md"
             if "survey" in step and written.exists():  # the survey's own summary tables
                 output += "\n\n" + "\n".join(written.read_text().splitlines()[: OUTPUT_LINES // 2])
             details += [
-                f"## {title}",
+                f"## {number}. {title}",
                 "",
-                f"`{shown(step)}` — {verdict} in {seconds:.0f} s",
+                f"`{shown(step, extra_env)}` — {verdict} in {seconds:.0f} s",
                 "",
                 "```",
                 trimmed(output),
@@ -212,8 +273,16 @@ def main(argv=None):
             # written after every step: a check cut short still leaves what it measured
             table = ["| step | result | seconds |", "| --- | --- | --- |", *summary, ""]
             out.write_text("\n".join(report + table + details))
-    print(f"report: {out} ({failed} of {len(summary)} steps failed)")
-    return 1 if failed else 0
+        if left_out:
+            rest = ",".join(map(str, left_out))
+            note = (
+                f"Steps {rest} were not run within the budget: `python scripts/gpu_check.py --steps {rest}` runs them."
+            )
+            table = ["| step | result | seconds |", "| --- | --- | --- |", *summary, "", note, ""]
+            out.write_text("\n".join(report + table + details))
+            print(note)
+    print(f"report: {out} ({failed} of {len(summary) - len(left_out)} steps failed, {len(left_out)} not run)")
+    return 1 if failed or left_out else 0
 
 
 if __name__ == "__main__":

@@ -53,20 +53,52 @@ def test_the_gpu_check_dry_run_writes_a_report_of_every_step(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = report.read_text()
-    for step in (
-        "CUDA tests",
-        "compress + decompress vs copy_",
-        "DGC selection",
-        "dense-path overhead",
-        "DGC vs dense",
+    for number, step in enumerate(
+        (
+            "CUDA tests",
+            "fused kernels vs torch ops",
+            "compress + decompress vs copy_",
+            "compress + decompress vs copy_, torch ops only",
+            "DGC selection",
+            "dense-path overhead",
+            "DGC vs dense",
+        ),
+        start=1,
     ):
-        assert f"| {step}" in text and "FAILED" not in text
+        assert f"| {number}. {step}" in text and "FAILED" not in text and "not run" not in text
     assert "python benchmarks/bench_compressors.py --device cpu" in text and "# Survey report" in text
+    assert "GRACE_DGC_KERNELS=torch python benchmarks/bench_compressors.py" in text
+    assert "pack_signs" in text and "- Triton " in text
+
+
+def gpu_check_module():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import gpu_check
+
+    return gpu_check
+
+
+def test_a_gpu_check_past_its_budget_lists_the_steps_left_and_how_to_run_them(tmp_path, capsys):
+    gpu_check = gpu_check_module()
+    report = tmp_path / "report.md"
+    assert gpu_check.main(["--device", "cpu", "--out", str(report), "--budget", "5", "--steps", "2,4-5"]) == 1
+    text = report.read_text()
+    assert "| 2. fused kernels vs torch ops | not run: the --budget of 5 s was spent | 0 |" in text
+    assert "Steps 2,4,5 were not run within the budget: `python scripts/gpu_check.py --steps 2,4,5` runs them." in text
+    assert "| 1. " not in text and "| 3. " not in text
+
+
+def test_gpu_check_steps_are_checked():
+    gpu_check = gpu_check_module()
+    assert gpu_check.chosen_steps("1,3-5", 7) == [1, 3, 4, 5] and gpu_check.chosen_steps(None, 3) == [1, 2, 3]
+    with pytest.raises(SystemExit, match="steps are numbered 1 to 7"):
+        gpu_check.chosen_steps("0-2", 7)
+    with pytest.raises(SystemExit, match="expected numbers and ranges like 1,3-5"):
+        gpu_check.chosen_steps("two", 7)
 
 
 def test_a_gpu_check_step_that_hangs_is_killed_and_reported():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-    import gpu_check
+    gpu_check = gpu_check_module()
 
     status, seconds, _ = gpu_check.run_step([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1)
     assert status == "timeout" and seconds < 30
