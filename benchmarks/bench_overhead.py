@@ -1,12 +1,12 @@
 """Overhead of grace_dgc's dense path against DDP's own allreduce: step time and peak memory.
 
     .venv/bin/python benchmarks/bench_overhead.py [--ranks 2] [--steps 20] [--repeats 3]
-        [--batch 32] [--backend gloo|nccl] [--memory-case]
+        [--batch 32] [--backend gloo|nccl] [--memory-case] [--widths 64 64 ... 10]
 
 Each run spawns ``--ranks`` processes (gloo on localhost, one intra-op thread per rank on a
 2-core machine; NCCL with ``--backend nccl``, one GPU per rank or ranks sharing one) that
-train the same MLP, 1024-4096-4096-1024-10 (25.2M parameters), on the same random batches with
-SGD, in one of three modes:
+train the same MLP, 1024-4096-4096-1024-10 (25.2M parameters; ``--widths`` gives others), on
+the same random batches with SGD, in one of these modes:
 
   ddp        DistributedDataParallel with its built-in allreduce (the reference);
   optimizer  ``grace_dgc.DistributedOptimizer`` with ``none`` + ``allreduce``;
@@ -23,6 +23,12 @@ the repeats (the least disturbed) and its ratio to ddp's.
 weight, y = x·W, 200 MB of fp32 gradient), 3 steps, peak memory of plain
 ``torch.distributed.all_reduce`` on the gradient against grace methods through
 ``DistributedOptimizer``; ``extra`` is the excess over plain allreduce in gradients (200 MB).
+
+A host-bound case, on a CPU: ``--widths`` with many narrow layers (e.g. ``--widths`` 64 ×24
+then 10: 47 tensors of ≤ 4K elements, 0.1M parameters) makes the arithmetic negligible, so
+the ratios show the per-step and per-tensor host work of each mode — what a GPU, where the
+arithmetic is fast, shows for any model (docs/results/README.md: the communication thread
+was host-bound on an H100).
 """
 
 import argparse
@@ -55,11 +61,11 @@ def peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def mlp():
+def mlp(widths=WIDTHS):
     torch.manual_seed(0)
     layers = []
-    for i in range(len(WIDTHS) - 1):
-        layers += [torch.nn.Linear(WIDTHS[i], WIDTHS[i + 1]), torch.nn.ReLU()]
+    for i in range(len(widths) - 1):
+        layers += [torch.nn.Linear(widths[i], widths[i + 1]), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers[:-1])
 
 
@@ -69,9 +75,9 @@ def device_of(rank):
     return torch.device("cpu")
 
 
-def train_job(rank, world_size, mode, steps, batch):
+def train_job(rank, world_size, mode, steps, batch, widths=WIDTHS):
     device = device_of(rank)
-    model = mlp().to(device)
+    model = mlp(widths).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     if mode == "optimizer":
         grace = grace_dgc.build("none", "none", "allreduce")
@@ -88,8 +94,8 @@ def train_job(rank, world_size, mode, steps, batch):
     generator = torch.Generator().manual_seed(rank)
     times = []
     for step in range(steps + 3):
-        x = torch.randn(batch, WIDTHS[0], generator=generator).to(device)
-        y = torch.randint(0, WIDTHS[-1], (batch,), generator=generator).to(device)
+        x = torch.randn(batch, widths[0], generator=generator).to(device)
+        y = torch.randint(0, widths[-1], (batch,), generator=generator).to(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -135,19 +141,24 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--memory-case", action="store_true")
+    parser.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS), help="the MLP's layer widths")
     parser.add_argument("--readme", metavar="PATH", help="also write the figures into PATH's block for this script")
     args = parser.parse_args(argv)
     report = Report()
+    widths = tuple(args.widths)
+    if len(widths) < 2 or min(widths) < 1:
+        parser.error(f"--widths {args.widths}: at least two positive layer widths")
     unit = "peak GPU MB" if args.backend == "nccl" else "peak RSS MB"
     report(
-        f"torch {torch.__version__}, {args.ranks} {args.backend} ranks, MLP {'-'.join(map(str, WIDTHS))} "
-        f"({sum(p.numel() for p in mlp().parameters()) / 1e6:.1f}M parameters), batch {args.batch}, "
+        f"torch {torch.__version__}, {args.ranks} {args.backend} ranks, MLP {'-'.join(map(str, widths))} "
+        f"({sum(p.numel() for p in mlp(widths).parameters()) / 1e6:.1f}M parameters), batch {args.batch}, "
         f"{args.steps} steps per run, {args.repeats} interleaved repeats"
     )
     runs = {mode: [] for mode in MODES}
     for repeat in range(args.repeats):  # --repeats 0: the memory case only
         for mode in MODES:
-            per_rank = run_local(train_job, args.ranks, (mode, args.steps, args.batch), backend=args.backend)
+            job = (mode, args.steps, args.batch, widths)
+            per_rank = run_local(train_job, args.ranks, job, backend=args.backend)
             seconds, memory = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
             runs[mode].append((seconds, memory))
             report(f"  repeat {repeat + 1} {mode:<10} {seconds * 1e3:7.1f} ms/step  {memory:7.0f} {unit}", flush=True)
