@@ -9,6 +9,10 @@ For each size n and each operation of grace_dgc.wire that has a fused kernel:
     unpack k    the inverse, into a preallocated buffer
     pack_signs  fp32 gradient → sign bits (the sign methods' whole encoder)
     select      sign bits → ±1.0 fp32, into the gradient (the sign methods' decoder)
+    ternary     fp32 gradient → twobit's 2-bit codes, packed (twobit's whole encoder)
+    lookup      2-bit codes → 0/±τ fp32, into the gradient (twobit's decoder)
+    at_least    indices and magnitudes of |x| ≥ τ, τ passing ~1 % (DGC's, top-k's and
+                threshold's selection pass)
 
 the torch path (``GRACE_DGC_KERNELS=torch``: SWAR shift-or-mask stages on a GPU, numpy on a
 CPU) and the fused kernel are timed alternately with the copy_ (one warm-up round, then
@@ -29,6 +33,8 @@ from bench_compressors import interleaved
 from timing import Report, shown_argv
 
 from grace_dgc import kernels, wire
+from grace_dgc.compressors import sparse
+from grace_dgc.compressors.twobit import TwoBitCompressor
 from grace_dgc.workspace import Workspace
 
 
@@ -43,7 +49,7 @@ def in_mode(mode, fn):
 
 
 def operations(n, device):
-    """name → (torch-path call, fused call), each returning what it wrote."""
+    """name → (torch-path call, fused call), each returning what it wrote (a tensor or a tuple)."""
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen).to(device)
     workspace = Workspace()
@@ -67,7 +73,27 @@ def operations(n, device):
         lambda: wire.unpack_select(signs, out, 1.0, -1.0, workspace),
         lambda: kernels.unpack_select(signs, out, 1.0, -1.0),
     )
+    twobit = TwoBitCompressor(threshold=1.0)
+    codes2 = kernels.pack_ternary(grad, 1.0)
+    ctx = (grad.shape, grad.dtype)
+    ops["ternary"] = (lambda: twobit.compress(grad, "g")[0][0], lambda: kernels.pack_ternary(grad, 1.0))
+    ops["lookup"] = (
+        lambda: twobit.decompress_into([codes2], ctx, out),
+        lambda: kernels.unpack_lookup(codes2, 2, out, [0.0, 0.0, -1.0, 1.0]),
+    )
+    tau = 2.576  # |N(0, 1)| ≥ τ for ~1 % of the elements
+    ops["at_least"] = (
+        lambda: sparse.at_least(grad, tau, workspace, keep_nan=False),
+        lambda: kernels.at_least(grad, tau, keep_nan=False),
+    )
     return grad, ops
+
+
+def written(result):
+    """The bytes an operation wrote (a tensor or a tuple of them), copied to the host: two
+    operations writing into one buffer are compared by what each wrote."""
+    tensors = result if isinstance(result, tuple) else (result,)
+    return [bytes(wire.as_bytes(t).cpu().numpy()) for t in tensors]
 
 
 def main(argv=None):
@@ -93,7 +119,7 @@ def main(argv=None):
             inner = max(1, 1_000_000 // n)
             for op, (plain, fused) in ops.items():
                 plain, fused = in_mode("torch", plain), in_mode("triton", fused)
-                same = torch.equal(wire.as_bytes(plain()), wire.as_bytes(fused()))
+                same = written(plain()) == written(fused())
                 times, _ = interleaved([lambda: copy_out.copy_(grad), plain, fused], device, args.repeats, inner)
                 copy, torch_s, fused_s = (min(t) for t in times)
                 report(

@@ -32,7 +32,7 @@ import functools
 import importlib.util
 import os
 import warnings
-from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,6 +41,7 @@ from .errors import GraceConfigError
 
 MODES = ("auto", "torch", "triton")
 AUTO_DEVICES = ("cuda",)  # where ``auto`` uses the kernels
+CODES, SIGNS, TERNARY = 0, 1, 2  # what pack_kernel reads: codes, signs of x, twobit's codes of x
 BLOCK = 1024  # packed bytes per program: 8192 one-bit codes
 
 failure: str | None = None  # why the kernels failed in this process (auto mode then stops using them)
@@ -89,45 +90,11 @@ def enabled(device: torch.device | str) -> bool:
 
 
 @functools.cache
-def _kernels(interpreted: bool) -> SimpleNamespace:
-    """The jitted kernels, built once per mode (the interpreter is chosen when they are built)."""
-    del interpreted  # the cache key: TRITON_INTERPRET is read by triton.jit below
-    import triton
-    import triton.language as tl
+def _kernels() -> Any:
+    """The module of jitted kernels, imported once (Triton reads TRITON_INTERPRET then)."""
+    from . import triton_kernels
 
-    # the kernels' parameters are untyped: Triton reads their annotations (tl.constexpr) itself
-    @triton.jit
-    def pack_kernel(codes, out, n, BITS: tl.constexpr, PER: tl.constexpr, SIGNS: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        lanes = tl.arange(0, PER)
-        index = rows[:, None] * PER + lanes[None, :]
-        if SIGNS:  # x ≥ 0 (NaN: 0; −0.0: 1), as torch.ge
-            code = (tl.load(codes + index, mask=index < n, other=-1.0) >= 0).to(tl.int32)
-        else:
-            code = tl.load(codes + index, mask=index < n, other=0).to(tl.int32)
-        byte = tl.sum(code << (lanes[None, :] * BITS), axis=1)  # disjoint bits: the sum is an OR
-        tl.store(out + rows, byte.to(tl.uint8), mask=rows < (n * BITS + 7) // 8)
-
-    @triton.jit
-    def unpack_kernel(packed, out, n, BITS: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        lanes = tl.arange(0, PER)
-        byte = tl.load(packed + rows, mask=rows < (n * BITS + 7) // 8, other=0).to(tl.int32)
-        code = (byte[:, None] >> (lanes[None, :] * BITS)) & ((1 << BITS) - 1)
-        index = rows[:, None] * PER + lanes[None, :]
-        tl.store(out + index, code.to(tl.uint8), mask=index < n)
-
-    @triton.jit
-    def select_kernel(packed, out, n, set_bits, clear_bits, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        lanes = tl.arange(0, 8)
-        byte = tl.load(packed + rows, mask=rows < (n + 7) // 8, other=0).to(tl.int32)
-        bit = (byte[:, None] >> lanes[None, :]) & 1
-        value = tl.where(bit != 0, set_bits, clear_bits).to(tl.int32)  # fp32 bit patterns: −0.0 stays −0.0
-        index = rows[:, None] * 8 + lanes[None, :]
-        tl.store(out + index, value, mask=index < n)
-
-    return SimpleNamespace(pack=pack_kernel, unpack=unpack_kernel, select=select_kernel)
+    return triton_kernels
 
 
 def _launch(name: str, grid: tuple[int], *args: object, **meta: object) -> None:
@@ -135,7 +102,7 @@ def _launch(name: str, grid: tuple[int], *args: object, **meta: object) -> None:
     as :class:`Unavailable` (the caller's cue to run the torch path), else raised as it is."""
     global failure
     try:
-        getattr(_kernels(_interpreted()), name)[grid](*args, **meta)
+        getattr(_kernels(), f"{name}_kernel")[grid](*args, **meta)
     except Exception as error:
         if mode() != "auto":
             raise
@@ -181,7 +148,7 @@ def pack(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor:
         out = torch.empty(size, dtype=torch.uint8, device=codes.device)
     _check_out(out, size, torch.uint8, codes.device)
     if size:
-        _launch("pack", _blocks(size), codes, out, n, BITS=bits, PER=8 // bits, SIGNS=False, BLOCK=BLOCK)
+        _launch("pack", _blocks(size), codes, out, n, 0.0, BITS=bits, PER=8 // bits, MODE=CODES, BLOCK=BLOCK)
     return out
 
 
@@ -194,7 +161,7 @@ def pack_signs(values: Tensor, out: Tensor | None = None) -> Tensor:
         out = torch.empty(size, dtype=torch.uint8, device=values.device)
     _check_out(out, size, torch.uint8, values.device)
     if n:
-        _launch("pack", _blocks(size), values, out, n, BITS=1, PER=8, SIGNS=True, BLOCK=BLOCK)
+        _launch("pack", _blocks(size), values, out, n, 0.0, BITS=1, PER=8, MODE=SIGNS, BLOCK=BLOCK)
     return out
 
 
@@ -213,15 +180,79 @@ def unpack(packed: Tensor, bits: int, n: int, out: Tensor | None = None) -> Tens
     return out
 
 
-def unpack_select(packed: Tensor, out: Tensor, if_set: float, if_clear: float) -> Tensor:
-    """``out_i = if_set`` where bit i of a 1-bit stream is 1, else ``if_clear``, into ``out``
-    (a contiguous fp32 tensor, returned); each value rounded to fp32 once, as torch does."""
+def pack_ternary(values: Tensor, threshold: float, out: Tensor | None = None) -> Tensor:
+    """2-bit codes 3 where ``values_i ≥ τ``, 2 where ``values_i ≤ −τ``, else 0 (τ > 0),
+    packed 4 per byte in one pass: twobit's encoder. τ is compared in the values' dtype (rounded
+    to it first), as ``torch.ge(values, τ)`` compares."""
+    values = _flat(values)
+    n = values.numel()
+    size = (n * 2 + 7) // 8
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8, device=values.device)
+    _check_out(out, size, torch.uint8, values.device)
+    if n:
+        tau = _rounded(threshold, values.dtype)
+        _launch("pack", _blocks(size), values, out, n, tau, BITS=2, PER=4, MODE=TERNARY, BLOCK=BLOCK)
+    return out
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (as torch rounds a Python scalar it compares a tensor with)."""
+    return float(torch.tensor(float(value), dtype=dtype))
+
+
+def _fp32_bits(values: list[float]) -> list[int]:
+    return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
+
+
+def unpack_lookup(packed: Tensor, bits: int, out: Tensor, table: list[float]) -> Tensor:
+    """``out_i = table[code_i]`` for the 1- or 2-bit codes of a packed stream, into ``out`` (a
+    contiguous fp32 tensor, returned); each table value rounded to fp32 once, as torch rounds a
+    scalar it writes into an fp32 tensor."""
+    if bits not in (1, 2) or len(table) != 1 << bits:
+        raise ValueError(f"a lookup takes 1 or 2 bits and 2**bits table values; got bits={bits}, {len(table)} values")
     packed = _flat(packed)
     n = out.numel()
-    if packed.numel() < (n + 7) // 8:
-        raise ValueError(f"{n} one-bit codes need {(n + 7) // 8} bytes; the packed stream has {packed.numel()}")
+    size = (n * bits + 7) // 8
+    if packed.numel() < size:
+        raise ValueError(f"{n} codes of {bits} bits need {size} bytes; the packed stream has {packed.numel()}")
     _check_out(out, n, torch.float32, packed.device)
     if n:
-        pair = torch.tensor([float(if_set), float(if_clear)], dtype=torch.float32).view(torch.int32).tolist()
-        _launch("select", _blocks((n + 7) // 8), packed, out.view(torch.int32), n, *pair, BLOCK=BLOCK)
+        words = _fp32_bits([float(v) for v in table] * (4 // len(table)))
+        _launch(
+            "lookup", _blocks(size), packed, out.view(torch.int32), n, *words, BITS=bits, PER=8 // bits, BLOCK=BLOCK
+        )
     return out
+
+
+def unpack_select(packed: Tensor, out: Tensor, if_set: float, if_clear: float) -> Tensor:
+    """``out_i = if_set`` where bit i of a 1-bit stream is 1, else ``if_clear`` (see :func:`unpack_lookup`)."""
+    return unpack_lookup(packed, 1, out, [if_clear, if_set])
+
+
+SELECT_BLOCK = 4096  # elements per program of at_least
+
+
+def at_least(values: Tensor, threshold: float, keep_nan: bool = True) -> tuple[Tensor, Tensor]:
+    """``(indices, magnitudes)`` of the elements with ``|x| ≥ τ``, ascending, a NaN counting as
+    large with ``keep_nan`` (as ``~(|x| < τ)``), as small without: the sparsifiers' selection
+    (:func:`grace_dgc.compressors.sparse.at_least`) in two reads of ``values`` and no
+    full-size temporary — a count per block, their running sum, then each block writes its
+    hits at its offset in order. τ is compared in the values' dtype, rounded to it first."""
+    values = _flat(values)
+    n = values.numel()
+    if n == 0:
+        return values.new_empty(0, dtype=torch.int64), values.new_empty(0)
+    tau = _rounded(threshold, values.dtype)
+    grid = (-(-n // SELECT_BLOCK),)
+    counts = torch.empty(grid[0], dtype=torch.int32, device=values.device)
+    _launch("count", grid, values, counts, n, tau, KEEP_NAN=keep_nan, BLOCK=SELECT_BLOCK)
+    ends = torch.cumsum(counts, 0)
+    total = int(ends[-1])  # the output's size: one host sync, as torch.nonzero's
+    indices = torch.empty(total, dtype=torch.int64, device=values.device)
+    magnitudes = torch.empty(total, dtype=values.dtype, device=values.device)
+    if total:
+        starts = ends - counts
+        args = (values, starts, indices, magnitudes, n, tau)
+        _launch("compact", grid, *args, KEEP_NAN=keep_nan, BLOCK=SELECT_BLOCK)
+    return indices, magnitudes

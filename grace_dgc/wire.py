@@ -368,15 +368,11 @@ def unpack_select(
     passes: several times faster on a CPU than ``torch.where`` or ``masked_fill_`` with a
     bool mask, and exact (each element is one of the two values, cast to ``out``'s dtype).
     """
+    if lookup_fused(packed, 1, out, [if_clear, if_set], workspace):
+        return out
     n = out.numel()
     direct = out.dtype == torch.float32 and out.is_contiguous()
     target = out if direct else _scratch(workspace, "select", n, torch.float32, out.device)
-    if n and kernels.enabled(out.device):
-        try:
-            kernels.unpack_select(packed, target.view(-1), if_set, if_clear)
-            return out if direct else out.copy_(target.view(out.shape))
-        except kernels.Unavailable:  # warned; the torch path below
-            pass
     words = target.view(-1).view(torch.int32)
     set_bits, clear_bits = _float_bits(if_set), _float_bits(if_clear)
 
@@ -386,3 +382,23 @@ def unpack_select(
 
     unpack_chunks(packed, 1, n, select, workspace)
     return out if direct else out.copy_(target.view(out.shape))
+
+
+def lookup_fused(
+    packed: Tensor, bits: int, out: Tensor, table: list[float], workspace: Workspace | None = None
+) -> bool:
+    """``out_i = table[code_i]`` for the 1- or 2-bit codes of ``packed`` by the fused kernel
+    (:func:`grace_dgc.kernels.unpack_lookup`, through an fp32 scratch for another dtype), when
+    it runs on ``out``'s device: True; else False, and the caller decodes with torch ops."""
+    n = out.numel()
+    if not n or not kernels.enabled(out.device):
+        return False
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    target = out if direct else _scratch(workspace, "select", n, torch.float32, out.device)
+    try:
+        kernels.unpack_lookup(packed, bits, target.view(-1), table)
+    except kernels.Unavailable:  # warned; the caller's torch path
+        return False
+    if not direct:
+        out.copy_(target.view(out.shape))
+    return True

@@ -22,9 +22,12 @@ from test_quantizers import reference_pack
 
 import grace_dgc
 from grace_dgc import kernels, wire
+from grace_dgc.compressors import sparse
 from grace_dgc.registry import COMPRESSORS
+from grace_dgc.workspace import Workspace
 
 pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it on Linux x86-64)")
+REAL_KERNELS = kernels._kernels  # the real kernels' module, before a fixture replaces it
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run `make gpu-check` on a machine with one")
@@ -102,6 +105,59 @@ def test_unpack_select_equals_where(device, bits, if_set, if_clear):
     assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))
 
 
+THRESHOLDS = [0.0, 0.1, 0.5, 1.0, 1.7, 65504.0, float("inf"), 1e-8]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    values=st.lists(
+        st.floats(allow_nan=True, allow_infinity=True, width=32) | st.sampled_from(SPECIALS), max_size=9000
+    ),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    data=st.data(),
+    keep_nan=st.booleans(),
+)
+def test_at_least_equals_the_torch_selection(device, monkeypatch, values, dtype, data, keep_nan):
+    """Indices ascending, magnitudes bit for bit (a NaN's as NaN: torch.abs may canonicalize its
+    payload, and only comparisons read it), NaN as large or small, τ rounded to the dtype (0.1
+    is 0.09998 in fp16) — including τ equal to an element's magnitude."""
+    x = torch.tensor(values, dtype=torch.float32).to(dtype)
+    ties = [abs(v) for v in x.float().tolist() if v == v][:5]
+    threshold = data.draw(st.sampled_from(THRESHOLDS + ties))
+    indices, magnitudes = kernels.at_least(x.to(device), threshold, keep_nan)
+    expected = torch_path(monkeypatch, sparse.at_least, x, threshold, Workspace(), keep_nan)
+    assert indices.tolist() == expected[0].tolist()
+    got, want = magnitudes.cpu(), expected[1]
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()].view(torch.uint8), want[~want.isnan()].view(torch.uint8))
+    magnitude = x.float().abs()
+    hit = ~(magnitude < float(torch.tensor(threshold, dtype=dtype))) if keep_nan else magnitude >= threshold
+    if dtype == torch.float32:  # an independent count where τ needs no rounding to the dtype
+        assert len(indices) == int(hit.sum())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    values=st.lists(
+        st.floats(allow_nan=True, allow_infinity=True, width=32) | st.sampled_from(SPECIALS), max_size=3000
+    ),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    tau=st.sampled_from([0.5, 0.1, 1e-3, 3.0]) | st.floats(1e-6, 1e4),
+)
+def test_twobit_codes_and_values_equal_the_comparisons(device, values, dtype, tau):
+    """pack_ternary: 3 where x ≥ τ, 2 where x ≤ −τ, else 0 (NaN: 0), τ rounded to the dtype;
+    unpack_lookup: back to +τ, −τ and 0 as fp32."""
+    x = torch.tensor(values, dtype=torch.float32).to(dtype)
+    t = float(torch.tensor(tau, dtype=dtype))
+    codes = [3 if v >= t else 2 if v <= -t else 0 for v in x.float().tolist()]
+    packed = kernels.pack_ternary(x.to(device), tau)
+    assert packed.tolist() == reference_pack(codes, 2)
+    out = torch.full((len(codes),), 7.0, device=device)
+    kernels.unpack_lookup(packed, 2, out, [0.0, 0.0, -tau, tau])
+    fp32_tau = float(torch.tensor(tau, dtype=torch.float32))
+    assert out.tolist() == [{3: fp32_tau, 2: -fp32_tau, 0: 0.0}[c] for c in codes]
+
+
 # -- through grace_dgc.wire and every compressor --------------------------------------------
 
 
@@ -125,8 +181,8 @@ def test_wire_dispatch_gives_the_same_bytes_on_either_path(device, monkeypatch):
             assert torch.equal(out, ref), (n, dtype)
 
 
-def compress_and_decode(name, x):
-    comp = COMPRESSORS.get(name)(**PARAMS.get(name, {}))  # fresh: the same random streams
+def compress_and_decode(name, x, params=None):
+    comp = COMPRESSORS.get(name)(**(PARAMS.get(name, {}) if params is None else params))  # fresh: the same streams
     payload, ctx = comp.compress(x, "w")
     while comp.rounds > 1:
         following = comp.next_round(payload, ctx)
@@ -152,6 +208,28 @@ def test_every_compressor_is_bit_identical_with_the_kernels(device, monkeypatch,
         assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), f"{name}: payload bytes differ"
     assert torch.equal(fused[1], plain[1]), f"{name}: decoded tensors differ"
     assert torch.equal(fused[2], plain[2]), f"{name}: decoded aggregates differ"
+
+
+# sizes and ratios at which the sparsifiers sample a threshold and select through at_least
+SELECTING = {
+    "topk": (140_000, {"compress_ratio": 0.01}),
+    "dgc": (140_000, {"compress_ratio": 0.01, "min_compress_size": 1}),
+    "threshold": (140_000, {"threshold": 1.5}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SELECTING))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_sparsifiers_select_the_same_elements_with_the_kernels(device, monkeypatch, name, dtype):
+    numel, params = SELECTING[name]
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(6))
+    x[::97] = x[1]  # ties at many magnitudes
+    x = x.reshape(-1, 1000).to(dtype).to(device)
+    fused = compress_and_decode(name, x, params)
+    plain = torch_path(monkeypatch, compress_and_decode, name, x, params)
+    for a, b in zip(fused[0], plain[0], strict=True):
+        assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), f"{name}: payload bytes differ"
+    assert torch.equal(fused[1], plain[1]) and torch.equal(fused[2], plain[2])
 
 
 # -- the switch -------------------------------------------------------------------------------
@@ -187,7 +265,7 @@ def test_bad_settings_and_arguments_are_named(monkeypatch):
         kernels.unpack_select(torch.zeros(1, dtype=torch.uint8), torch.empty(8, dtype=torch.float16), 1.0, -1.0)
 
 
-BUILD = kernels._kernels  # the real builder, before a fixture replaces it
+KERNEL_NAMES = ("pack_kernel", "unpack_kernel", "lookup_kernel", "count_kernel", "compact_kernel")
 
 
 class BrokenKernel:
@@ -213,8 +291,8 @@ def broken_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "AUTO_DEVICES", ("cpu",))
     monkeypatch.setattr(kernels, "failure", None)
     monkeypatch.setattr(kernels, "_triton_importable", lambda: True)
-    broken = SimpleNamespace(pack=BrokenKernel(launches), unpack=BrokenKernel(launches), select=BrokenKernel(launches))
-    monkeypatch.setattr(kernels, "_kernels", lambda interpreted: broken)
+    broken = SimpleNamespace(**{name: BrokenKernel(launches) for name in KERNEL_NAMES})
+    monkeypatch.setattr(kernels, "_kernels", lambda: broken)
     return launches
 
 
@@ -233,21 +311,21 @@ def test_a_failing_kernel_warns_once_and_the_torch_path_takes_over(broken_kernel
     assert len(broken_kernels) == 1
 
 
-@pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural", "twobit", "onebit", "signsgd"])
-@pytest.mark.parametrize("fails_in", ["pack", "unpack", "select"])
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural", "twobit", "onebit", "signsgd", "threshold", "dgc"])
+@pytest.mark.parametrize("fails_in", ["pack", "unpack", "lookup", "count", "compact"])
 def test_a_method_whose_kernel_fails_sends_what_the_torch_path_sends(broken_kernels, monkeypatch, name, fails_in):
     """Whichever kernel fails first, the payload and the decoded tensor are the torch path's:
     the codes a stochastic method made before the failed launch are packed, not drawn again."""
-    working = BUILD(True)  # the interpreted kernels; only ``fails_in`` is broken
-    mixed = SimpleNamespace(**{k: getattr(working, k) for k in ("pack", "unpack", "select")})
-    setattr(mixed, fails_in, BrokenKernel(broken_kernels))
-    monkeypatch.setattr(kernels, "_kernels", lambda interpreted: mixed)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    x = torch.randn(5000, generator=torch.Generator().manual_seed(5)).reshape(-1, 10)
+    working = REAL_KERNELS()  # the interpreted kernels; only ``fails_in`` is broken
+    mixed = SimpleNamespace(**{k: getattr(working, k) for k in KERNEL_NAMES})
+    setattr(mixed, f"{fails_in}_kernel", BrokenKernel(broken_kernels))
+    monkeypatch.setattr(kernels, "_kernels", lambda: mixed)
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(5)).reshape(-1, 10)
+    params = {"dgc": {"compress_ratio": 0.01, "min_compress_size": 1}}.get(name)  # dgc: a sampled threshold
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        fallen = compress_and_decode(name, x)
-    plain = torch_path(monkeypatch, compress_and_decode, name, x)
+        fallen = compress_and_decode(name, x, params)
+    plain = torch_path(monkeypatch, compress_and_decode, name, x, params)
     for a, b in zip(fallen[0], plain[0], strict=True):
         assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), f"{name}: payload bytes differ"
     assert torch.equal(fallen[1], plain[1]) and torch.equal(fallen[2], plain[2])

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..interfaces import Compressor, Payload
 from ..workspace import PARALLEL_GRAIN, Workspace, for_chunks
 from .packed import Shaped
@@ -108,6 +109,11 @@ def at_least(
     fp32 bit patterns was used here before; torch 2.13's comparisons vectorise, and a plain
     compare measured 1.0-1.5× faster at every size.)"""
     threshold = float(threshold)
+    if flat.numel() and kernels.enabled(flat.device):  # a GPU: one fused count, then one fused write
+        try:
+            return kernels.at_least(flat, threshold, keep_nan)
+        except kernels.Unavailable:  # warned; the torch ops below
+            pass
     if flat.numel() <= PARALLEL_GRAIN:  # one small chunk: the fewest ops win
         magnitude = flat.abs()
         mask = magnitude.lt(threshold).logical_not_() if keep_nan else magnitude.ge(threshold)
