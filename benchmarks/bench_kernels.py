@@ -11,6 +11,8 @@ For each size n and each operation of grace_dgc.wire that has a fused kernel:
     select      sign bits → ±1.0 fp32, into the gradient (the sign methods' decoder)
     ternary     fp32 gradient → twobit's 2-bit codes, packed (twobit's whole encoder)
     lookup      2-bit codes → 0/±τ fp32, into the gradient (twobit's decoder)
+    onebit      1-bit SGD's compress: signs, the two groups' counts and sums (the
+                fused kernel replaces the compare/count/mask passes; the sums stay torch's)
     at_least    indices and magnitudes of |x| ≥ τ, τ passing ~1 % (DGC's, top-k's and
                 threshold's selection pass)
 
@@ -34,6 +36,7 @@ from timing import Report, shown_argv
 
 from grace_dgc import kernels, wire
 from grace_dgc.compressors import sparse
+from grace_dgc.compressors.onebit import OneBitCompressor
 from grace_dgc.compressors.twobit import TwoBitCompressor
 from grace_dgc.workspace import Workspace
 
@@ -81,6 +84,8 @@ def operations(n, device):
         lambda: twobit.decompress_into([codes2], ctx, out),
         lambda: kernels.unpack_lookup(codes2, 2, out, [0.0, 0.0, -1.0, 1.0]),
     )
+    onebit = OneBitCompressor()
+    ops["onebit"] = (lambda: tuple(onebit.compress(grad, "g")[0]), lambda: tuple(onebit.compress(grad, "g")[0]))
     tau = 2.576  # |N(0, 1)| ≥ τ for ~1 % of the elements
     ops["at_least"] = (
         lambda: sparse.at_least(grad, tau, workspace, keep_nan=False),

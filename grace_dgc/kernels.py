@@ -165,6 +165,24 @@ def pack_signs(values: Tensor, out: Tensor | None = None) -> Tensor:
     return out
 
 
+def sign_split(values: Tensor, picked: Tensor) -> tuple[Tensor, Tensor]:
+    """1-bit SGD's encoder in one pass over fp32 ``values``: the sign bits (``x ≥ 0``, packed
+    8 per byte), ``picked`` (int32, the values' bits where x ≥ 0, else 0: the positive group for
+    a sum) written in place, and how many are ≥ 0 (a 0-d int64 tensor)."""
+    values = _flat(values)
+    if values.dtype != torch.float32:
+        raise ValueError(f"sign_split takes float32 values; got {values.dtype}")
+    n = values.numel()
+    _check_out(picked, n, torch.int32, values.device)
+    size = (n + 7) // 8
+    packed = torch.empty(size, dtype=torch.uint8, device=values.device)
+    grid = _blocks(size)
+    counts = torch.zeros(grid[0], dtype=torch.int32, device=values.device)
+    if n:
+        _launch("sign_split", grid, values, values.view(torch.int32), packed, picked, counts, n, BLOCK=BLOCK)
+    return packed, counts.sum()
+
+
 def unpack(packed: Tensor, bits: int, n: int, out: Tensor | None = None) -> Tensor:
     """The first ``n`` codes of a :func:`pack` stream as uint8 (into ``out``)."""
     _bits_ok(bits)

@@ -76,3 +76,17 @@ def compact_kernel(source, starts, indices, magnitudes, n, threshold, KEEP_NAN: 
     slot = tl.load(starts + tl.program_id(0)) + tl.cumsum(flag, axis=0) - flag  # ascending, as nonzero
     tl.store(indices + slot, index, mask=hit)
     tl.store(magnitudes + slot, magnitude, mask=hit)
+
+
+@triton.jit
+def sign_split_kernel(source, source_bits, packed, picked, counts, n, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lanes = tl.arange(0, 8)
+    index = rows[:, None] * 8 + lanes[None, :]
+    inside = index < n
+    positive = tl.load(source + index, mask=inside, other=-1.0) >= 0  # NaN: negative, as torch.ge
+    raw = tl.load(source_bits + index, mask=inside, other=0)
+    tl.store(picked + index, tl.where(positive, raw, 0), mask=inside)
+    code = positive.to(tl.int32)
+    tl.store(packed + rows, tl.sum(code << lanes[None, :], axis=1).to(tl.uint8), mask=rows < (n + 7) // 8)
+    tl.store(counts + tl.program_id(0), tl.sum(tl.sum(code, axis=1), axis=0))

@@ -105,6 +105,23 @@ def test_unpack_select_equals_where(device, bits, if_set, if_clear):
     assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32) | st.sampled_from(SPECIALS), max_size=9000)
+)
+def test_sign_split_equals_its_definition(device, values):
+    """1-bit SGD's encoder: bits = (x ≥ 0) packed, picked = x's bits where x ≥ 0 else 0, and
+    the count of x ≥ 0 — NaN negative, −0.0 positive."""
+    x = torch.tensor(values, dtype=torch.float32)
+    positive = [v >= 0 for v in values]
+    picked = torch.full((len(values),), 12345, dtype=torch.int32, device=device)
+    packed, count = kernels.sign_split(x.to(device), picked)
+    assert packed.tolist() == reference_pack([int(p) for p in positive], 1)
+    bits = x.view(torch.int32).tolist()
+    assert picked.tolist() == [b if p else 0 for b, p in zip(bits, positive)]
+    assert count.item() == sum(positive) and count.dtype == torch.int64
+
+
 THRESHOLDS = [0.0, 0.1, 0.5, 1.0, 1.7, 65504.0, float("inf"), 1e-8]
 
 
@@ -265,7 +282,7 @@ def test_bad_settings_and_arguments_are_named(monkeypatch):
         kernels.unpack_select(torch.zeros(1, dtype=torch.uint8), torch.empty(8, dtype=torch.float16), 1.0, -1.0)
 
 
-KERNEL_NAMES = ("pack_kernel", "unpack_kernel", "lookup_kernel", "count_kernel", "compact_kernel")
+KERNEL_NAMES = ("pack_kernel", "unpack_kernel", "lookup_kernel", "count_kernel", "compact_kernel", "sign_split_kernel")
 
 
 class BrokenKernel:
@@ -312,7 +329,7 @@ def test_a_failing_kernel_warns_once_and_the_torch_path_takes_over(broken_kernel
 
 
 @pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural", "twobit", "onebit", "signsgd", "threshold", "dgc"])
-@pytest.mark.parametrize("fails_in", ["pack", "unpack", "lookup", "count", "compact"])
+@pytest.mark.parametrize("fails_in", ["pack", "unpack", "lookup", "count", "compact", "sign_split"])
 def test_a_method_whose_kernel_fails_sends_what_the_torch_path_sends(broken_kernels, monkeypatch, name, fails_in):
     """Whichever kernel fails first, the payload and the decoded tensor are the torch path's:
     the codes a stochastic method made before the failed launch are packed, not drawn again."""

@@ -1,7 +1,7 @@
 import torch
 from torch import Tensor
 
-from .. import wire
+from .. import kernels, wire
 from ..interfaces import Payload
 from ..registry import register_compressor
 from .packed import PackedCompressor, Shaped
@@ -63,7 +63,15 @@ class OneBitCompressor(PackedCompressor):
             picked[start:stop].copy_(positive).neg_().bitwise_and_(bits[start:stop])
             return positive
 
-        packed = wire.pack_chunks(n, 1, encode, device, scratch)
+        packed = None
+        if n and kernels.enabled(device):  # a GPU: the bits, picked and the count in one pass
+            try:
+                packed, count = kernels.sign_split(flat, picked)
+                counts.append(count)
+            except kernels.Unavailable:  # warned; the torch ops below
+                pass
+        if packed is None:
+            packed = wire.pack_chunks(n, 1, encode, device, scratch)
         count_pos = torch.stack(counts).sum().to(torch.float32)  # exact at any size
         count_neg = n - count_pos
         sum_pos = _sum(picked.view(torch.float32))
