@@ -1,19 +1,29 @@
-"""Fused GPU kernels (Triton) for the bit packing of :mod:`grace_dgc.wire`.
+"""Fused GPU kernels (Triton) for the bit packing, the sign and 2-bit codecs and the
+threshold selection of the compressors (the kernels themselves: :mod:`grace_dgc.triton_kernels`).
 
 Why: on a GPU every torch op is a kernel launch and a full pass over memory. Packing 1-, 2- or
 4-bit codes by the SWAR stages of :mod:`grace_dgc.wire` takes about ten such passes over the
-codes, and the sign methods' encoder two more over the gradient. Each kernel here reads its
-input once and writes its output once:
+codes, a method's encoder a few more over the gradient, and a selection |x| ≥ τ four (abs,
+compare, nonzero's scan, a gather). Each kernel here reads its input once and writes its output
+once (the selection: two reads):
 
     pack(codes, bits)          byte b = Σ_j codes[p·b + j] << (j·bits),  p = 8 / bits
     unpack(packed, bits, n)    codes[p·b + j] = (packed[b] >> (j·bits)) & (2^bits − 1)
-    pack_signs(x)              pack(x ≥ 0, 1) without the bool tensor in between
-    unpack_select(packed, out) out_i = if_set where bit i is 1, else if_clear (fp32)
+    pack_signs(x)              pack(x ≥ 0, 1) without the bool tensor in between (the sign methods)
+    pack_ternary(x, τ)         pack(3 if x ≥ τ, 2 if x ≤ −τ, else 0; 2) (twobit's encoder)
+    sign_split(x, picked)      pack(x ≥ 0, 1), picked = bits(x) where x ≥ 0 else 0, and the count
+                               (1-bit SGD's encoder; its sums stay torch's)
+    unpack_lookup(p, bits, out, table)
+                               out_i = table[code_i] as fp32 (the sign methods' and twobit's decoder)
+    at_least(x, τ)             ascending indices and |x| of the elements with |x| ≥ τ: a count per
+                               block, a running sum, then each block writes its hits in order
+                               (DGC's, top-k's and threshold's selection)
 
-The same little-endian bit stream as :func:`grace_dgc.wire.pack_bits` (element i at bits
-[i·bits, (i+1)·bits)): the bytes are equal, tested bit for bit against the torch and numpy
-paths. So the choice of path is rank-local and the handshake does not compare it: ranks that
-run different paths still exchange the same bytes.
+Each writes the same bytes as the torch path it replaces (the packed stream of
+:func:`grace_dgc.wire.pack_bits`, element i at bits [i·bits, (i+1)·bits); τ rounded to the
+input's dtype before comparing, as torch rounds a Python scalar), tested bit for bit. So the
+choice of path is rank-local and the handshake does not compare it: ranks that run different
+paths still exchange the same bytes.
 
 Which path runs, per call (``GRACE_DGC_KERNELS``):
 
@@ -23,7 +33,9 @@ Which path runs, per call (``GRACE_DGC_KERNELS``):
 - ``triton``: always, CPU tensors too — which runs only under Triton's interpreter
   (``TRITON_INTERPRET=1``): how the tests prove the kernels on a machine without a GPU.
 
-The kernels are built on first use, so importing grace_dgc never imports Triton.
+A kernel that fails to build or launch in ``auto`` mode (no C compiler for Triton's launcher,
+an unsupported GPU) is warned about once, and the torch path runs from then on. The kernels
+are imported on first use, so importing grace_dgc never imports Triton.
 """
 
 from __future__ import annotations
