@@ -83,10 +83,14 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def enabled(device: torch.device | str) -> bool:
-    """Do the fused kernels pack and unpack tensors on ``device``? (See the module's doc.)"""
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read as floats (fp64: torch's path)
+
+
+def enabled(device: torch.device | str, dtype: torch.dtype | None = None) -> bool:
+    """Do the fused kernels run on tensors on ``device`` (of float ``dtype``, when given: the
+    kernels compare in fp32, exact for these three, not for fp64)? (See the module's doc.)"""
     chosen = mode()
-    if chosen == "torch":
+    if chosen == "torch" or (dtype is not None and dtype not in FLOATS):
         return False
     device = torch.device(device)
     if chosen == "auto":
@@ -109,12 +113,19 @@ def _kernels() -> Any:
     return triton_kernels
 
 
-def _launch(name: str, grid: tuple[int], *args: object, **meta: object) -> None:
-    """Kernel ``name`` on ``grid``; in ``auto`` mode a failure is warned about once and raised
-    as :class:`Unavailable` (the caller's cue to run the torch path), else raised as it is."""
+def _launch(name: str, grid: tuple[int], first: Tensor, *args: object, **meta: object) -> None:
+    """Kernel ``name`` on ``grid`` over ``first`` and ``args``, on ``first``'s GPU (Triton
+    launches on the current device's current stream: a rank's communication thread starts on
+    GPU 0 whatever the rank's device); in ``auto`` mode a failure is warned about once and
+    raised as :class:`Unavailable` (the caller's cue to run the torch path), else raised."""
     global failure
     try:
-        getattr(_kernels(), f"{name}_kernel")[grid](*args, **meta)
+        kernel = getattr(_kernels(), f"{name}_kernel")[grid]
+        if first.is_cuda:
+            with torch.cuda.device(first.device):
+                kernel(first, *args, **meta)
+        else:
+            kernel(first, *args, **meta)
     except Exception as error:
         if mode() != "auto":
             raise
@@ -143,6 +154,11 @@ def _check_out(out: Tensor, size: int, dtype: torch.dtype, device: torch.device)
             f"out must be a contiguous {dtype} tensor of at least {size} elements on {device}; "
             f"got {out.dtype}, {out.numel()} elements on {out.device}"
         )
+
+
+def _check_float(values: Tensor) -> None:
+    if values.dtype not in FLOATS:
+        raise ValueError(f"values must be float32, float16 or bfloat16 (compared in fp32, exactly); got {values.dtype}")
 
 
 def _bits_ok(bits: int) -> None:
@@ -215,6 +231,7 @@ def pack_ternary(values: Tensor, threshold: float, out: Tensor | None = None) ->
     packed 4 per byte in one pass: twobit's encoder. τ is compared in the values' dtype (rounded
     to it first), as ``torch.ge(values, τ)`` compares."""
     values = _flat(values)
+    _check_float(values)
     n = values.numel()
     size = (n * 2 + 7) // 8
     if out is None:
@@ -270,6 +287,7 @@ def at_least(values: Tensor, threshold: float, keep_nan: bool = True) -> tuple[T
     full-size temporary — a count per block, their running sum, then each block writes its
     hits at its offset in order. τ is compared in the values' dtype, rounded to it first."""
     values = _flat(values)
+    _check_float(values)
     n = values.numel()
     if n == 0:
         return values.new_empty(0, dtype=torch.int64), values.new_empty(0)

@@ -4,6 +4,9 @@ and its interpreter (``TRITON_INTERPRET=1``) when this module is imported."""
 
 # mypy: disable-error-code="no-untyped-def"
 # (a kernel's parameters are untyped: Triton reads their annotations, tl.constexpr, itself)
+#
+# Offsets are int64 (program id × block), and a packed byte b is written iff its first code
+# exists (b·PER < n, in int64): an n·bits product in 32 bits would wrap from n ≈ 5·10⁸.
 
 import triton
 import triton.language as tl
@@ -24,24 +27,24 @@ def pack_kernel(
     else:  # CODES, one per byte
         code = tl.load(source + index, mask=index < n, other=0).to(tl.int32)
     byte = tl.sum(code << (lanes[None, :] * BITS), axis=1)  # disjoint bits: the sum is an OR
-    tl.store(out + rows, byte.to(tl.uint8), mask=rows < (n * BITS + 7) // 8)
+    tl.store(out + rows, byte.to(tl.uint8), mask=rows * PER < n)
 
 
 @triton.jit
 def unpack_kernel(packed, out, n, BITS: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     lanes = tl.arange(0, PER)
-    byte = tl.load(packed + rows, mask=rows < (n * BITS + 7) // 8, other=0).to(tl.int32)
+    byte = tl.load(packed + rows, mask=rows * PER < n, other=0).to(tl.int32)
     code = (byte[:, None] >> (lanes[None, :] * BITS)) & ((1 << BITS) - 1)
     index = rows[:, None] * PER + lanes[None, :]
     tl.store(out + index, code.to(tl.uint8), mask=index < n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["v0", "v1", "v2", "v3"])  # new values each step: no recompiling
 def lookup_kernel(packed, out, n, v0, v1, v2, v3, BITS: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     lanes = tl.arange(0, PER)
-    byte = tl.load(packed + rows, mask=rows < (n * BITS + 7) // 8, other=0).to(tl.int32)
+    byte = tl.load(packed + rows, mask=rows * PER < n, other=0).to(tl.int32)
     code = (byte[:, None] >> (lanes[None, :] * BITS)) & ((1 << BITS) - 1)
     # fp32 bit patterns (int32), so a −0.0 in the table stays −0.0
     value = tl.where(code == 0, v0, tl.where(code == 1, v1, tl.where(code == 2, v2, v3))).to(tl.int32)
@@ -88,5 +91,5 @@ def sign_split_kernel(source, source_bits, packed, picked, counts, n, BLOCK: tl.
     raw = tl.load(source_bits + index, mask=inside, other=0)
     tl.store(picked + index, tl.where(positive, raw, 0), mask=inside)
     code = positive.to(tl.int32)
-    tl.store(packed + rows, tl.sum(code << lanes[None, :], axis=1).to(tl.uint8), mask=rows < (n + 7) // 8)
+    tl.store(packed + rows, tl.sum(code << lanes[None, :], axis=1).to(tl.uint8), mask=rows * 8 < n)
     tl.store(counts + tl.program_id(0), tl.sum(tl.sum(code, axis=1), axis=0))

@@ -341,7 +341,7 @@ def pack_signs(tensor: Tensor, workspace: Workspace | None = None) -> Tensor:
     One bit cannot say 0, so an exact zero travels as +1 (as in GRACE).
     """
     flat = tensor.reshape(-1)
-    if flat.numel() and kernels.enabled(flat.device):  # x ≥ 0 and the packing in one pass
+    if flat.numel() and kernels.enabled(flat.device, flat.dtype):  # x ≥ 0 and the packing in one pass
         try:
             return kernels.pack_signs(flat)
         except kernels.Unavailable:  # warned; the torch path below

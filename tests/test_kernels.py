@@ -33,9 +33,19 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run `make gpu-check` on a machine with one")
 
 
+def needs_interpreter():
+    if not kernels._interpreted():
+        pytest.skip(
+            "on CPU tensors the kernels run only under Triton's interpreter, chosen before Triton is imported "
+            "(tests/conftest.py sets TRITON_INTERPRET=1 where torch sees no GPU); here the cuda cases run them compiled"
+        )
+
+
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=needs_cuda)])
 def device(request, monkeypatch):
     """The device, with the fused kernels forced on (interpreted on a CPU)."""
+    if request.param == "cpu":
+        needs_interpreter()
     monkeypatch.setenv("GRACE_DGC_KERNELS", "triton")
     return torch.device(request.param)
 
@@ -144,6 +154,9 @@ def test_at_least_equals_the_torch_selection(device, monkeypatch, values, dtype,
     indices, magnitudes = kernels.at_least(x.to(device), threshold, keep_nan)
     expected = torch_path(monkeypatch, sparse.at_least, x, threshold, Workspace(), keep_nan)
     assert indices.tolist() == expected[0].tolist()
+    if device.type == "cuda":  # and torch's own ops on the same GPU
+        on_device = torch_path(monkeypatch, sparse.at_least, x.to(device), threshold, Workspace(), keep_nan)
+        assert indices.tolist() == on_device[0].tolist()
     got, want = magnitudes.cpu(), expected[1]
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[~got.isnan()].view(torch.uint8), want[~want.isnan()].view(torch.uint8))
@@ -225,6 +238,61 @@ def test_every_compressor_is_bit_identical_with_the_kernels(device, monkeypatch,
         assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), f"{name}: payload bytes differ"
     assert torch.equal(fused[1], plain[1]), f"{name}: decoded tensors differ"
     assert torch.equal(fused[2], plain[2]), f"{name}: decoded aggregates differ"
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 3 * 4096 + 1, 8191, 8192, 8193, 2 * 8192 + 5])
+def test_multi_program_sizes_of_sign_split_and_at_least(device, monkeypatch, n):
+    """Sizes at and around the programs' blocks (8192 codes per sign_split program, 4096
+    elements per at_least program): every block's count, offset and tail."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    picked = torch.empty(n, dtype=torch.int32, device=device)
+    packed, count = kernels.sign_split(x.to(device), picked)
+    assert packed.tolist() == reference_pack(torch.ge(x, 0).to(torch.uint8).tolist(), 1)
+    assert torch.equal(picked.cpu(), torch.where(x >= 0, x.view(torch.int32), 0)) and count.item() == int(
+        (x >= 0).sum()
+    )
+    indices, magnitudes = kernels.at_least(x.to(device), 1.0, keep_nan=False)
+    assert indices.tolist() == torch.nonzero(x.abs() >= 1.0).view(-1).tolist()
+    assert torch.equal(magnitudes.cpu(), x.abs()[x.abs() >= 1.0])
+
+
+@pytest.mark.parametrize("name", ["twobit", "threshold", "dgc", "topk", "signsgd", "onebit"])
+def test_float64_goes_through_the_torch_ops(device, monkeypatch, name):
+    """The kernels compare in fp32, exact for fp32/fp16/bf16 only: fp64 tensors take the torch
+    path (values a hair under τ would otherwise round onto it)."""
+    x = torch.tensor([0.5 - 1e-12, -(0.5 - 1e-12), 0.5, 1e-300, -0.7, 2.0] * 500, dtype=torch.float64).to(device)
+    params = {"twobit": {"threshold": 0.5}, "threshold": {"threshold": 0.5}}.get(name)
+    fused = compress_and_decode(name, x, params)
+    plain = torch_path(monkeypatch, compress_and_decode, name, x, params)
+    for a, b in zip(fused[0], plain[0], strict=True):
+        assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), f"{name}: payload bytes differ"
+    assert torch.equal(fused[1], plain[1]) and torch.equal(fused[2], plain[2])
+    with pytest.raises(ValueError, match="values must be float32, float16 or bfloat16"):
+        kernels.at_least(x, 0.5)
+
+
+@needs_cuda
+def test_kernels_launch_from_a_thread_on_the_tensors_gpu(monkeypatch):
+    """As from grace's communication thread, which starts on GPU 0 whatever the rank's device:
+    the launch goes to the tensor's GPU, on that thread's current stream."""
+    import threading
+
+    monkeypatch.setenv("GRACE_DGC_KERNELS", "triton")
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    x = torch.randn(100_000, device=device)
+    results = {}
+
+    def work():
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            results["signs"] = wire.pack_signs(x)
+            results["hits"] = kernels.at_least(x, 2.0)
+            torch.cuda.current_stream(device).synchronize()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert torch.equal(results["signs"], torch_path(monkeypatch, wire.pack_signs, x))
+    assert results["hits"][0].tolist() == torch.nonzero(x.abs() >= 2.0).view(-1).tolist()
 
 
 # sizes and ratios at which the sparsifiers sample a threshold and select through at_least
@@ -333,6 +401,7 @@ def test_a_failing_kernel_warns_once_and_the_torch_path_takes_over(broken_kernel
 def test_a_method_whose_kernel_fails_sends_what_the_torch_path_sends(broken_kernels, monkeypatch, name, fails_in):
     """Whichever kernel fails first, the payload and the decoded tensor are the torch path's:
     the codes a stochastic method made before the failed launch are packed, not drawn again."""
+    needs_interpreter()  # the other kernels run, on the CPU
     working = REAL_KERNELS()  # the interpreted kernels; only ``fails_in`` is broken
     mixed = SimpleNamespace(**{k: getattr(working, k) for k in KERNEL_NAMES})
     setattr(mixed, f"{fails_in}_kernel", BrokenKernel(broken_kernels))

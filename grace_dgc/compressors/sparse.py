@@ -109,7 +109,7 @@ def at_least(
     fp32 bit patterns was used here before; torch 2.13's comparisons vectorise, and a plain
     compare measured 1.0-1.5× faster at every size.)"""
     threshold = float(threshold)
-    if flat.numel() and kernels.enabled(flat.device):  # a GPU: one fused count, then one fused write
+    if flat.numel() and kernels.enabled(flat.device, flat.dtype):  # a GPU: one fused count, then one fused write
         try:
             return kernels.at_least(flat, threshold, keep_nan)
         except kernels.Unavailable:  # warned; the torch ops below

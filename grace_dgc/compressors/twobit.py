@@ -45,7 +45,7 @@ class TwoBitCompressor(PackedCompressor):
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         flat = tensor.reshape(-1)
         scratch = self.workspace
-        if flat.numel() and kernels.enabled(flat.device):  # a GPU: compare and pack in one pass
+        if flat.numel() and kernels.enabled(flat.device, flat.dtype):  # a GPU: compare and pack in one pass
             try:
                 return [kernels.pack_ternary(flat, self.threshold)], (tensor.shape, tensor.dtype)
             except kernels.Unavailable:  # warned; the torch ops below
@@ -61,7 +61,8 @@ class TwoBitCompressor(PackedCompressor):
         return [wire.pack_chunks(flat.numel(), 2, encode, flat.device, scratch)], (tensor.shape, tensor.dtype)
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
-        if wire.lookup_fused(payload[0], 2, out, [0.0, 0.0, -self.threshold, self.threshold], self.workspace):
+        table = [0.0, 0.0, -self.threshold, self.threshold]  # ±τ as fp32, then out's dtype: torch's rounding
+        if out.dtype in kernels.FLOATS and wire.lookup_fused(payload[0], 2, out, table, self.workspace):
             return out  # a GPU: codes to values in one pass (2 → −τ, 3 → +τ, 0 and 1 → 0)
         flat = out.view(-1)
 
