@@ -1,0 +1,109 @@
+"""Compile every variant of the fused Triton kernels that grace_dgc launches, for NVIDIA GPU
+targets, on a machine without a GPU.
+
+    python scripts/compile_kernels.py [--arch 90 80] [--wide]
+
+It uses Triton's ahead-of-time path (Triton IR → GPU IR → LLVM → PTX → a cubin from the ptxas
+Triton ships), which needs no driver. The tests run the kernels under Triton's interpreter on
+a CPU (tests/test_kernels.py), which proves their arithmetic but not that they compile: a
+construct the interpreter accepts may not compile, or may compile differently. This script
+closes that gap before a GPU is lent. It exits 1, naming each variant that failed and why.
+
+The variants mirror grace_dgc/kernels.py's launches: each kernel with every dtype, mode, bit
+width and flag its wrappers pass, and n as a 32-bit integer, or 64-bit with ``--wide``.
+Architectures: 90 (H100, H200), 80 (A100); any other that the installed Triton supports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+C = "constexpr"
+FLOATS = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}  # kernels.FLOATS in Triton's names
+
+
+def variants(n_type):
+    """(kernel name, signature, constexprs) of every launch in grace_dgc/kernels.py."""
+    from grace_dgc import kernels
+
+    block, select_block = kernels.BLOCK, kernels.SELECT_BLOCK
+    found = []
+    pack = {"source": None, "out": "*u8", "n": n_type, "threshold": "fp32", "BITS": C, "PER": C, "MODE": C, "BLOCK": C}
+    for bits in (1, 2, 4):  # pack(), unpack()
+        meta = {"BITS": bits, "PER": 8 // bits, "MODE": kernels.CODES, "BLOCK": block}
+        found.append(("pack", dict(pack, source="*u8"), meta))
+        unpack = {"packed": "*u8", "out": "*u8", "n": n_type, "BITS": C, "PER": C, "BLOCK": C}
+        found.append(("unpack", unpack, {"BITS": bits, "PER": 8 // bits, "BLOCK": block}))
+    for dtype in FLOATS:  # pack_signs(), pack_ternary()
+        found.append(
+            ("pack", dict(pack, source=f"*{dtype}"), {"BITS": 1, "PER": 8, "MODE": kernels.SIGNS, "BLOCK": block})
+        )
+        meta = {"BITS": 2, "PER": 4, "MODE": kernels.TERNARY, "BLOCK": block}
+        found.append(("pack", dict(pack, source=f"*{dtype}"), meta))
+        for keep_nan in (True, False):  # at_least()
+            count = {
+                "source": f"*{dtype}",
+                "counts": "*i32",
+                "n": n_type,
+                "threshold": "fp32",
+                "KEEP_NAN": C,
+                "BLOCK": C,
+            }
+            found.append(("count", count, {"KEEP_NAN": keep_nan, "BLOCK": select_block}))
+            compact = {"source": f"*{dtype}", "starts": "*i64", "indices": "*i64", "magnitudes": f"*{dtype}"}
+            compact |= {"n": n_type, "threshold": "fp32", "KEEP_NAN": C, "BLOCK": C}
+            found.append(("compact", compact, {"KEEP_NAN": keep_nan, "BLOCK": select_block}))
+    split = {"source": "*fp32", "source_bits": "*i32", "packed": "*u8", "picked": "*i32", "counts": "*i32"}
+    found.append(("sign_split", split | {"n": n_type, "BLOCK": C}, {"BLOCK": block}))
+    for bits in (1, 2):  # unpack_lookup()
+        lookup = {"packed": "*u8", "out": "*i32", "n": n_type, "v0": "i32", "v1": "i32", "v2": "i32", "v3": "i32"}
+        found.append(
+            ("lookup", lookup | {"BITS": C, "PER": C, "BLOCK": C}, {"BITS": bits, "PER": 8 // bits, "BLOCK": block})
+        )
+    return found
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90: H100)")
+    parser.add_argument("--wide", action="store_true", help="also n as a 64-bit integer (tensors of 2^31+ elements)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("TRITON_INTERPRET is set: the kernels would be interpreted, not compiled; unset it")
+    sys.path.insert(0, str(ROOT))
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from grace_dgc import triton_kernels
+
+    failures, count, started = [], 0, time.monotonic()
+    for arch in args.arch:
+        target = GPUTarget("cuda", arch, 32)
+        for n_type in ["i32", "i64"] if args.wide else ["i32"]:
+            for name, signature, constants in variants(n_type):
+                label = f"sm_{arch} {name} {', '.join(f'{k}={v}' for k, v in constants.items())} " + " ".join(
+                    f"{k}:{v}" for k, v in signature.items() if v != C
+                )
+                fn = getattr(triton_kernels, f"{name}_kernel")
+                try:
+                    compiled = triton.compile(ASTSource(fn, signature, constexprs=constants), target=target)
+                    if "cubin" not in compiled.asm:
+                        raise RuntimeError("no cubin produced")
+                except Exception as error:  # every variant is tried; each failure is named
+                    failures.append(f"{label}: {type(error).__name__}: {str(error).strip()[:2000]}")
+                    print(f"FAILED {label}", flush=True)
+                count += 1
+    print(f"{count - len(failures)} of {count} kernel variants compiled ({time.monotonic() - started:.0f} s)")
+    for failure in failures:
+        print(failure)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
