@@ -45,8 +45,9 @@ def make(name):
     return COMPRESSORS.get(name)(**PARAMS.get(name, {}))
 
 
-def round_trip(comp, x, name="w"):
-    """decompress(compress(x)) after every round, written into a stale tensor like the data path."""
+def round_trip(comp, x, name="w", with_ctx=False):
+    """decompress(compress(x)) after every round, written into a stale tensor like the data path:
+    (payload, decoded), and the last round's ctx with ``with_ctx``."""
     payload, ctx = comp.compress(x, name)
     while comp.rounds > 1:
         following = comp.next_round(payload, ctx)
@@ -55,7 +56,7 @@ def round_trip(comp, x, name="w"):
         payload, ctx = following
     out = torch.full_like(x, 7.0)
     comp.decompress_into(payload, ctx, out)
-    return payload, out
+    return (payload, out, ctx) if with_ctx else (payload, out)
 
 
 def sample(numel, seed, device):

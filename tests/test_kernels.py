@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from method_params import PARAMS
+from test_cuda import round_trip
 from test_quantizers import reference_pack
 
 import grace_dgc
@@ -212,15 +213,10 @@ def test_wire_dispatch_gives_the_same_bytes_on_either_path(device, monkeypatch):
 
 
 def compress_and_decode(name, x, params=None):
-    comp = COMPRESSORS.get(name)(**(PARAMS.get(name, {}) if params is None else params))  # fresh: the same streams
-    payload, ctx = comp.compress(x, "w")
-    while comp.rounds > 1:
-        following = comp.next_round(payload, ctx)
-        if following is None:
-            break
-        payload, ctx = following
-    out = torch.full_like(x, 7.0)
-    comp.decompress_into(payload, ctx, out)
+    """(payload, decoded, decoded aggregate of two such payloads), by a fresh compressor: the
+    same random streams on either path."""
+    comp = COMPRESSORS.get(name)(**(PARAMS.get(name, {}) if params is None else params))
+    payload, out, ctx = round_trip(comp, x, with_ctx=True)
     return [t.clone() for t in payload], out, comp.decompress_aggregate([payload, payload], ctx)
 
 
