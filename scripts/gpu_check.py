@@ -17,7 +17,9 @@ reported as such, and the check goes on to the next):
   5. benchmarks/bench_dgc.py --device cuda;
   6. benchmarks/bench_overhead.py --backend nccl (DDP's allreduce vs DistributedOptimizer vs the
      DDP hook, one rank per GPU);
-  7. a short DGC-vs-dense training survey on CUDA (benchmarks/configs/gpu-check.toml).
+  7. the same on a host-bound model (24 narrow layers: the ratios are host work per tensor and
+     per group, which a CPU run of the same shape shows too: 1.57x DDP on 2 cores);
+  8. a short DGC-vs-dense training survey on CUDA (benchmarks/configs/gpu-check.toml).
 
 The whole check stops starting steps at ``--budget`` seconds (default 570: it fits a
 10-minute slot on a lent machine), each step's limit cut to what is left; steps left out are
@@ -89,6 +91,8 @@ def environment(device):
 
 
 TORCH_OPS_ONLY = {"GRACE_DGC_KERNELS": "torch"}
+# 24 layers 64 wide: arithmetic negligible, so the ratios to DDP are per-tensor and per-group host work
+HOST_BOUND_WIDTHS = ["64"] * 24 + ["10"]
 TESTS = ["tests/test_cuda.py", "tests/test_kernels.py"]
 
 
@@ -109,6 +113,11 @@ def steps(device, gpus, scratch):
                 "dense-path overhead on NCCL",
                 [py, "benchmarks/bench_overhead.py", "--backend", "nccl", "--ranks", str(gpus), "--steps", "30"]
                 + ["--repeats", "2"],
+            ),
+            (
+                "dense-path overhead, host-bound (48 small tensors)",
+                [py, "benchmarks/bench_overhead.py", "--backend", "nccl", "--ranks", str(gpus), "--steps", "50"]
+                + ["--repeats", "2", "--batch", "8", "--widths", *HOST_BOUND_WIDTHS],
             ),
             (
                 "DGC vs dense training",
@@ -132,6 +141,11 @@ def steps(device, gpus, scratch):
             "dense-path overhead on gloo",
             [py, "benchmarks/bench_overhead.py", "--backend", "gloo", "--ranks", "1", "--steps", "2"]
             + ["--repeats", "1", "--batch", "4"],
+        ),
+        (
+            "dense-path overhead, host-bound (48 small tensors)",
+            [py, "benchmarks/bench_overhead.py", "--backend", "gloo", "--ranks", "1", "--steps", "2"]
+            + ["--repeats", "1", "--batch", "4", "--widths", *HOST_BOUND_WIDTHS],
         ),
         (
             "DGC vs dense training",

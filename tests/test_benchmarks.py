@@ -61,6 +61,7 @@ def test_the_gpu_check_dry_run_writes_a_report_of_every_step(tmp_path):
             "compress + decompress vs copy_, torch ops only",
             "DGC selection",
             "dense-path overhead",
+            "dense-path overhead, host-bound",
             "DGC vs dense",
         ),
         start=1,
