@@ -42,10 +42,10 @@ from grace_dgc.workspace import Workspace
 
 
 def in_mode(mode, fn):
-    """``fn`` run with ``GRACE_DGC_KERNELS=mode`` (read by grace_dgc.wire at each call)."""
+    """``fn`` run with the kernels' path set to ``mode`` (``GRACE_DGC_KERNELS`` at run time)."""
 
     def call():
-        os.environ["GRACE_DGC_KERNELS"] = mode
+        kernels.set_mode(mode)
         return fn()
 
     return call
@@ -116,7 +116,6 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter: not a timing)"
     report(f"fused kernels vs torch ops on {name}; torch {torch.__version__}; min of {args.repeats} rounds")
     report(f"{'op':<11} {'n':>10} {'copy_ us':>9} {'torch x copy':>13} {'fused x copy':>13} {'speed-up':>9}  same")
-    saved = os.environ.get("GRACE_DGC_KERNELS")
     try:
         for n in args.sizes:
             grad, ops = operations(n, device)
@@ -134,10 +133,7 @@ def main(argv=None):
                 if not same:
                     raise SystemExit(f"{op} at n={n}: the fused kernel's bytes differ from the torch path's")
     finally:
-        if saved is None:
-            os.environ.pop("GRACE_DGC_KERNELS", None)
-        else:
-            os.environ["GRACE_DGC_KERNELS"] = saved
+        kernels.set_mode(None)
     report(f"command: python benchmarks/bench_kernels.py {' '.join(shown_argv(argv))}")
 
 

@@ -27,7 +27,8 @@ VARIABLES = {
     "GRACE_DGC_NETEM": "the link shaping a survey worker runs under (JSON, set by the survey itself)",
     "GRACE_DGC_KERNELS": "which code packs and unpacks bits: auto (default: the fused Triton kernels on CUDA when "
     "Triton imports, else the torch ops), torch, or triton (always; CPU tensors only under TRITON_INTERPRET=1); "
-    "rank-local on purpose: every path writes the same bytes",
+    "rank-local on purpose: every path writes the same bytes; read once, when first needed "
+    "(grace_dgc.kernels.set_mode changes it at run time)",
     "TRITON_INTERPRET": "Triton's own switch to its interpreter (1): with GRACE_DGC_KERNELS=triton the kernels run "
     "on CPU tensors, which is how the tests prove them without a GPU; rank-local",
 }

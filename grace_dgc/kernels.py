@@ -25,7 +25,8 @@ input's dtype before comparing, as torch rounds a Python scalar), tested bit for
 choice of path is rank-local and the handshake does not compare it: ranks that run different
 paths still exchange the same bytes.
 
-Which path runs, per call (``GRACE_DGC_KERNELS``):
+Which path runs (``GRACE_DGC_KERNELS``, read once when first needed; :func:`set_mode` or
+``with use(...)`` at run time):
 
 - ``auto`` (default): these kernels for CUDA tensors when Triton imports (it ships with the
   CUDA builds of torch), the torch/numpy paths otherwise: the CPU path is unchanged;
@@ -40,10 +41,12 @@ are imported on first use, so importing grace_dgc never imports Triton.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,13 +68,41 @@ class Unavailable(RuntimeError):
     runs the torch path instead, and so does every later call in this process."""
 
 
+_mode: str | None = None  # the mode in force; None: read GRACE_DGC_KERNELS when next asked
+
+
 def mode() -> str:
-    """``GRACE_DGC_KERNELS``, checked: one of :data:`MODES` (see grace_dgc.environment)."""
-    text = os.environ.get("GRACE_DGC_KERNELS", "auto")
-    value = text.strip().lower() or "auto"
-    if value not in MODES:
-        raise GraceConfigError(f"GRACE_DGC_KERNELS={text!r} in the environment; accepted: {', '.join(MODES)}")
-    return value
+    """The mode in force: :func:`set_mode`'s, else ``GRACE_DGC_KERNELS`` read once and checked
+    (one of :data:`MODES`; see grace_dgc.environment). Read once because it is asked on every
+    pack and selection, where an environment lookup would cost more than the answer."""
+    global _mode
+    if _mode is None:
+        text = os.environ.get("GRACE_DGC_KERNELS", "auto")
+        value = text.strip().lower() or "auto"
+        if value not in MODES:
+            raise GraceConfigError(f"GRACE_DGC_KERNELS={text!r} in the environment; accepted: {', '.join(MODES)}")
+        _mode = value
+    return _mode
+
+
+def set_mode(value: str | None) -> None:
+    """Choose the path at run time (``auto``, ``torch`` or ``triton``); None: the environment's
+    again, read when next asked."""
+    global _mode
+    if value is not None and value not in MODES:
+        raise GraceConfigError(f"kernel mode {value!r}; accepted: {', '.join(MODES)}")
+    _mode = value
+
+
+@contextlib.contextmanager
+def use(value: str) -> Iterator[None]:
+    """``with use("torch"):`` — :func:`set_mode` for a block, the previous mode after it."""
+    previous = _mode
+    set_mode(value)
+    try:
+        yield
+    finally:
+        set_mode(previous)
 
 
 @functools.cache
@@ -89,8 +120,8 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read
 def enabled(device: torch.device | str, dtype: torch.dtype | None = None) -> bool:
     """Do the fused kernels run on tensors on ``device`` (of float ``dtype``, when given: the
     kernels compare in fp32, exact for these three, not for fp64)? (See the module's doc.)
-    Asked on every pack and selection, CPU ones too: the unset variable's path is the short one."""
-    chosen = "auto" if "GRACE_DGC_KERNELS" not in os.environ else mode()
+    Asked on every pack and selection, CPU ones too."""
+    chosen = _mode or mode()
     if chosen == "torch" or (dtype is not None and dtype not in FLOATS):
         return False
     device = device if isinstance(device, torch.device) else torch.device(device)

@@ -47,14 +47,13 @@ def device(request, monkeypatch):
     """The device, with the fused kernels forced on (interpreted on a CPU)."""
     if request.param == "cpu":
         needs_interpreter()
-    monkeypatch.setenv("GRACE_DGC_KERNELS", "triton")
+    monkeypatch.setattr(kernels, "_mode", "triton")
     return torch.device(request.param)
 
 
 def torch_path(monkeypatch, fn, *args):
     """``fn(*args)`` with the kernels off (numpy on a CPU, SWAR torch ops on a GPU)."""
-    with monkeypatch.context() as m:
-        m.setenv("GRACE_DGC_KERNELS", "torch")
+    with kernels.use("torch"):
         return fn(*args)
 
 
@@ -273,7 +272,7 @@ def test_kernels_launch_from_a_thread_on_the_tensors_gpu(monkeypatch):
     the launch goes to the tensor's GPU, on that thread's current stream."""
     import threading
 
-    monkeypatch.setenv("GRACE_DGC_KERNELS", "triton")
+    monkeypatch.setattr(kernels, "_mode", "triton")
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     x = torch.randn(100_000, device=device)
     results = {}
@@ -318,20 +317,29 @@ def test_the_sparsifiers_select_the_same_elements_with_the_kernels(device, monke
 
 def test_auto_keeps_the_cpu_path_and_uses_the_kernels_on_cuda(monkeypatch):
     monkeypatch.delenv("GRACE_DGC_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "_mode", None)  # the environment's, read when next asked
     assert kernels.mode() == "auto" and not kernels.enabled("cpu")
     if CUDA:
         assert kernels.enabled("cuda")
-    monkeypatch.setenv("GRACE_DGC_KERNELS", "torch")
-    assert not kernels.enabled("cuda")
+    with kernels.use("torch"):
+        assert not kernels.enabled("cuda") and kernels.mode() == "torch"
+    assert kernels.mode() == "auto"
+    monkeypatch.setenv("GRACE_DGC_KERNELS", " Torch ")
+    assert kernels.mode() == "auto"  # read once
+    kernels.set_mode(None)
+    assert kernels.mode() == "torch"
 
 
 def test_bad_settings_and_arguments_are_named(monkeypatch):
     monkeypatch.setenv("GRACE_DGC_KERNELS", "fast")
+    monkeypatch.setattr(kernels, "_mode", None)
     with pytest.raises(
         ValueError, match="^GRACE_DGC_KERNELS='fast' in the environment; accepted: auto, torch, triton$"
     ):
         wire.pack_bits(torch.zeros(8, dtype=torch.uint8), 1)
-    monkeypatch.setenv("GRACE_DGC_KERNELS", "triton")
+    with pytest.raises(ValueError, match="^kernel mode 'fast'; accepted: auto, torch, triton$"):
+        kernels.set_mode("fast")
+    kernels.set_mode("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="needs Triton's interpreter"):
         wire.pack_signs(torch.zeros(8))
@@ -368,7 +376,7 @@ class BrokenKernel:
 def broken_kernels(monkeypatch):
     """``auto`` mode as on a GPU (here on the CPU), every kernel failing; the launches listed."""
     launches = []
-    monkeypatch.setenv("GRACE_DGC_KERNELS", "auto")
+    monkeypatch.setattr(kernels, "_mode", "auto")
     monkeypatch.setattr(kernels, "AUTO_DEVICES", ("cpu",))
     monkeypatch.setattr(kernels, "failure", None)
     monkeypatch.setattr(kernels, "_triton_importable", lambda: True)
@@ -414,7 +422,7 @@ def test_a_method_whose_kernel_fails_sends_what_the_torch_path_sends(broken_kern
 
 
 def test_a_forced_kernel_that_fails_raises(broken_kernels, monkeypatch):
-    monkeypatch.setenv("GRACE_DGC_KERNELS", "triton")
+    monkeypatch.setattr(kernels, "_mode", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(RuntimeError, match="Failed to find C compiler"):
         wire.pack_signs(torch.randn(100))
