@@ -208,20 +208,23 @@ def pack(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor:
         out = torch.empty(size, dtype=torch.uint8, device=codes.device)
     _check_out(out, size, torch.uint8, codes.device)
     if size:
-        _launch("pack", _blocks(size), codes, out, n, 0.0, BITS=bits, PER=8 // bits, MODE=CODES, BLOCK=BLOCK)
+        meta = {"BITS": bits, "PER": 8 // bits, "MODE": CODES, "ABS": 0, "INF": 0, "BLOCK": BLOCK}
+        _launch("pack", _blocks(size), codes, out, n, 0, **meta)
     return out
 
 
 def pack_signs(values: Tensor, out: Tensor | None = None) -> Tensor:
     """Bit i = 1 where ``values_i ≥ 0``, packed 8 per byte: ``pack(values >= 0, 1)`` in one pass."""
     values = _flat(values)
+    _check_float(values)
     n = values.numel()
     size = (n + 7) // 8
     if out is None:
         out = torch.empty(size, dtype=torch.uint8, device=values.device)
     _check_out(out, size, torch.uint8, values.device)
     if n:
-        _launch("pack", _blocks(size), values, out, n, 0.0, BITS=1, PER=8, MODE=SIGNS, BLOCK=BLOCK)
+        bits, *limits = _layout(values)
+        _launch("pack", _blocks(size), bits, out, n, 0, BITS=1, PER=8, MODE=SIGNS, **_limits(limits), BLOCK=BLOCK)
     return out
 
 
@@ -239,7 +242,7 @@ def sign_split(values: Tensor, picked: Tensor) -> tuple[Tensor, Tensor]:
     grid = _blocks(size)
     counts = torch.zeros(grid[0], dtype=torch.int32, device=values.device)
     if n:
-        _launch("sign_split", grid, values, values.view(torch.int32), packed, picked, counts, n, BLOCK=BLOCK)
+        _launch("sign_split", grid, values.view(torch.int32), packed, picked, counts, n, BLOCK=BLOCK)
     return packed, counts.sum()
 
 
@@ -269,15 +272,45 @@ def pack_ternary(values: Tensor, threshold: float, out: Tensor | None = None) ->
     if out is None:
         out = torch.empty(size, dtype=torch.uint8, device=values.device)
     _check_out(out, size, torch.uint8, values.device)
+    if not float(threshold) > 0:
+        raise ValueError(f"threshold={threshold!r}; pack_ternary takes a threshold > 0")
     if n:
-        tau = _rounded(threshold, values.dtype)
-        _launch("pack", _blocks(size), values, out, n, tau, BITS=2, PER=4, MODE=TERNARY, BLOCK=BLOCK)
+        bits, *limits = _layout(values)
+        tau = _threshold_bits(threshold, values.dtype, keep_nan=False)
+        meta = {"BITS": 2, "PER": 4, "MODE": TERNARY, **_limits(limits), "BLOCK": BLOCK}
+        _launch("pack", _blocks(size), bits, out, n, tau, **meta)
     return out
 
 
-def _rounded(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded to ``dtype`` (as torch rounds a Python scalar it compares a tensor with)."""
-    return float(torch.tensor(float(value), dtype=dtype))
+# per float dtype: the integer of its width, |x|'s mask (all but the sign bit), +infinity's bits
+_LAYOUT = {
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+}
+
+
+def _layout(values: Tensor) -> tuple[Tensor, int, int]:
+    """``values`` as the integers of their bit patterns, and ABS and INF for the kernels."""
+    integer, magnitude_mask, infinity = _LAYOUT[values.dtype]
+    return values.view(integer), magnitude_mask, infinity
+
+
+def _limits(limits: list[int]) -> dict[str, int]:
+    return {"ABS": limits[0], "INF": limits[1]}
+
+
+def _threshold_bits(threshold: float, dtype: torch.dtype, keep_nan: bool) -> int:
+    """The bits of τ ≥ 0 rounded to ``dtype`` (as torch rounds a Python scalar it compares a
+    tensor with), for the kernels' integer tests of |x| ≥ τ; a NaN τ (no |x| ≥ NaN, every
+    ~(|x| < NaN)) as the bits that select nothing, or everything with ``keep_nan``."""
+    integer, _, infinity = _LAYOUT[dtype]
+    value = float(threshold)
+    if value != value:
+        return 0 if keep_nan else infinity + 1
+    if value <= 0:
+        return 0  # |x| ≥ 0 (or a negative τ): every number
+    return int(torch.tensor(value, dtype=dtype).view(integer).item())
 
 
 def _fp32_bits(values: list[float]) -> list[int]:
@@ -323,16 +356,17 @@ def at_least(values: Tensor, threshold: float, keep_nan: bool = True) -> tuple[T
     n = values.numel()
     if n == 0:
         return values.new_empty(0, dtype=torch.int64), values.new_empty(0)
-    tau = _rounded(threshold, values.dtype)
+    tau = _threshold_bits(threshold, values.dtype, keep_nan)
+    bits, *limits = _layout(values)
+    meta = {"KEEP_NAN": keep_nan, **_limits(limits), "BLOCK": SELECT_BLOCK}
     grid = (-(-n // SELECT_BLOCK),)
     counts = torch.empty(grid[0], dtype=torch.int32, device=values.device)
-    _launch("count", grid, values, counts, n, tau, KEEP_NAN=keep_nan, BLOCK=SELECT_BLOCK)
+    _launch("count", grid, bits, counts, n, tau, **meta)
     ends = torch.cumsum(counts, 0)
     total = int(ends[-1])  # the output's size: one host sync, as torch.nonzero's
     indices = torch.empty(total, dtype=torch.int64, device=values.device)
     magnitudes = torch.empty(total, dtype=values.dtype, device=values.device)
     if total:
         starts = ends - counts
-        args = (values, starts, indices, magnitudes, n, tau)
-        _launch("compact", grid, *args, KEEP_NAN=keep_nan, BLOCK=SELECT_BLOCK)
+        _launch("compact", grid, bits, starts, indices, magnitudes.view(bits.dtype), n, tau, **meta)
     return indices, magnitudes

@@ -7,23 +7,50 @@ and its interpreter (``TRITON_INTERPRET=1``) when this module is imported."""
 #
 # Offsets are int64 (program id × block), and a packed byte b is written iff its first code
 # exists (b·PER < n, in int64): an n·bits product in 32 bits would wrap from n ≈ 5·10⁸.
+#
+# Floats are read as their bit patterns (int16 for fp16/bf16, int32 for fp32) and compared as
+# integers: for IEEE floats, |x|'s bits (the sign bit cleared) order like |x|, infinity is the
+# largest finite-or-infinite pattern (INF) and a NaN's is above it. So x ≥ 0, |x| ≥ τ and twobit's
+# x ≥ τ / x ≤ −τ are exact whatever a backend does with subnormals (Triton's interpreter
+# flushes bf16 subnormals to zero when it widens them; a GPU may flush in compares).
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
+def signs_of(raw, ABS: tl.constexpr, INF: tl.constexpr):
+    """x ≥ 0 from x's bits: not NaN, and the sign bit clear or x = ±0 (−0.0 ≥ 0, as torch.ge)."""
+    magnitude = raw & ABS
+    return (magnitude <= INF) & ((raw >= 0) | (magnitude == 0))
+
+
+@triton.jit
 def pack_kernel(
-    source, out, n, threshold, BITS: tl.constexpr, PER: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr
+    source,
+    out,
+    n,
+    tau_bits,
+    BITS: tl.constexpr,
+    PER: tl.constexpr,
+    MODE: tl.constexpr,
+    ABS: tl.constexpr,
+    INF: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     lanes = tl.arange(0, PER)
     index = rows[:, None] * PER + lanes[None, :]
     if MODE == 1:  # SIGNS: x ≥ 0 (NaN: 0; −0.0: 1), as torch.ge
-        code = (tl.load(source + index, mask=index < n, other=-1.0) >= 0).to(tl.int32)
-    elif MODE == 2:  # TERNARY: 3 where x ≥ τ, 2 where x ≤ −τ, else 0 (τ > 0, so one at most)
-        x = tl.load(source + index, mask=index < n, other=0.0).to(tl.float32)
-        code = tl.where(x >= threshold, 3, tl.where(x <= -threshold, 2, 0))
+        code = signs_of(tl.load(source + index, mask=index < n, other=-1), ABS, INF).to(tl.int32)
+    elif MODE == 2:  # TERNARY: 3 where x ≥ τ, 2 where x ≤ −τ, else 0 (x ≥ τ tested first, as twobit)
+        raw = tl.load(source + index, mask=index < n, other=0)
+        magnitude = raw & ABS
+        finite_or_inf = magnitude <= INF
+        at_least = magnitude >= tau_bits
+        up = finite_or_inf & (((raw >= 0) & at_least) | ((magnitude == 0) & (tau_bits == 0)))
+        down = finite_or_inf & (raw < 0) & at_least
+        code = tl.where(up, 3, tl.where(down, 2, 0))
     else:  # CODES, one per byte
         code = tl.load(source + index, mask=index < n, other=0).to(tl.int32)
     byte = tl.sum(code << (lanes[None, :] * BITS), axis=1)  # disjoint bits: the sum is an OR
@@ -53,42 +80,54 @@ def lookup_kernel(packed, out, n, v0, v1, v2, v3, BITS: tl.constexpr, PER: tl.co
 
 
 @triton.jit
-def hits(source, n, threshold, KEEP_NAN: tl.constexpr, BLOCK: tl.constexpr):
-    """(index, |x|, hit) of one block: |x| ≥ τ, a NaN counting as a hit with KEEP_NAN."""
+def hits(source, n, tau_bits, KEEP_NAN: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr, BLOCK: tl.constexpr):
+    """(index, |x|'s bits, hit) of one block: |x| ≥ τ, a NaN a hit with KEEP_NAN (as ~(|x| < τ))."""
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = index < n
-    magnitude = tl.abs(tl.load(source + index, mask=inside, other=0.0))
-    wide = magnitude.to(tl.float32)  # exact; τ was rounded to the input's dtype, as torch compares
+    magnitude = tl.load(source + index, mask=inside, other=0) & ABS
     if KEEP_NAN:
-        hit = ~(wide < threshold)
+        hit = magnitude >= tau_bits  # a NaN's bits are above every τ's
     else:
-        hit = wide >= threshold
+        hit = (magnitude >= tau_bits) & (magnitude <= INF)
     return index, magnitude, hit & inside
 
 
 @triton.jit
-def count_kernel(source, counts, n, threshold, KEEP_NAN: tl.constexpr, BLOCK: tl.constexpr):
-    _, _, hit = hits(source, n, threshold, KEEP_NAN, BLOCK)
+def count_kernel(
+    source, counts, n, tau_bits, KEEP_NAN: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr, BLOCK: tl.constexpr
+):
+    _, _, hit = hits(source, n, tau_bits, KEEP_NAN, ABS, INF, BLOCK)
     tl.store(counts + tl.program_id(0), tl.sum(hit.to(tl.int32), axis=0))
 
 
 @triton.jit
-def compact_kernel(source, starts, indices, magnitudes, n, threshold, KEEP_NAN: tl.constexpr, BLOCK: tl.constexpr):
-    index, magnitude, hit = hits(source, n, threshold, KEEP_NAN, BLOCK)
+def compact_kernel(
+    source,
+    starts,
+    indices,
+    magnitudes,
+    n,
+    tau_bits,
+    KEEP_NAN: tl.constexpr,
+    ABS: tl.constexpr,
+    INF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    index, magnitude, hit = hits(source, n, tau_bits, KEEP_NAN, ABS, INF, BLOCK)
     flag = hit.to(tl.int32)
     slot = tl.load(starts + tl.program_id(0)) + tl.cumsum(flag, axis=0) - flag  # ascending, as nonzero
     tl.store(indices + slot, index, mask=hit)
-    tl.store(magnitudes + slot, magnitude, mask=hit)
+    tl.store(magnitudes + slot, magnitude, mask=hit)  # |x| as torch.abs: the sign bit cleared
 
 
 @triton.jit
-def sign_split_kernel(source, source_bits, packed, picked, counts, n, BLOCK: tl.constexpr):
+def sign_split_kernel(source_bits, packed, picked, counts, n, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     lanes = tl.arange(0, 8)
     index = rows[:, None] * 8 + lanes[None, :]
     inside = index < n
-    positive = tl.load(source + index, mask=inside, other=-1.0) >= 0  # NaN: negative, as torch.ge
-    raw = tl.load(source_bits + index, mask=inside, other=0)
+    raw = tl.load(source_bits + index, mask=inside, other=-1)
+    positive = signs_of(raw, 0x7FFFFFFF, 0x7F800000) & inside  # fp32; NaN: negative, as torch.ge
     tl.store(picked + index, tl.where(positive, raw, 0), mask=inside)
     code = positive.to(tl.int32)
     tl.store(packed + rows, tl.sum(code << lanes[None, :], axis=1).to(tl.uint8), mask=rows * 8 < n)

@@ -22,9 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 C = "constexpr"
-FLOATS = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}  # kernels.FLOATS in Triton's names
 
 
 def variants(n_type):
@@ -33,32 +34,28 @@ def variants(n_type):
 
     block, select_block = kernels.BLOCK, kernels.SELECT_BLOCK
     found = []
-    pack = {"source": None, "out": "*u8", "n": n_type, "threshold": "fp32", "BITS": C, "PER": C, "MODE": C, "BLOCK": C}
+    pack = {"source": None, "out": "*u8", "n": n_type, "tau_bits": "i32"}
+    pack |= {"BITS": C, "PER": C, "MODE": C, "ABS": C, "INF": C, "BLOCK": C}
     for bits in (1, 2, 4):  # pack(), unpack()
-        meta = {"BITS": bits, "PER": 8 // bits, "MODE": kernels.CODES, "BLOCK": block}
+        meta = {"BITS": bits, "PER": 8 // bits, "MODE": kernels.CODES, "ABS": 0, "INF": 0, "BLOCK": block}
         found.append(("pack", dict(pack, source="*u8"), meta))
         unpack = {"packed": "*u8", "out": "*u8", "n": n_type, "BITS": C, "PER": C, "BLOCK": C}
         found.append(("unpack", unpack, {"BITS": bits, "PER": 8 // bits, "BLOCK": block}))
-    for dtype in FLOATS:  # pack_signs(), pack_ternary()
-        found.append(
-            ("pack", dict(pack, source=f"*{dtype}"), {"BITS": 1, "PER": 8, "MODE": kernels.SIGNS, "BLOCK": block})
-        )
-        meta = {"BITS": 2, "PER": 4, "MODE": kernels.TERNARY, "BLOCK": block}
-        found.append(("pack", dict(pack, source=f"*{dtype}"), meta))
+    for integer, magnitude_mask, infinity in kernels._LAYOUT.values():
+        word = {torch.int16: "*i16", torch.int32: "*i32"}[integer]
+        limits = {"ABS": magnitude_mask, "INF": infinity}
+        for mode, bits in ((kernels.SIGNS, 1), (kernels.TERNARY, 2)):  # pack_signs(), pack_ternary()
+            meta = {"BITS": bits, "PER": 8 // bits, "MODE": mode, **limits, "BLOCK": block}
+            found.append(("pack", dict(pack, source=word), meta))
         for keep_nan in (True, False):  # at_least()
-            count = {
-                "source": f"*{dtype}",
-                "counts": "*i32",
-                "n": n_type,
-                "threshold": "fp32",
-                "KEEP_NAN": C,
-                "BLOCK": C,
-            }
-            found.append(("count", count, {"KEEP_NAN": keep_nan, "BLOCK": select_block}))
-            compact = {"source": f"*{dtype}", "starts": "*i64", "indices": "*i64", "magnitudes": f"*{dtype}"}
-            compact |= {"n": n_type, "threshold": "fp32", "KEEP_NAN": C, "BLOCK": C}
-            found.append(("compact", compact, {"KEEP_NAN": keep_nan, "BLOCK": select_block}))
-    split = {"source": "*fp32", "source_bits": "*i32", "packed": "*u8", "picked": "*i32", "counts": "*i32"}
+            count = {"source": word, "counts": "*i32", "n": n_type, "tau_bits": "i32"}
+            count |= {"KEEP_NAN": C, "ABS": C, "INF": C, "BLOCK": C}
+            meta = {"KEEP_NAN": keep_nan, **limits, "BLOCK": select_block}
+            found.append(("count", count, meta))
+            compact = {"source": word, "starts": "*i64", "indices": "*i64", "magnitudes": word}
+            compact |= {"n": n_type, "tau_bits": "i32", "KEEP_NAN": C, "ABS": C, "INF": C, "BLOCK": C}
+            found.append(("compact", compact, meta))
+    split = {"source_bits": "*i32", "packed": "*u8", "picked": "*i32", "counts": "*i32"}
     found.append(("sign_split", split | {"n": n_type, "BLOCK": C}, {"BLOCK": block}))
     for bits in (1, 2):  # unpack_lookup()
         lookup = {"packed": "*u8", "out": "*i32", "n": n_type, "v0": "i32", "v1": "i32", "v2": "i32", "v3": "i32"}
