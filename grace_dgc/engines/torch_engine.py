@@ -41,6 +41,7 @@ def bounded(fn: Callable[[], Any], seconds: float) -> Any:
 
 
 DEFAULT_TIMEOUT = 300.0  # seconds: far below torch's 30 min, far above any sane step
+DIAGNOSIS_MARGIN = 5.0  # seconds a survivor waits for the others beyond the collective timeout (see _patience)
 
 
 class TorchEngine(Engine):
@@ -138,7 +139,7 @@ class TorchEngine(Engine):
             f"({type(error).__name__}: {str(error).splitlines()[0][:200]})"
         )
         store = dist.distributed_c10d._get_default_store()
-        patience = min(self.timeout, 10.0)
+        patience = self._patience()
         # the meeting's waits are bounded (patience per rank; the host lingers patience + 5 per
         # rank): only a stopped store host keeps a store call from returning
         others = self.size - 1
@@ -156,6 +157,14 @@ class TorchEngine(Engine):
                 "stopped or died, or already exited after an error of its own; this rank cannot tell which "
                 "rank failed first: look at rank 0's log"
             )
+
+    def _patience(self) -> float:
+        """How long a survivor waits for each other rank at the store meeting. Survivors arrive
+        at different times: one sees the dead rank's reset at once, another only when its own
+        collective errors or times out, and on a loaded machine later still; so the wait is the
+        collective timeout (at most 10 s) plus a margin, and a slow survivor is not blamed (4
+        ranks on 2 busy cores missed a 2 s window)."""
+        return min(self.timeout, 10.0) + DIAGNOSIS_MARGIN
 
     def _meet_in_store(self, store: Any, what: str, patience: float) -> str:
         """:meth:`_diagnose`'s meeting: a posted error, else each survivor sets a key for this
@@ -196,7 +205,7 @@ class TorchEngine(Engine):
             return
         for rank in answering:
             try:
-                store.wait([done + str(self._global(rank))], timedelta(seconds=min(self.timeout, 10.0) + 5))
+                store.wait([done + str(self._global(rank))], timedelta(seconds=self._patience() + 5))
             except Exception:  # that rank stopped using the store otherwise: nothing to wait for
                 continue
 
