@@ -223,8 +223,8 @@ def pack_signs(values: Tensor, out: Tensor | None = None) -> Tensor:
         out = torch.empty(size, dtype=torch.uint8, device=values.device)
     _check_out(out, size, torch.uint8, values.device)
     if n:
-        bits, *limits = _layout(values)
-        _launch("pack", _blocks(size), bits, out, n, 0, BITS=1, PER=8, MODE=SIGNS, **_limits(limits), BLOCK=BLOCK)
+        bits, limits = _layout(values)
+        _launch("pack", _blocks(size), bits, out, n, 0, BITS=1, PER=8, MODE=SIGNS, **limits, BLOCK=BLOCK)
     return out
 
 
@@ -275,9 +275,9 @@ def pack_ternary(values: Tensor, threshold: float, out: Tensor | None = None) ->
     if not float(threshold) > 0:
         raise ValueError(f"threshold={threshold!r}; pack_ternary takes a threshold > 0")
     if n:
-        bits, *limits = _layout(values)
+        bits, limits = _layout(values)
         tau = _threshold_bits(threshold, values.dtype, keep_nan=False)
-        meta = {"BITS": 2, "PER": 4, "MODE": TERNARY, **_limits(limits), "BLOCK": BLOCK}
+        meta = {"BITS": 2, "PER": 4, "MODE": TERNARY, **limits, "BLOCK": BLOCK}
         _launch("pack", _blocks(size), bits, out, n, tau, **meta)
     return out
 
@@ -290,14 +290,10 @@ _LAYOUT = {
 }
 
 
-def _layout(values: Tensor) -> tuple[Tensor, int, int]:
-    """``values`` as the integers of their bit patterns, and ABS and INF for the kernels."""
+def _layout(values: Tensor) -> tuple[Tensor, dict[str, int]]:
+    """``values`` as the integers of their bit patterns, and the kernels' ABS and INF."""
     integer, magnitude_mask, infinity = _LAYOUT[values.dtype]
-    return values.view(integer), magnitude_mask, infinity
-
-
-def _limits(limits: list[int]) -> dict[str, int]:
-    return {"ABS": limits[0], "INF": limits[1]}
+    return values.view(integer), {"ABS": magnitude_mask, "INF": infinity}
 
 
 def _threshold_bits(threshold: float, dtype: torch.dtype, keep_nan: bool) -> int:
@@ -357,8 +353,8 @@ def at_least(values: Tensor, threshold: float, keep_nan: bool = True) -> tuple[T
     if n == 0:
         return values.new_empty(0, dtype=torch.int64), values.new_empty(0)
     tau = _threshold_bits(threshold, values.dtype, keep_nan)
-    bits, *limits = _layout(values)
-    meta = {"KEEP_NAN": keep_nan, **_limits(limits), "BLOCK": SELECT_BLOCK}
+    bits, limits = _layout(values)
+    meta = {"KEEP_NAN": keep_nan, **limits, "BLOCK": SELECT_BLOCK}
     grid = (-(-n // SELECT_BLOCK),)
     counts = torch.empty(grid[0], dtype=torch.int32, device=values.device)
     _launch("count", grid, bits, counts, n, tau, **meta)
