@@ -160,10 +160,13 @@ class DistributedOptimizer(WrappingOptimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._names = self._name_parameters(optimizer, named_parameters)
         self._buckets = self._make_buckets(list(self._names), fusion_bytes)
-        self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
+        # keyed by id(): a tensor's __hash__ is a Python call, and these are looked up once per
+        # parameter per backward pass on the training thread
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket}
+        self._bucket_names = [[self._names[p] for p in bucket] for bucket in self._buckets]
         self._views = self._bucket_views(self._buckets)
-        self._passes: dict[torch.nn.Parameter, int] = {}  # param -> backward passes since the last exchange
-        self._ready: dict[int, set] = {}  # bucket index -> its parameters whose gradients are final
+        self._passes: dict[int, int] = {}  # id(param) -> backward passes since the last exchange
+        self._ready: dict[int, set[int]] = {}  # bucket index -> id() of its parameters whose gradients are final
         self._pending: dict[int, Future] = {}  # bucket index -> Future of its averaged gradients
         self._synchronized = False  # averaged gradients are in p.grad, awaiting step()
         self._skipped_mark = grace.skipped
@@ -217,17 +220,25 @@ class DistributedOptimizer(WrappingOptimizer):
                 "backward() ran between synchronize() and step(); call step() "
                 "(or zero_grad()) before the next backward pass"
             )
-        bucket = self._bucket_of[param]
-        if bucket in self._pending or param in self._ready.get(bucket, ()):
+        key = id(param)
+        bucket = self._bucket_of[key]
+        ready = self._ready.get(bucket)
+        if ready is None:
+            ready = self._ready[bucket] = set()
+        if key in ready or bucket in self._pending:
             raise RuntimeError(
                 f"gradient of {self._names[param]!r} was computed again before step()/synchronize(); "
                 f"use backward_passes_per_step={self.backward_passes_per_step + 1} to accumulate passes"
             )
-        count = self._passes.get(param, 0) + 1
-        self._passes[param] = count
-        if count == self.backward_passes_per_step:
-            self._to_view(param)
-            self._ready.setdefault(bucket, set()).add(param)
+        if self.backward_passes_per_step > 1:
+            count = self._passes.get(key, 0) + 1
+            self._passes[key] = count
+            if count < self.backward_passes_per_step:
+                return
+        self._to_view(param)
+        ready.add(key)
+        # only a bucket completed next in line can let buckets go (they go out in order)
+        if len(ready) == len(self._buckets[bucket]) and bucket == len(self._pending):
             self._submit_in_order()
 
     def _submit_in_order(self) -> None:
@@ -249,7 +260,7 @@ class DistributedOptimizer(WrappingOptimizer):
         for param in params:  # unused this step (on every rank): exchange zeros
             self._to_view(param)
         self._pending[bucket] = self.grace.step_group_async(
-            cast(list[torch.Tensor], [p.grad for p in params]), [self._names[p] for p in params], inplace=True
+            cast(list[torch.Tensor], [p.grad for p in params]), self._bucket_names[bucket], inplace=True
         )
 
     def synchronize(self) -> None:
