@@ -445,3 +445,27 @@ def test_handing_the_gradients_over_loses_no_memory_state(name, memory, comm):
                 assert torch.equal(state[key][tensor_name], kept), (key, tensor_name)
     if memory in ("residual", "efsignsgd") and name != "powersgd":  # something was held back
         assert any(r.abs().sum() > 0 for r in inplace.memory.residuals.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    bad=st.sampled_from([None, float("nan"), float("inf"), float("-inf")]),
+    big=st.booleans(),
+    data=st.data(),
+)
+@settings(max_examples=40, deadline=None)
+def test_all_finite_equals_an_element_by_element_check(dtype, sizes, bad, big, data):
+    """One total per group, read once; finite elements whose sums overflow (the dtype's
+    largest values, several tensors) are still finite; a NaN/Inf anywhere is found."""
+    from grace_dgc.grace import all_finite
+
+    top = torch.finfo(dtype).max
+    tensors = [
+        torch.full((n,), top, dtype=dtype) if big else torch.randn(n, dtype=torch.float64).to(dtype) for n in sizes
+    ]
+    if bad is not None and sum(sizes):
+        which = data.draw(st.sampled_from([i for i, n in enumerate(sizes) if n]))
+        tensors[which][data.draw(st.integers(0, sizes[which] - 1))] = bad
+    expected = all(bool(torch.isfinite(t).all()) for t in tensors)
+    assert all_finite(tensors) is expected
