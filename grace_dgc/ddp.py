@@ -106,10 +106,14 @@ def grace_hook(state, bucket):  # type: (GraceHookState, GradBucket) -> torch.fu
     # rebuilt bucket's old buffer alive until gc
     def write_back(done: Future[list[Tensor]]) -> None:
         try:
+            copied = False
             for grad, average in zip(grads, done.result()):
                 if average.data_ptr() != grad.data_ptr():
                     grad.copy_(average)
-            if buffer.is_cuda:  # DDP reads the buffer on its own thread's stream
+                    copied = True
+            # DDP reads the buffer on its own thread's stream; the exchange synchronized its
+            # own work before the Future resolved, so only copies made here need a wait
+            if copied and buffer.is_cuda:
                 torch.cuda.current_stream(buffer.device).synchronize()
             result.set_result(buffer)
         except BaseException as error:  # DDP re-raises it from backward's end
