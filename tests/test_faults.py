@@ -818,3 +818,62 @@ def differing_join_job(rank, world_size):
     except GraceConfigError as error:
         return str(error)
     return "no error"
+
+
+class FakeWork:
+    """A collective that completes after ``polls`` checks (never, with None)."""
+
+    def __init__(self, polls):
+        self.polls, self.checks, self.waits = polls, 0, []
+
+    def is_completed(self):
+        self.checks += 1
+        return self.polls is not None and self.checks > self.polls
+
+    def wait(self, *args, **kwargs):
+        self.waits.append((args, kwargs))
+        return True
+
+
+def bare_torch_engine(backend, timeout, monkeypatch):
+    """A TorchEngine over no process group: only ``_run``'s waiting is exercised."""
+    from grace_dgc.engines.base import Engine
+    from grace_dgc.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine.__new__(TorchEngine)
+    Engine.__init__(engine)
+    engine.timeout, engine._calls, engine._backend = timeout, 0, backend
+    engine._polled = "nccl" in backend
+    monkeypatch.setattr(engine, "_diagnose", lambda kind, error: f"{kind}: {type(error).__name__}: {error}")
+    return engine
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_an_nccl_collective_is_polled_finely_then_stream_ordered(backend, monkeypatch):
+    """NCCL's wait(timeout) sleeps 1 ms between its completion checks: the engine polls
+    itself (at POLL_SECONDS) and then calls wait() with no timeout, which only orders the
+    stream after the collective; gloo keeps wait(timeout), a host wait without sleeps."""
+    from grace_dgc.engines import torch_engine
+
+    naps = []
+    monkeypatch.setattr(torch_engine.time, "sleep", naps.append)
+    engine = bare_torch_engine(backend, 30.0, monkeypatch)
+    work = FakeWork(polls=3)
+    engine._run("allreduce", lambda: work)
+    assert work.checks == 4 and naps == [torch_engine.POLL_SECONDS] * 3 and work.waits == [((), {})]
+    gloo = bare_torch_engine("gloo", 30.0, monkeypatch)
+    work = FakeWork(polls=0)
+    gloo._run("allreduce", lambda: work)
+    assert work.checks == 0 and [kwargs["timeout"].total_seconds() for _, kwargs in work.waits] == [30.0]
+
+
+def test_an_nccl_collective_that_never_completes_times_out_with_a_named_error(monkeypatch):
+    from grace_dgc.engines import torch_engine
+    from grace_dgc.errors import GraceCommError
+
+    engine = bare_torch_engine("nccl", 0.05, monkeypatch)
+    monkeypatch.setattr(torch_engine, "POLL_SECONDS", 0.001)
+    work = FakeWork(polls=None)
+    with pytest.raises(GraceCommError, match=r"allgather: TimeoutError: no completion within 0.05 s"):
+        engine._run("allgather", lambda: work)
+    assert work.checks > 1 and not work.waits

@@ -41,6 +41,7 @@ def bounded(fn: Callable[[], Any], seconds: float) -> Any:
 
 
 DEFAULT_TIMEOUT = 300.0  # seconds: far below torch's 30 min, far above any sane step
+POLL_SECONDS = 20e-6  # between checks of an NCCL collective's completion (see TorchEngine._run)
 DIAGNOSIS_MARGIN = 5.0  # seconds a survivor waits for the others beyond the collective timeout (see _patience)
 
 
@@ -71,6 +72,7 @@ class TorchEngine(Engine):
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
         self._backend = dist.get_backend(process_group)
+        self._polled = "nccl" in self._backend  # see _run
 
     @property
     def backend(self) -> str:
@@ -92,7 +94,21 @@ class TorchEngine(Engine):
         self._calls += 1
         start = time.perf_counter()
         try:
-            launch().wait(timeout=timedelta(seconds=self.timeout))
+            work = launch()
+            if self._polled:
+                # NCCL's wait(timeout) polls for completion sleeping 1 ms between polls
+                # (ProcessGroupNCCL's kSynchronizeBusyWaitMillis): up to a millisecond per
+                # collective on the communication thread (H100/H200: the dense path at ~2 x
+                # DDP's step). Poll here at POLL_SECONDS instead; wait() without a timeout
+                # then orders the current stream after the collective and raises its error.
+                deadline = start + self.timeout
+                while not work.is_completed():
+                    if time.perf_counter() > deadline:
+                        raise TimeoutError(f"no completion within {self.timeout:g} s")
+                    time.sleep(POLL_SECONDS)
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as error:
             raise GraceCommError(self._diagnose(kind, error)) from error
         finally:
