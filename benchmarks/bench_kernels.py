@@ -1,7 +1,7 @@
 """The fused Triton kernels (grace_dgc.kernels) against the torch ops they replace, per kernel,
 as multiples of one ``copy_`` of an fp32 gradient of the same length (issue 22).
 
-    python benchmarks/bench_kernels.py [--device cuda] [--sizes 1000000 25000000] [--repeats 7]
+    python benchmarks/bench_kernels.py [--device cuda] [--sizes 1000000 25000000] [--repeats 7] [--ops rotate ...]
 
 For each size n and each operation of grace_dgc.wire that has a fused kernel:
 
@@ -15,6 +15,11 @@ For each size n and each operation of grace_dgc.wire that has a fused kernel:
                 fused kernel replaces the compare/count/mask passes; the sums stay torch's)
     at_least    indices and magnitudes of |x| ≥ τ, τ passing ~1 % (DGC's, top-k's and
                 threshold's selection pass)
+    rotate      thc's H·D·x/√d, x zero-padded to d = 2^⌈log2 n⌉ (the torch path: log2 d
+                butterfly stages of an add and a sub each; fused: 1 + ⌈(log2 d − 12)/7⌉ passes)
+    unrotate    thc's decoder: int8 codes × M/K, rotated back, × D, the first n into the gradient
+    thc codes   thc's stochastic rounding of the rotated d-vector to int8 codes, its uniforms
+                drawn beforehand (torch: nine elementwise ops; fused: one pass)
 
 the torch path (``GRACE_DGC_KERNELS=torch``: SWAR shift-or-mask stages on a GPU, numpy on a
 CPU) and the fused kernel are timed alternately with the copy_ (one warm-up round, then
@@ -35,7 +40,7 @@ from bench_compressors import interleaved
 from timing import Report, shown_argv
 
 from grace_dgc import kernels, wire
-from grace_dgc.compressors import sparse
+from grace_dgc.compressors import sparse, thc
 from grace_dgc.compressors.onebit import OneBitCompressor
 from grace_dgc.compressors.twobit import TwoBitCompressor
 from grace_dgc.workspace import Workspace
@@ -91,6 +96,22 @@ def operations(n, device):
         lambda: sparse.at_least(grad, tau, workspace, keep_nan=False),
         lambda: kernels.at_least(grad, tau, keep_nan=False),
     )
+    d = 1 << (n - 1).bit_length()
+    signs = thc.rotation_signs(0, "g", 0, d, device)
+    ops["rotate"] = (lambda: thc.rotate(grad, signs), lambda: kernels.rotate(grad, signs))
+    rotated = kernels.rotate(grad, signs)
+    factor = torch.tensor(7.0, device=device) / rotated.abs().amax()
+    uniform = torch.rand(d, generator=gen).to(device)
+    drawn = torch.empty_like(uniform)  # thc's torch path writes into its uniforms: a fresh copy each call
+    ops["thc codes"] = (
+        lambda: thc.stochastic_codes(rotated, drawn.copy_(uniform), factor, 7, torch.int8),
+        lambda: kernels.stochastic_codes(rotated, uniform, factor, 7, torch.int8),
+    )
+    codes = kernels.stochastic_codes(rotated, uniform, factor, 7, torch.int8)
+    ops["unrotate"] = (
+        lambda: thc.unrotate(codes, factor, signs, out) or out,
+        lambda: kernels.unrotate(codes, factor, signs, out),
+    )
     return grad, ops
 
 
@@ -106,6 +127,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--ops", nargs="+", help="only these operations (e.g. rotate unrotate 'thc codes')")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -122,6 +144,8 @@ def main(argv=None):
             copy_out = torch.empty_like(grad)
             inner = max(1, 1_000_000 // n)
             for op, (plain, fused) in ops.items():
+                if args.ops and op not in args.ops:
+                    continue
                 plain, fused = in_mode("torch", plain), in_mode("triton", fused)
                 same = written(plain()) == written(fused())
                 times, _ = interleaved([lambda: copy_out.copy_(grad), plain, fused], device, args.repeats, inner)

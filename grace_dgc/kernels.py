@@ -18,6 +18,12 @@ once (the selection: two reads):
     at_least(x, τ)             ascending indices and |x| of the elements with |x| ≥ τ: a count per
                                block, a running sum, then each block writes its hits in order
                                (DGC's, top-k's and threshold's selection)
+    rotate(x, D)               thc's H·D·x/√d (x zero-padded to d = 2^m): the m butterfly stages
+                               on tiles held in registers, 12 in a first pass, up to 7 in each later
+                               one (3 passes at d = 2^25, where the torch ops make 25 passes)
+    unrotate(codes, f, D, out) thc's decoder: out = the first n of D·H·(codes·f)/√d, likewise
+    stochastic_codes(x, r, f, K, dtype)
+                               thc's rounding: ⌊u⌋ + (r < u − ⌊u⌋), u = x·f clamped to [−K, K]
 
 Each writes the same bytes as the torch path it replaces (the packed stream of
 :func:`grace_dgc.wire.pack_bits`, element i at bits [i·bits, (i+1)·bits); τ rounded to the
@@ -366,3 +372,106 @@ def at_least(values: Tensor, threshold: float, keep_nan: bool = True) -> tuple[T
         starts = ends - counts
         _launch("compact", grid, bits, starts, indices, magnitudes.view(bits.dtype), n, tau, **meta)
     return indices, magnitudes
+
+
+# -- THC's rotation ------------------------------------------------------------------------------
+
+HADAMARD_LOG = 12  # the first pass: butterfly stages 0 … 11 within blocks of 4096 elements
+COLUMN_LOG = 7  # each later pass: up to 7 stages, on tiles of 2^t rows × 4096 / 2^t columns
+COLUMN_TILE = 1 << HADAMARD_LOG
+HADAMARD_META = {"enable_fp_fusion": False}  # a product rounded on its own, as torch rounds it
+ENCODE, DECODE = 1, 2  # the last pass: × 1/√d (thc's compress); × 1/√d, × D, the first n (decompress)
+
+
+def column_passes(log: int) -> list[int]:
+    """How many stages each pass after the first runs for d = 2^log: the log − 12 remaining
+    stages split as evenly as passes of at most 7 allow (25: [7, 6])."""
+    rest = log - HADAMARD_LOG
+    if rest <= 0:
+        return []
+    count = -(-rest // COLUMN_LOG)
+    return [rest // count + (i < rest % count) for i in range(count)]
+
+
+def _hadamard(source: Tensor, signs: Tensor, factor: Tensor, out: Tensor, n: int, last: int, codes: bool) -> None:
+    """The m = log2 d butterfly stages of thc.hadamard over what ``source`` holds (see
+    :func:`rotate`, :func:`unrotate`) in 1 + len(column_passes(m)) passes, the last one ``last``."""
+    d = signs.numel()
+    log = d.bit_length() - 1
+    scale = float(torch.tensor(d**-0.5, dtype=torch.float32))  # 1/√d rounded to fp32, as mul_(d**-0.5)
+    columns = column_passes(log)
+    work = out if last == ENCODE or not columns else torch.empty(d, dtype=torch.float32, device=out.device)
+    meta = {"CODES": codes, "LAST": 0 if columns else last, "LOG": HADAMARD_LOG, **HADAMARD_META}
+    grid = (-(-d // COLUMN_TILE),)
+    _launch("hadamard_block", grid, source, signs, factor, work, n, d, min(log, HADAMARD_LOG), scale, **meta)
+    inner = COLUMN_TILE
+    for i, stages in enumerate(columns):
+        meta = {"LOG": stages, "WIDTH": COLUMN_TILE >> stages, "LAST": last if i == len(columns) - 1 else 0}
+        _launch("hadamard_columns", (d // COLUMN_TILE,), work, signs, out, n, inner, scale, **meta, **HADAMARD_META)
+        inner <<= stages
+
+
+def _check_signs(signs: Tensor, n: int) -> Tensor:
+    signs = _flat(signs)
+    d = signs.numel()
+    if signs.dtype != torch.float32 or d & (d - 1) or not n <= d:
+        raise ValueError(f"signs must be float32 of a power-of-two length d ≥ n = {n}; got {signs.dtype}, {d} elements")
+    return signs
+
+
+def rotate(values: Tensor, signs: Tensor) -> Tensor:
+    """THC's rotation H·D·x/√d (:func:`grace_dgc.compressors.thc.hadamard` of the fp32
+    ``values`` zero-padded to d = len(signs), times the ±1 ``signs``): a new fp32 tensor of d
+    elements, bit for bit the torch ops' result, in 1 + ⌈(log2 d − 12)/7⌉ passes (3 for
+    d = 2^25, where the torch ops take 25 stages of two reads and a write)."""
+    values = _flat(values)
+    if values.dtype != torch.float32:
+        raise ValueError(f"rotate takes float32 values; got {values.dtype}")
+    n = values.numel()
+    signs = _check_signs(signs, n)
+    out = torch.empty(signs.numel(), dtype=torch.float32, device=values.device)
+    source = values if n else signs  # no element is read; an empty tensor's pointer may be null
+    _hadamard(source, signs, signs, out, n, ENCODE, codes=False)
+    return out
+
+
+def unrotate(codes: Tensor, factor: Tensor, signs: Tensor, out: Tensor) -> Tensor:
+    """THC's decoder: ``out`` = the first n = out.numel() elements of
+    D·(H·(codes·factor)/√d), d = len(codes) = len(signs), ``codes`` int8 or int32, ``factor`` a
+    0-d fp32 tensor (M/K) on their device, ``out`` a contiguous fp32 tensor (returned); each
+    product rounded as torch's ``codes.to(float32).mul_(factor)`` and ``mul_(signs)`` round it."""
+    codes = _flat(codes)
+    if codes.dtype not in (torch.int8, torch.int32) or factor.dtype != torch.float32 or factor.numel() != 1:
+        raise ValueError(
+            f"unrotate takes int8 or int32 codes and a 0-d float32 factor; got {codes.dtype}, {factor.dtype}"
+        )
+    n = out.numel()
+    signs = _check_signs(signs, n)
+    if codes.numel() != signs.numel():
+        raise ValueError(f"{codes.numel()} codes for {signs.numel()} signs")
+    _check_out(out, n, torch.float32, codes.device)
+    if n:
+        _hadamard(codes, signs, factor.reshape(()).to(codes.device), out.view(-1), n, DECODE, codes=True)
+    return out
+
+
+CODES_BLOCK = 4096  # elements per program of stochastic_codes
+
+
+def stochastic_codes(values: Tensor, uniform: Tensor, factor: Tensor, levels: int, dtype: torch.dtype) -> Tensor:
+    """THC's stochastic rounding in one pass (its torch ops take nine): u = x·factor (``factor``
+    a 0-d fp32 tensor, K/M or 0), NaN → 0 and clamped to [−K, K], K = ``levels``; codes
+    ⌊u⌋ + (uniform < u − ⌊u⌋) as ``dtype`` (int8 or int32), a new tensor, bit for bit
+    thc's ``mul``, ``nan_to_num_``, ``clamp_``, ``floor``, ``sub_``, ``lt_``, ``add_``, ``to``."""
+    values, uniform = _flat(values), _flat(uniform)
+    n = values.numel()
+    if values.dtype != torch.float32 or uniform.dtype != torch.float32 or uniform.numel() != n:
+        raise ValueError(f"stochastic_codes takes float32 values and as many float32 uniforms; got {values.dtype}")
+    if dtype not in (torch.int8, torch.int32) or factor.dtype != torch.float32 or factor.numel() != 1:
+        raise ValueError(f"stochastic_codes writes int8 or int32 codes with a 0-d float32 factor; got {dtype}")
+    codes = torch.empty(n, dtype=dtype, device=values.device)
+    if n:
+        grid, factor = (-(-n // CODES_BLOCK),), factor.reshape(()).to(values.device)
+        meta = {"BLOCK": CODES_BLOCK, **HADAMARD_META}
+        _launch("stochastic_codes", grid, values, uniform, factor, codes, n, float(levels), **meta)
+    return codes

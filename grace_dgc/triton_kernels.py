@@ -132,3 +132,104 @@ def sign_split_kernel(source_bits, packed, picked, counts, n, BLOCK: tl.constexp
     code = positive.to(tl.int32)
     tl.store(packed + rows, tl.sum(code << lanes[None, :], axis=1).to(tl.uint8), mask=rows * 8 < n)
     tl.store(counts + tl.program_id(0), tl.sum(tl.sum(code, axis=1), axis=0))
+
+
+# -- THC's Walsh–Hadamard transform (kernels.rotate, kernels.unrotate) --------------------------
+#
+# A butterfly stage on bit k pairs the elements i and i + 2^k (bit k of i clear) and writes a + b
+# to i, a − b to i + 2^k, in fp32: what thc.hadamard's torch ops compute, one stage per pass over
+# memory. Here a program holds a tile in registers and runs several stages on it, bits ascending,
+# the same two operations on the same operands in the same order: the same bits. The stages run
+# in "constant geometry": each pairs neighbours 2i, 2i + 1 (their lowest index bit), writes the
+# sum to i and the difference to i + half, which rotates the index bits right by one, so the next
+# stage's neighbours differ in the next bit; after log2(rows) stages the rows are in their natural
+# order again. A stage that is not live (a tensor shorter than the tile) passes a and b through
+# unchanged, so padding beyond d never mixes in. Multiplications are rounded on their own (the
+# launches pass enable_fp_fusion=False): an FMA would round codes·factor + b once, not twice.
+
+
+@triton.jit
+def stage_rows(x, ROWS: tl.constexpr, WIDTH: tl.constexpr, live):
+    """One constant-geometry butterfly stage along axis 0 of a [ROWS, WIDTH] tile (``live``:
+    a + b and a − b; else a and b moved as they are)."""
+    a, b = tl.split(tl.permute(tl.reshape(x, [ROWS // 2, 2, WIDTH]), (0, 2, 1)))
+    pair = tl.join(tl.where(live, a + b, a), tl.where(live, a - b, b))  # [ROWS // 2, WIDTH, 2]
+    return tl.reshape(tl.permute(pair, (2, 0, 1)), [ROWS, WIDTH])
+
+
+@triton.jit
+def hadamard_block_kernel(
+    source,
+    signs,
+    factor,
+    out,
+    n,
+    d,
+    live,
+    scale,
+    CODES: tl.constexpr,
+    LAST: tl.constexpr,
+    LOG: tl.constexpr,
+):
+    """The first min(LOG, log2 d) stages (bits 0, 1, …) within each block of 2^LOG elements, read
+    from ``source``: values (n of them, zero-padded to d, times the signs: thc's D·x) or, with
+    CODES, d integer codes times the 0-d fp32 ``factor`` (thc's decoder). LAST 0: the block's
+    d elements into ``out``; 1: times ``scale`` (1/√d in fp32), into ``out``; 2: times ``scale``
+    and then the signs, the first n into ``out``."""
+    BLOCK: tl.constexpr = 1 << LOG
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if CODES:
+        x = tl.load(source + index, mask=index < d, other=0).to(tl.float32) * tl.load(factor)
+    else:
+        x = tl.load(source + index, mask=index < n, other=0.0) * tl.load(signs + index, mask=index < d, other=1.0)
+    x = tl.reshape(x, [BLOCK, 1])
+    for k in tl.static_range(LOG):
+        x = stage_rows(x, BLOCK, 1, k < live)
+    x = tl.reshape(x, [BLOCK])
+    if LAST == 0:
+        tl.store(out + index, x, mask=index < d)
+    elif LAST == 1:
+        tl.store(out + index, x * scale, mask=index < d)
+    else:
+        tl.store(out + index, x * scale * tl.load(signs + index, mask=index < n, other=1.0), mask=index < n)
+
+
+@triton.jit
+def hadamard_columns_kernel(
+    work, signs, out, n, inner, scale, LOG: tl.constexpr, WIDTH: tl.constexpr, LAST: tl.constexpr
+):
+    """The next LOG stages, bits log2(inner) … log2(inner) + LOG − 1, in place in ``work`` seen
+    as [outer, 2^LOG, inner]: each program a tile of 2^LOG rows (stride ``inner``) by WIDTH
+    contiguous columns. LAST as hadamard_block_kernel's (2: into ``out``, not ``work``)."""
+    ROWS: tl.constexpr = 1 << LOG
+    program = tl.program_id(0).to(tl.int64)
+    inner = inner.to(tl.int64)
+    tiles = inner // WIDTH  # per row of the outer axis
+    start = (program // tiles) * (inner * ROWS) + (program % tiles) * WIDTH
+    index = start + tl.arange(0, ROWS)[:, None] * inner + tl.arange(0, WIDTH)[None, :]
+    x = tl.load(work + index)
+    for _ in tl.static_range(LOG):
+        x = stage_rows(x, ROWS, WIDTH, True)
+    if LAST == 0:
+        tl.store(work + index, x)
+    elif LAST == 1:
+        tl.store(work + index, x * scale)
+    else:
+        tl.store(out + index, x * scale * tl.load(signs + index, mask=index < n, other=1.0), mask=index < n)
+
+
+@triton.jit
+def stochastic_codes_kernel(values, uniform, factor, codes, n, levels, BLOCK: tl.constexpr):
+    """THC's quantizer in one pass: u = x·factor, NaN → 0, clamped to [−K, K] (±∞ → ±K), then
+    ⌊u⌋ + (uniform < u − ⌊u⌋) in fp32, stored as the codes' integer type (thc's torch ops).
+    ⌊u⌋ from u truncated to an integer, less one where that is above u: exact for |u| ≤ K, a
+    subnormal u included (tl.floor compiles to a floor that flushes subnormals to zero; only
+    ⌊−0.0⌋'s sign differs, +0, which changes no code)."""
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < n
+    u = tl.load(values + index, mask=inside, other=0.0) * tl.load(factor)
+    u = tl.minimum(tl.maximum(tl.where(u != u, 0.0, u), -levels), levels)
+    low = u.to(tl.int32).to(tl.float32)
+    low = tl.where(low > u, low - 1.0, low)
+    up = tl.load(uniform + index, mask=inside, other=1.0) < u - low
+    tl.store(codes + index, (low + up.to(tl.float32)).to(codes.dtype.element_ty), mask=inside)

@@ -62,12 +62,34 @@ def variants(n_type):
         found.append(
             ("lookup", lookup | {"BITS": C, "PER": C, "BLOCK": C}, {"BITS": bits, "PER": 8 // bits, "BLOCK": block})
         )
+    for codes, source in ((False, "*fp32"), (True, "*i8"), (True, "*i32")):  # rotate(), unrotate()
+        block = {"source": source, "signs": "*fp32", "factor": "*fp32", "out": "*fp32", "n": n_type, "d": n_type}
+        block |= {"live": "i32", "scale": "fp32", "CODES": C, "LAST": C, "LOG": C}
+        for last in (0, kernels.DECODE if codes else kernels.ENCODE):
+            found.append(("hadamard_block", block, {"CODES": codes, "LAST": last, "LOG": kernels.HADAMARD_LOG}))
+    columns = {"work": "*fp32", "signs": "*fp32", "out": "*fp32", "n": n_type, "inner": n_type, "scale": "fp32"}
+    columns |= {"LOG": C, "WIDTH": C, "LAST": C}
+    for stages in range(1, kernels.COLUMN_LOG + 1):
+        for last in (0, kernels.ENCODE, kernels.DECODE):
+            meta = {"LOG": stages, "WIDTH": kernels.COLUMN_TILE >> stages, "LAST": last}
+            found.append(("hadamard_columns", columns, meta))
+    for word in ("*i8", "*i32"):  # stochastic_codes()
+        quantize = {"values": "*fp32", "uniform": "*fp32", "factor": "*fp32", "codes": word, "n": n_type}
+        found.append(("stochastic_codes", quantize | {"levels": "fp32", "BLOCK": C}, {"BLOCK": kernels.CODES_BLOCK}))
     return found
+
+
+def options(name):
+    """The compile options a launch of kernel ``name`` passes (thc's: no FMA contraction)."""
+    from grace_dgc import kernels
+
+    return dict(kernels.HADAMARD_META) if name.startswith(("hadamard", "stochastic")) else {}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90: H100)")
+    parser.add_argument("--only", default="", help="compile only the kernels whose name starts with this")
     parser.add_argument("--wide", action="store_true", help="also n as a 64-bit integer (tensors of 2^31+ elements)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -84,12 +106,15 @@ def main(argv=None):
         target = GPUTarget("cuda", arch, 32)
         for n_type in ["i32", "i64"] if args.wide else ["i32"]:
             for name, signature, constants in variants(n_type):
+                if not name.startswith(args.only):
+                    continue
                 label = f"sm_{arch} {name} {', '.join(f'{k}={v}' for k, v in constants.items())} " + " ".join(
                     f"{k}:{v}" for k, v in signature.items() if v != C
                 )
                 fn = getattr(triton_kernels, f"{name}_kernel")
                 try:
-                    compiled = triton.compile(ASTSource(fn, signature, constexprs=constants), target=target)
+                    source = ASTSource(fn, signature, constexprs=constants)
+                    compiled = triton.compile(source, target=target, options=options(name))
                     if "cubin" not in compiled.asm:
                         raise RuntimeError("no cubin produced")
                 except Exception as error:  # every variant is tried; each failure is named

@@ -254,6 +254,175 @@ def test_multi_program_sizes_of_sign_split_and_at_least(device, monkeypatch, n):
     assert torch.equal(magnitudes.cpu(), x.abs()[x.abs() >= 1.0])
 
 
+# -- thc: the rotation's butterflies and the stochastic rounding ------------------------------
+
+SEED = 11
+# d at and around one block (2^12), each count of stages in the one later pass (2^13 … 2^19)
+ROTATION_SIZES = [1, 2, 3, 100, 4095, 4096, 4097, 8192, 2**14 + 1, 2**15, 2**16 + 9, 2**17]
+# small tiles (blocks of 16, passes of at most 2 stages): chains of later passes on small d
+SMALL = {"HADAMARD_LOG": 4, "COLUMN_TILE": 16, "COLUMN_LOG": 2}
+
+
+def same_floats(got, want):
+    """Equal bit for bit, a NaN matching any NaN (its payload is the backend's)."""
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32))
+
+
+def check_rotation(device, monkeypatch, n, seed=0, specials=()):
+    """kernels.rotate and kernels.unrotate (int8 and int32 codes) against thc's torch ops."""
+    from grace_dgc.compressors import thc
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * 3
+    x[::7] = 0.0
+    x[1::13] = -0.0
+    x[: len(specials)] = torch.tensor(specials[:n])
+    d = 1 << max(n - 1, 0).bit_length()
+    signs = thc.rotation_signs(SEED, "w", seed, d, device)
+    x = x.to(device)
+    same_floats(kernels.rotate(x, signs), torch_path(monkeypatch, thc.rotate, x, signs))
+    for dtype, levels in ((torch.int8, 7), (torch.int32, 5000)):
+        codes = torch.randint(-levels, levels + 1, (d,), generator=gen).to(dtype).to(device)
+        factor = torch.tensor(0.0123 + seed, device=device)
+        out, want = torch.full((n,), 7.0, device=device), torch.full((n,), 5.0, device=device)
+        assert kernels.unrotate(codes, factor, signs, out) is out
+        torch_path(monkeypatch, thc.unrotate, codes, factor, signs, want)
+        same_floats(out, want)
+
+
+@pytest.mark.parametrize("n", ROTATION_SIZES)
+def test_rotate_and_unrotate_equal_the_torch_ops_bit_for_bit(device, monkeypatch, n):
+    check_rotation(device, monkeypatch, n, seed=n % 5)
+
+
+def test_a_rotation_with_two_later_passes(device, monkeypatch):
+    """d = 2^19: one pass of 12 stages, one of 7 (the largest tile), then 2^19 + 1: 12, 4, 4."""
+    assert kernels.column_passes(19) == [7] and kernels.column_passes(20) == [4, 4]
+    assert kernels.column_passes(25) == [7, 6] and kernels.column_passes(31) == [7, 6, 6]
+    check_rotation(device, monkeypatch, 2**18 + 3)
+    if device.type == "cuda":
+        check_rotation(device, monkeypatch, 2**19 + 1)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 100, 1000, 2048, 2049])
+def test_chains_of_later_passes_on_small_tiles(device, monkeypatch, n):
+    """Blocks of 16 and passes of at most 2 stages: d = 4096 takes 1 + 4 passes, each a tile
+    of 2^t rows at stride 16, 64, …, the last one scaling (and for unrotate, the signs)."""
+    for name, value in SMALL.items():
+        monkeypatch.setattr(kernels, name, value)
+    assert kernels.column_passes(12) == [2, 2, 2, 2] and kernels.column_passes(7) == [2, 1]
+    check_rotation(device, monkeypatch, n, seed=1)
+
+
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")  # numpy, interpreting ∞
+def test_rotations_of_infinities_nans_and_subnormals(device, monkeypatch):
+    """Overflow to ±∞, ∞ − ∞ = NaN, NaN everywhere after it, subnormal sums: as torch's stages."""
+    specials = [3e38, 3e38, -3e38, 1e-45, -1e-45, 1e-39, -2e-39, 0.0, -0.0]
+    check_rotation(device, monkeypatch, 5000, seed=2, specials=specials)
+    check_rotation(device, monkeypatch, 9, seed=3, specials=specials)
+    check_rotation(device, monkeypatch, 300, seed=4, specials=[float("inf"), float("nan"), 1.0])
+
+
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")  # numpy, interpreting ∞
+@pytest.mark.parametrize("dtype, levels", [(torch.int8, 1), (torch.int8, 7), (torch.int32, 127)])
+def test_stochastic_codes_equal_thcs_rounding_ops(device, monkeypatch, dtype, levels):
+    """⌊u⌋ + (uniform < u − ⌊u⌋), u = x·factor clamped, NaN → 0, ±∞ → ±K: ties (uniform equal
+    to the fraction), uniforms of 0 and just under 1, subnormal and huge u, every factor thc
+    makes (K/M, 0 where M = 0, ∞ where M is subnormal)."""
+    from grace_dgc.compressors import thc
+
+    gen = torch.Generator().manual_seed(levels)
+    n = 9000
+    x = torch.randn(n, generator=gen) * levels
+    specials = [0.5, -0.5, 2.25, -2.25, 0.0, -0.0, 1e-45, -1e-45, -1e-39, 3e38, -3e38]
+    specials += [float("inf"), float("-inf"), float("nan"), levels, -levels, levels + 0.5]
+    x[: len(specials)] = torch.tensor(specials)
+    uniform = torch.rand(n, generator=gen)
+    uniform[:4] = torch.tensor([0.5, 0.5, 0.25, 0.75])  # ties: u − ⌊u⌋ = 0.5, 0.5, 0.25, 0.75
+    uniform[20:25] = torch.tensor([0.0, 0.0, 0.99999994, 0.99999994, 0.0])
+    x, uniform = x.to(device), uniform.to(device)
+    for factor in (1.0, 0.37, 0.0, float("inf"), 1e-30):
+        f = torch.tensor(factor, device=device)
+        codes = kernels.stochastic_codes(x, uniform, f, levels, dtype)
+        want = torch_path(monkeypatch, thc.stochastic_codes, x, uniform.clone(), f, levels, dtype)
+        assert codes.dtype == dtype and torch.equal(codes, want), factor
+    empty = torch.empty(0, device=device)
+    assert kernels.stochastic_codes(empty, empty, torch.tensor(1.0, device=device), 7, dtype).numel() == 0
+
+
+def test_thc_of_an_empty_tensor_with_the_kernels(device, monkeypatch):
+    """n = 0: d = 1, the one padded zero times D rotated (a launch that reads no value)."""
+    x = torch.zeros(0, 3, device=device)
+    fused = thc_round_trip(x, {"bits": 4})
+    plain = torch_path(monkeypatch, thc_round_trip, x, {"bits": 4})
+    assert torch.equal(fused[0][0], plain[0][0]) and fused[1].shape == (0, 3)
+
+
+def thc_round_trip(x, params, size=1):
+    """thc's payload, decoded tensor (into a stale gradient) and decoded aggregate of two such
+    payloads, on ``size`` ranks' wire (the pre-round against a one-rank stand-in)."""
+    comp = COMPRESSORS.get("thc")(**params)
+    comp.bind(SimpleNamespace(rank=1, size=size))
+    if size > 1:
+        engine = SimpleNamespace(allgather=lambda t: [t], control_device=x.device)
+        comp.preround([x], ["w"], engine)
+    payload, ctx = comp.compress(x, "w")
+    out = torch.full_like(x, 7.0)
+    comp.decompress_into(payload, ctx, out)
+    return [payload[0].clone()], out, comp.decompress_aggregate([payload, payload], ctx), ctx
+
+
+@pytest.mark.parametrize("shape", [(5,), (4096,), (4097,), (3, 1366), (64, 512)])
+@pytest.mark.parametrize("params", [{"bits": 2}, {"bits": 4, "seed": 3}, {"bits": 8}, {"rotate": False}])
+def test_thc_is_bit_identical_with_the_kernels(device, monkeypatch, shape, params):
+    """thc's payload (int8, and int32 on 200 ranks' wire), scale, signs and decoded tensors, with
+    the rotation and rounding kernels and without."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).to(device)
+    x.view(-1)[::9] = 0.0
+    for size in (1, 200):
+        fused = thc_round_trip(x, params, size)
+        plain = torch_path(monkeypatch, thc_round_trip, x, params, size)
+        assert fused[0][0].dtype == (torch.int8 if size == 1 else torch.int32)
+        assert torch.equal(fused[0][0], plain[0][0]), "payload differs"
+        assert torch.equal(fused[3].scale, plain[3].scale)
+        assert (fused[3].signs is None) == (plain[3].signs is None)
+        same_floats(fused[1], plain[1])
+        same_floats(fused[2], plain[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_thc_of_other_dtypes_is_bit_identical_with_the_kernels(device, monkeypatch, dtype):
+    """Rotated and rounded as fp32 (the kernels), decoded into a gradient of the input's dtype."""
+    x = (torch.randn(70, 90, generator=torch.Generator().manual_seed(8)) * 4).to(dtype).to(device)
+    fused = thc_round_trip(x, {"bits": 4})
+    plain = torch_path(monkeypatch, thc_round_trip, x, {"bits": 4})
+    assert torch.equal(fused[0][0], plain[0][0])
+    assert torch.equal(fused[1], plain[1]) and fused[1].dtype == dtype
+    assert torch.equal(fused[2], plain[2])
+
+
+def test_the_rotation_wrappers_name_bad_arguments(device):
+    signs = torch.ones(8, device=device)
+    with pytest.raises(ValueError, match="rotate takes float32 values"):
+        kernels.rotate(torch.ones(3, dtype=torch.float64, device=device), signs)
+    with pytest.raises(ValueError, match="power-of-two length d ≥ n = 9"):
+        kernels.rotate(torch.ones(9, device=device), signs)
+    with pytest.raises(ValueError, match="power-of-two length"):
+        kernels.rotate(torch.ones(3, device=device), torch.ones(6, device=device))
+    codes, factor = torch.zeros(8, dtype=torch.int8, device=device), torch.tensor(1.0, device=device)
+    with pytest.raises(ValueError, match="int8 or int32 codes"):
+        kernels.unrotate(codes.to(torch.int16), factor, signs, torch.empty(8, device=device))
+    with pytest.raises(ValueError, match="4 codes for 8 signs"):
+        kernels.unrotate(codes[:4], factor, signs, torch.empty(3, device=device))
+    with pytest.raises(ValueError, match="contiguous torch.float32"):
+        kernels.unrotate(codes, factor, signs, torch.empty(8, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match="int8 or int32 codes with a 0-d float32 factor"):
+        kernels.stochastic_codes(signs, signs, factor, 7, torch.int16)
+
+
 @pytest.mark.parametrize("name", ["twobit", "threshold", "dgc", "topk", "signsgd", "onebit"])
 def test_float64_goes_through_the_torch_ops(device, monkeypatch, name):
     """The kernels compare in fp32, exact for fp32/fp16/bf16 only: fp64 tensors take the torch
@@ -358,6 +527,7 @@ def test_bad_settings_and_arguments_are_named(monkeypatch):
 
 
 KERNEL_NAMES = ("pack_kernel", "unpack_kernel", "lookup_kernel", "count_kernel", "compact_kernel", "sign_split_kernel")
+KERNEL_NAMES += ("hadamard_block_kernel", "hadamard_columns_kernel", "stochastic_codes_kernel")
 
 
 class BrokenKernel:
@@ -424,6 +594,24 @@ def test_a_method_whose_kernel_fails_sends_what_the_torch_path_sends(broken_kern
     assert torch.equal(fallen[1], plain[1]) and torch.equal(fallen[2], plain[2])
 
 
+@pytest.mark.parametrize("fails_in", ["hadamard_block", "hadamard_columns", "stochastic_codes"])
+def test_thc_whose_kernel_fails_sends_and_decodes_what_the_torch_path_does(broken_kernels, monkeypatch, fails_in):
+    """A failed rotation or rounding kernel (a first pass that wrote, a later one that failed
+    included): thc runs its torch ops from the start, the same payload and decoded tensors."""
+    needs_interpreter()
+    working = REAL_KERNELS()
+    mixed = SimpleNamespace(**{k: getattr(working, k) for k in KERNEL_NAMES})
+    setattr(mixed, f"{fails_in}_kernel", BrokenKernel(broken_kernels))
+    monkeypatch.setattr(kernels, "_kernels", lambda: mixed)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(5)).reshape(-1, 10)  # d = 8192: two passes
+    with pytest.warns(RuntimeWarning, match="the torch ops take over"):
+        fallen = thc_round_trip(x, {"bits": 4})
+    plain = torch_path(monkeypatch, thc_round_trip, x, {"bits": 4})
+    assert torch.equal(fallen[0][0], plain[0][0])
+    assert torch.equal(fallen[1], plain[1]) and torch.equal(fallen[2], plain[2])
+    assert len(broken_kernels) == 1 and kernels.failure is not None
+
+
 def test_a_forced_kernel_that_fails_raises(broken_kernels, monkeypatch):
     monkeypatch.setattr(kernels, "_mode", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -451,4 +639,4 @@ def test_every_kernel_variant_compiles_for_h100_and_a100(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "54 of 54 kernel variants compiled" in done.stdout
+    assert "112 of 112 kernel variants compiled" in done.stdout

@@ -90,6 +90,109 @@ def test_every_rank_rotates_alike_and_each_step_afresh():
     assert not torch.equal(ranks[0].compress(x, "w")[1].signs, ctx0.signs)  # step 1: another D
 
 
+# -- (a′) the same bits as before the restructuring ---------------------------------------------
+
+
+def former_hadamard(x):
+    """thc.hadamard as first written: a clone, then each stage's add and sub into the other buffer."""
+    d = x.numel()
+    a, b, h = x.clone(), torch.empty_like(x), 1
+    while h < d:
+        pairs, into = a.view(-1, 2, h), b.view(-1, 2, h)
+        torch.add(pairs[:, 0], pairs[:, 1], out=into[:, 0])
+        torch.sub(pairs[:, 0], pairs[:, 1], out=into[:, 1])
+        a, b, h = b, a, 2 * h
+    return a.mul_(d**-0.5)
+
+
+def former_round_trip(x, bits, rotate, step=0, name="w", size=1, seed=SEED):
+    """thc's compress (one rank, no pre-round) and decompress as first written, op for op:
+    zeros, a copy, the signs' product, the transform, |x|.amax(), the nine rounding ops; on
+    decoding the codes' product, the transform, the signs over all d, a copy of the first n."""
+    from grace_dgc.compressors.stochastic import StochasticCompressor
+    from grace_dgc.compressors.thc import rotation_signs
+
+    flat = x.detach().reshape(-1).float()
+    signs = None
+    if rotate:
+        d = padded_length(flat.numel())
+        signs = rotation_signs(seed, name, step, d, flat.device)
+        padded = torch.zeros(d, dtype=torch.float32, device=flat.device)
+        padded[: flat.numel()] = flat
+        flat = former_hadamard(padded.mul_(signs))
+    scale = flat.abs().amax() if flat.numel() else flat.new_zeros(())
+    K = 2 ** (bits - 1) - 1
+    u = torch.mul(flat, torch.where(scale > 0, K / scale, 0.0))
+    u.nan_to_num_(nan=0.0, posinf=K, neginf=-K).clamp_(-K, K)
+    streams = StochasticCompressor(seed)
+    streams.steps[name] = step
+    uniform = torch.rand(u.numel(), generator=streams.generator(name, u.device), device=u.device)
+    q = torch.floor(u)
+    q.add_(uniform.lt_(u.sub_(q)))
+    codes = q.to(torch.int8 if size * K <= 127 else torch.int32)
+    decoded = codes.to(torch.float32).mul_(scale / K)
+    if signs is not None:
+        decoded = former_hadamard(decoded).mul_(signs)
+    out = torch.full_like(x, 7.0)
+    out.copy_(decoded[: out.numel()].view(out.shape))
+    return codes, scale, out
+
+
+def bits_of(t):
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+FORMER_SIZES = [0, 1, 2, 3, 5, 64, 100, 1023, 1024, 1025, 4097, 20000]
+
+
+@pytest.mark.parametrize("n", FORMER_SIZES)
+@pytest.mark.parametrize("rotate", [True, False])
+def test_the_codes_scale_and_decoded_tensor_are_the_former_ones_bit_for_bit(n, rotate):
+    """The torch path (the padding written once, the transform in place, max|x| from aminmax,
+    the signs and the cast over the n kept elements) gives what the first version gave."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    x[::7] = 0.0
+    x[1::11] = -0.0
+    for step, bits in enumerate((2, 4, 8)):
+        compressor = make(bits=bits, rotate=rotate, seed=SEED)
+        compressor.steps["w"] = step
+        (codes,), ctx = compressor.compress(x, "w")
+        out = torch.full_like(x, 7.0)
+        compressor.decompress_into([codes], ctx, out)
+        former_codes, former_scale, former_out = former_round_trip(x, bits, rotate, step)
+        assert torch.equal(bits_of(codes), bits_of(former_codes)) and codes.dtype == former_codes.dtype
+        assert torch.equal(bits_of(ctx.scale), bits_of(former_scale))
+        assert torch.equal(bits_of(out), bits_of(former_out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_dtypes_decode_like_the_former_code(dtype):
+    """A gradient of another dtype: rotated as fp32, decoded through an fp32 buffer into it."""
+    x = (torch.randn(37, 29, generator=torch.Generator().manual_seed(3)) * 5).to(dtype)
+    compressor = make(seed=SEED)
+    (codes,), ctx = compressor.compress(x, "w")
+    out = torch.full_like(x, 7.0)
+    compressor.decompress_into([codes], ctx, out)
+    former_codes, _, former_out = former_round_trip(x, 4, True)
+    assert torch.equal(codes, former_codes) and torch.equal(bits_of(out), bits_of(former_out))
+    contiguous, noncontiguous = torch.empty(37, 29), torch.full((29, 37), 7.0).t()  # fp32, the second not contiguous
+    compressor.decompress_into([codes], ctx, contiguous)
+    compressor.decompress_into([codes], ctx, noncontiguous)
+    assert torch.equal(bits_of(noncontiguous), bits_of(contiguous))
+    assert torch.equal(bits_of(contiguous.to(dtype)), bits_of(former_out))
+
+
+def test_largest_keeps_the_former_bits_for_signed_zeros_infinities_and_nan():
+    from grace_dgc.compressors.thc import _largest
+
+    cases = [[-0.0, -0.0], [0.0, -0.0], [-3.0, 2.0], [1e-45, -2e-45], [float("-inf"), 1.0], [5.0], []]
+    for values in cases:
+        x = torch.tensor(values, dtype=torch.float32)
+        expected = x.abs().amax() if x.numel() else x.new_zeros(())
+        assert torch.equal(bits_of(_largest(x)), bits_of(expected)), values
+    assert _largest(torch.tensor([1.0, float("nan"), -2.0])).isnan()
+
+
 # -- (b) one rank against the reference --------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..errors import GraceConfigError, check_bool, check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
@@ -25,13 +27,51 @@ def hadamard(x: Tensor) -> Tensor:
     d = x.numel()
     if d & (d - 1):
         raise ValueError(f"hadamard needs a power-of-two length, got {d}")
-    a, b, h = x.clone(), torch.empty_like(x), 1
+    return _butterflies(x.clone())
+
+
+def _butterflies(a: Tensor) -> Tensor:
+    """:func:`hadamard` of ``a`` in the place of ``a`` (consumed: the result is ``a`` or a new
+    buffer of its size). Stage h writes a + b and a − b for each pair (i, i + h), in ``a``'s
+    dtype; :func:`grace_dgc.kernels.rotate` runs the same stages on tiles held in registers,
+    several per pass over memory, bit for bit."""
+    d = a.numel()
+    b, h = torch.empty_like(a), 1
     while h < d:
         pairs, into = a.view(-1, 2, h), b.view(-1, 2, h)
         torch.add(pairs[:, 0], pairs[:, 1], out=into[:, 0])
         torch.sub(pairs[:, 0], pairs[:, 1], out=into[:, 1])
         a, b, h = b, a, 2 * h
     return a.mul_(d**-0.5)
+
+
+def rotate(flat: Tensor, signs: Tensor) -> Tensor:
+    """x' = H·D·x/√d (step 1) for the fp32 vector ``flat`` zero-padded to d = len(signs): a new
+    fp32 tensor. The fused kernels where they run (:func:`grace_dgc.kernels.rotate`: 3 passes
+    over memory at d = 2^25), else the torch ops (two per stage); the same bits either way."""
+    if kernels.enabled(flat.device, flat.dtype):
+        with contextlib.suppress(kernels.Unavailable):  # a kernel failed (warned once): the torch ops
+            return kernels.rotate(flat, signs)
+    n = flat.numel()
+    padded = torch.empty(signs.numel(), dtype=torch.float32, device=flat.device)
+    torch.mul(flat, signs[:n], out=padded[:n])
+    torch.mul(signs[n:], 0.0, out=padded[n:])  # the zero padding times D: ±0, as zeros·D
+    return _butterflies(padded)
+
+
+def unrotate(codes: Tensor, factor: Tensor, signs: Tensor, out: Tensor) -> None:
+    """``out`` (fp32, contiguous, 1-D, n elements) = the first n of D·H·(codes·factor)/√d
+    (step 5), codes·factor rounded to fp32 first: the fused kernels where they run, else the
+    torch ops; the same bits either way."""
+    if kernels.enabled(codes.device, torch.float32):
+        try:
+            kernels.unrotate(codes, factor, signs, out)
+            return
+        except kernels.Unavailable:
+            pass  # a kernel failed (warned once): the torch ops write all of out
+    x = _butterflies(codes.to(torch.float32).mul_(factor))
+    n = out.numel()
+    torch.mul(x[:n], signs[:n], out=out)
 
 
 def rotation_signs(seed: int, name: str, step: int, d: int, device: torch.device | str) -> Tensor:
@@ -43,8 +83,28 @@ def rotation_signs(seed: int, name: str, step: int, d: int, device: torch.device
     return torch.randint(0, 2, (d,), generator=generator, device=device, dtype=torch.float32).mul_(2).sub_(1)
 
 
+def stochastic_codes(x: Tensor, uniform: Tensor, factor: Tensor, levels: int, dtype: torch.dtype) -> Tensor:
+    """Step 3: u = x·factor (K/M, or 0 where M = 0) clamped to [−K, K] (NaN → 0: M non-finite
+    decodes to NaN), codes ⌊u⌋ + (uniform < u − ⌊u⌋) as ``dtype``; x is never written. One
+    fused kernel where the kernels run (:func:`grace_dgc.kernels.stochastic_codes`), else
+    the torch ops; the same codes either way."""
+    if kernels.enabled(x.device, x.dtype):
+        with contextlib.suppress(kernels.Unavailable):  # a kernel failed (warned once): the torch ops
+            return kernels.stochastic_codes(x, uniform, factor, levels, dtype)
+    u = torch.mul(x, factor)  # a new tensor
+    u.nan_to_num_(nan=0.0, posinf=levels, neginf=-levels).clamp_(-levels, levels)
+    q = torch.floor(u)
+    q.add_(uniform.lt_(u.sub_(q)))
+    return q.to(dtype)
+
+
 def _largest(x: Tensor) -> Tensor:
-    return x.abs().amax() if x.numel() else x.new_zeros(())  # amax propagates NaN
+    """max |x| (0 for no element; NaN if one is) in one read of x and no temporary: max(max x,
+    −min x), its sign cleared (+0 where every x is ±0, as |x|'s largest)."""
+    if not x.numel():
+        return x.new_zeros(())
+    low, high = torch.aminmax(x)  # both propagate NaN
+    return torch.maximum(high, low.neg_()).abs_()
 
 
 class THCContext(NamedTuple):
@@ -80,6 +140,10 @@ class THCCompressor(StochasticCompressor):
        by N. Under allgather the codes are summed in int32 first, then decoded once.
 
     Unbiased: E[x̂_r] = x_r for any fixed D, and E‖x̂_r − x_r‖² ≤ d·(M/K)²/4.
+
+    On a GPU the rotations (steps 1 and 5) and the rounding (step 3) run as fused Triton
+    kernels (:func:`grace_dgc.kernels.rotate`, ``unrotate``, ``stochastic_codes``): a few
+    passes over memory instead of log2 d each way, the same bits as the torch ops.
 
     Bytes per tensor and rank: d·w with w = 1 (int8) or 4 (int32) for the codes, plus the
     pre-round's 4 bytes sent (and (N−1)·4 received). The codes are not packed to ``bits``:
@@ -120,9 +184,7 @@ class THCCompressor(StochasticCompressor):
             return flat, None
         d = 1 << max(flat.numel() - 1, 0).bit_length()
         signs = rotation_signs(self.seed, name, self.steps.get(name, 0), d, flat.device)
-        padded = torch.zeros(d, dtype=torch.float32, device=flat.device)
-        padded[: flat.numel()] = flat
-        return hadamard(padded.mul_(signs)), signs
+        return rotate(flat, signs), signs
 
     def preround(self, tensors: Sequence[Tensor], names: Sequence[str], engine: Engine) -> None:
         """Step 2: one allgather of the group's maxima; M per tensor, kept for compress."""
@@ -144,20 +206,22 @@ class THCCompressor(StochasticCompressor):
             agreed = (x, _largest(x), signs)
         x, scale, signs = agreed
         K = self.levels
-        u = torch.mul(x, torch.where(scale > 0, K / scale, 0.0))  # a new tensor: x is never written
-        u.nan_to_num_(nan=0.0, posinf=K, neginf=-K).clamp_(-K, K)  # M non-finite: decodes to NaN
-        uniform = torch.rand(u.numel(), generator=self.generator(name, u.device), device=u.device)
-        q = torch.floor(u)
-        q.add_(uniform.lt_(u.sub_(q)))
-        return [q.to(self.wire_dtype)], THCContext(tensor.shape, tensor.dtype, scale, signs)
+        factor = torch.where(scale > 0, K / scale, 0.0)
+        uniform = torch.rand(x.numel(), generator=self.generator(name, x.device), device=x.device)
+        codes = stochastic_codes(x, uniform, factor, K, self.wire_dtype)
+        return [codes], THCContext(tensor.shape, tensor.dtype, scale, signs)
 
     def decompress_into(self, payload: Payload, ctx: Any, out: Tensor) -> Tensor:
         """Step 5 for codes (one rank's, or their sum) under ``ctx`` (a :class:`THCContext`)."""
         context: THCContext = ctx
-        x = payload[0].to(torch.float32).mul_(context.scale.to(payload[0].device) / self.levels)
-        if context.signs is not None:
-            x = hadamard(x).mul_(context.signs)
-        return out.copy_(x[: out.numel()].view(out.shape))
+        codes = payload[0]
+        factor = context.scale.to(codes.device) / self.levels
+        if context.signs is None:
+            return out.copy_(codes.to(torch.float32).mul_(factor)[: out.numel()].view(out.shape))
+        direct = out.dtype == torch.float32 and out.is_contiguous() and out.device == codes.device
+        flat = out.view(-1) if direct else torch.empty(out.numel(), dtype=torch.float32, device=codes.device)
+        unrotate(codes, factor, context.signs, flat)
+        return out if direct else out.copy_(flat.view(out.shape))
 
     def decompress(self, payload: Payload, ctx: Any) -> Tensor:
         context: THCContext = ctx
