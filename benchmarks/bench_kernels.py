@@ -97,9 +97,9 @@ def operations(n, device):
         lambda: kernels.at_least(grad, tau, keep_nan=False),
     )
     d = 1 << (n - 1).bit_length()
-    signs = thc.rotation_signs(0, "g", 0, d, device)
-    ops["rotate"] = (lambda: thc.rotate(grad, signs), lambda: kernels.rotate(grad, signs))
-    rotated = kernels.rotate(grad, signs)
+    diagonal = thc.rotation_signs(0, "g", 0, d, device)
+    ops["rotate"] = (lambda: thc.rotate(grad, diagonal), lambda: kernels.rotate(grad, diagonal))
+    rotated = kernels.rotate(grad, diagonal)
     factor = torch.tensor(7.0, device=device) / rotated.abs().amax()
     uniform = torch.rand(d, generator=gen).to(device)
     drawn = torch.empty_like(uniform)  # thc's torch path writes into its uniforms: a fresh copy each call
@@ -109,8 +109,8 @@ def operations(n, device):
     )
     codes = kernels.stochastic_codes(rotated, uniform, factor, 7, torch.int8)
     ops["unrotate"] = (
-        lambda: thc.unrotate(codes, factor, signs, out) or out,
-        lambda: kernels.unrotate(codes, factor, signs, out),
+        lambda: thc.unrotate(codes, factor, diagonal, out) or out,
+        lambda: kernels.unrotate(codes, factor, diagonal, out),
     )
     return grad, ops
 
