@@ -83,7 +83,8 @@ TIME_BOUND = 8.0  # × copy_, for tensors far larger than the cache (see --check
 # compiler), and on this 2-core machine the draw itself costs 10-19 × copy_ as the CPU's
 # clock varies: bound = the draw (timed in the same rounds) + 16 × copy_.
 # stochastic rounding (16 + the draw), and transforms the method is made of: demo's blockwise
-# DCT (two matrix products per block), thc's Walsh–Hadamard transform (log2 d passes each way)
+# DCT (two matrix products per block), thc's Walsh–Hadamard transform (log2 d passes each way on a CPU;
+# 1 + ⌈(log2 d − 12)/7⌉ fused passes on a GPU)
 EXCEPTIONS = {"qsgd": 16.0, "terngrad": 16.0, "natural": 16.0, "demo": 48.0, "thc": 16.0}
 CHECKED_FROM = 10_000_000  # elements
 # what each stochastic method draws per element (the others: uniform floats)
