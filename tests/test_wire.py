@@ -76,8 +76,12 @@ def test_an_accelerator_gets_chunks_that_bound_the_temporaries():
     assert chunks(5, "cuda") == [(0, 5)] and chunks(0, "cuda") == []
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
+)
 @pytest.mark.parametrize("name", ["terngrad", "natural", "twobit", "qsgd", "onebit", "signsgd"])
-def test_the_kernels_chunk_by_chunk_send_what_one_chunk_sends(monkeypatch, name):
+def test_the_kernels_chunk_by_chunk_send_what_one_chunk_sends(monkeypatch, name, device):
     """The fused kernels run once per chunk (as on a GPU, where chunks bound the scratch): many
     small chunks give the payload bytes and decoded tensor of one chunk and of the torch ops
     (here on a CPU under Triton's interpreter, chunks of 256 elements)."""
@@ -88,9 +92,9 @@ def test_the_kernels_chunk_by_chunk_send_what_one_chunk_sends(monkeypatch, name)
     from grace_dgc import kernels, workspace
     from grace_dgc.registry import COMPRESSORS
 
-    if not kernels._interpreted():
+    if device == "cpu" and not kernels._interpreted():
         pytest.skip("on CPU tensors the kernels run only under Triton's interpreter (tests/conftest.py sets it)")
-    x = torch.randn(5000, generator=torch.Generator().manual_seed(3)).reshape(-1, 10)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3)).reshape(-1, 10).to(device)
 
     def sent_and_decoded():
         comp = COMPRESSORS.get(name)(**PARAMS.get(name, {}))
@@ -103,7 +107,8 @@ def test_the_kernels_chunk_by_chunk_send_what_one_chunk_sends(monkeypatch, name)
     one_chunk = sent_and_decoded()
     monkeypatch.setattr(workspace, "PARALLEL_GRAIN", 64)
     monkeypatch.setattr(workspace, "CPU_CHUNK", 256)
-    assert len(workspace.chunks(x.numel(), "cpu", 8)) > 10
+    monkeypatch.setattr(workspace, "ACCELERATOR_CHUNK", 256)
+    assert len(workspace.chunks(x.numel(), device, 8)) > 10
     chunked = sent_and_decoded()
     for other in (one_chunk, plain):
         assert len(chunked[0]) == len(other[0])
