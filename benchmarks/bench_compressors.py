@@ -48,7 +48,7 @@ copy_ runs in cache and fixed per-call costs dominate: those figures are for ref
   * memory: scratch ≤ 1 gradient + 16 MiB per chunk worker (one gradient-sized buffer at
     most — the stochastic methods' pre-drawn random stream — plus each worker's buffers for
     the 512 Ki-element chunks the passes run in); on an accelerator ≤ 1 gradient + 64 MiB (its
-    fused kernels' buffers for chunks of 4 Mi elements).
+    one worker's buffers for chunks of 4 Mi elements).
 With ``--load``/``--baseline``/``--grace``, ``--check`` also holds the goals of issue 18: a
 slow-down ≤ 4 under load, and grace_dgc no slower than the other implementations (quiet, at
 every size; loaded, than GRACE), each with 10 % allowed for noise.
@@ -90,7 +90,7 @@ CHECKED_FROM = 10_000_000  # elements
 # what each stochastic method draws per element (the others: uniform floats)
 DRAWS = {"natural": "integers"}
 SCRATCH_GRADIENTS, SCRATCH_PER_WORKER = 1.0, 16 * 2**20  # ≤ 1 gradient + 16 MiB per chunk worker
-# on an accelerator the fused kernels run in chunks of ACCELERATOR_CHUNK elements: four fp32 buffers of one
+# an accelerator's one worker runs chunks of ACCELERATOR_CHUNK elements: four fp32 buffers of one
 SCRATCH_ACCELERATOR = 4 * 4 * ACCELERATOR_CHUNK
 SWEEP = [1_000, 16_000, 256_000, 1_000_000, 25_000_000]
 SAMPLE_ELEMENTS = 1_000_000  # a sample of a small size is the mean of this many elements' calls

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .workspace import Workspace, for_chunks, kernel_chunks
+from .workspace import Workspace, chunks, for_chunks
 
 
 def as_bytes(tensor: Tensor) -> Tensor:
@@ -169,7 +169,7 @@ def pack_chunks(
         into.copy_(_pack_host(codes, bits) if host else _pack_words(codes, bits, workspace))
 
     if fused:  # in order on this thread (one kernel per chunk; Triton's interpreter on a CPU)
-        for start, stop in kernel_chunks(n, device, multiple=8):
+        for start, stop in chunks(n, device, multiple=8):
             pack(start, stop)
     else:
         for_chunks(pack, n, device, multiple=8)
@@ -235,7 +235,7 @@ def unpack_chunks(
         return decode(start, stop, codes)
 
     if fused:
-        for start, stop in kernel_chunks(n, packed.device, multiple=8):
+        for start, stop in chunks(n, packed.device, multiple=8):
             unpack(start, stop)
     else:
         for_chunks(unpack, n, packed.device, multiple=8)

@@ -61,22 +61,19 @@ def test_host_and_word_packers_write_the_same_stream(bits, n, seed):
     assert torch.equal(host, codes) and torch.equal(words, codes)
 
 
-def test_an_accelerator_runs_the_kernels_in_chunks_that_bound_the_temporaries():
-    """On an accelerator the fused kernel paths run in chunks of ACCELERATOR_CHUNK elements (a
-    multiple of ``multiple``), so an encoder's scratch is a few chunks, not a few gradients;
-    the chunks cover the tensor in order. The torch ops there keep one chunk (a CUDA
-    reduction's order follows the tensor's shape)."""
-    from grace_dgc.workspace import ACCELERATOR_CHUNK, chunks, kernel_chunks
+def test_an_accelerator_gets_chunks_that_bound_the_temporaries():
+    """On an accelerator a tensor runs in chunks of ACCELERATOR_CHUNK elements (a multiple of
+    ``multiple``), so a method's scratch is a few chunks, not a few gradients; the chunks
+    cover the tensor in order."""
+    from grace_dgc.workspace import ACCELERATOR_CHUNK, chunks
 
     n = 2 * ACCELERATOR_CHUNK + 13
-    spans = kernel_chunks(n, torch.device("cuda"), multiple=24)
+    spans = chunks(n, torch.device("cuda"), multiple=24)
     size = ACCELERATOR_CHUNK // 24 * 24
     assert spans[0] == (0, size) and spans[-1][1] == n
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert all(stop - start == size for start, stop in spans[:-1])
-    assert kernel_chunks(5, "cuda") == [(0, 5)] and kernel_chunks(0, "cuda") == []
-    assert chunks(n, "cuda", 24) == [(0, n)]
-    assert kernel_chunks(n, "cpu", 8) == chunks(n, "cpu", 8)
+    assert chunks(5, "cuda") == [(0, 5)] and chunks(0, "cuda") == []
 
 
 @pytest.mark.parametrize(
