@@ -47,8 +47,7 @@ copy_ runs in cache and fixed per-call costs dominate: those figures are for ref
     what makes runs reproducible and equal to the reference implementations';
   * memory: scratch ≤ 1 gradient + 16 MiB per chunk worker (one gradient-sized buffer at
     most — the stochastic methods' pre-drawn random stream — plus each worker's buffers for
-    the 512 Ki-element chunks the passes run in); on an accelerator ≤ 1 gradient + 64 MiB (its
-    one worker's buffers for chunks of 4 Mi elements).
+    the 512 Ki-element chunks the passes run in).
 With ``--load``/``--baseline``/``--grace``, ``--check`` also holds the goals of issue 18: a
 slow-down ≤ 4 under load, and grace_dgc no slower than the other implementations (quiet, at
 every size; loaded, than GRACE), each with 10 % allowed for noise.
@@ -71,7 +70,6 @@ import grace_dgc
 from grace_dgc import wire
 from grace_dgc.compressors.stochastic import StochasticCompressor
 from grace_dgc.registry import COMPRESSORS
-from grace_dgc.workspace import ACCELERATOR_CHUNK
 
 # parameters that make a method do its typical job on N(0, 1) data
 PARAMS = {
@@ -90,8 +88,6 @@ CHECKED_FROM = 10_000_000  # elements
 # what each stochastic method draws per element (the others: uniform floats)
 DRAWS = {"natural": "integers"}
 SCRATCH_GRADIENTS, SCRATCH_PER_WORKER = 1.0, 16 * 2**20  # ≤ 1 gradient + 16 MiB per chunk worker
-# an accelerator's one worker runs chunks of ACCELERATOR_CHUNK elements: four fp32 buffers of one
-SCRATCH_ACCELERATOR = 4 * 4 * ACCELERATOR_CHUNK
 SWEEP = [1_000, 16_000, 256_000, 1_000_000, 25_000_000]
 SAMPLE_ELEMENTS = 1_000_000  # a sample of a small size is the mean of this many elements' calls
 LOAD_GOAL, NOISE = 4.0, 1.1  # issue 18: ≤ 4× slower under load; comparisons allow 10 % noise
@@ -241,7 +237,6 @@ def run(args, baseline, grace, competitor):
     report, failures = Report(), []
     device = torch.device(args.device)
     workers = torch.get_num_threads() if device.type == "cpu" else 1
-    per_worker = SCRATCH_PER_WORKER if device.type == "cpu" else SCRATCH_ACCELERATOR
     others = ([args.baseline] if baseline else []) + (["GRACE"] if grace else [])
     report(
         f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
@@ -309,13 +304,12 @@ def run(args, baseline, grace, competitor):
                         f"{f'{rng:.1f}' if stochastic else '':>6} {bound:>6.1f} {scratch:>7.2f} {sent:>12} "
                         f"{8 * sent / numel:>9.3f}"
                     )
-                    scratch_bound = SCRATCH_GRADIENTS * gradient_bytes + per_worker * workers
+                    scratch_bound = SCRATCH_GRADIENTS * gradient_bytes + SCRATCH_PER_WORKER * workers
                     if checked and (ratio > bound or compressor.workspace.nbytes() > scratch_bound):
                         flags.append("OVER")
                         failures.append(
                             f"{name} at {numel}: {ratio:.1f} x copy (bound {bound:.1f}), scratch "
-                            f"{scratch:.2f} gradients (bound {SCRATCH_GRADIENTS} + "
-                            f"{per_worker // 2**20} MiB × {workers} workers)"
+                            f"{scratch:.2f} gradients (bound {SCRATCH_GRADIENTS} + 16 MiB × {workers} workers)"
                         )
                 else:
                     row += f"{'':>6} {'':>6} {'':>7} {'':>12} {'':>9}"

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .workspace import Workspace, chunks, for_chunks
+from .workspace import Workspace, for_chunks
 
 
 def as_bytes(tensor: Tensor) -> Tensor:
@@ -142,37 +142,35 @@ def pack_chunks(
     (:func:`~grace_dgc.workspace.for_chunks`: ``encode`` writes only its own chunk), and no
     full-size code tensor exists.
 
-    Packing: on a GPU by one fused kernel per chunk (:mod:`grace_dgc.kernels`); on a CPU by
-    numpy (:func:`_pack_host`); elsewhere, or with ``GRACE_DGC_KERNELS=torch``, eight bytes
-    per int64 word, folded in three shift-or-mask stages (SWAR) until the word's low ``bits``
-    bytes hold its eight codes in stream order, a narrowing cast then keeping those bytes.
-    The same stream on every path.
+    Packing: on a GPU by one fused kernel (:mod:`grace_dgc.kernels`, the whole tensor as one
+    chunk); on a CPU by numpy (:func:`_pack_host`); elsewhere, or with
+    ``GRACE_DGC_KERNELS=torch``, eight bytes per int64 word, folded in three shift-or-mask
+    stages (SWAR) until the word's low ``bits`` bytes hold its eight codes in stream order, a
+    narrowing cast then keeping those bytes. The same stream on every path.
     """
     if bits not in _PACKED_WORD:
         raise ValueError(f"bits={bits!r}; pack_chunks packs 1, 2 or 4 bits")
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=device)
+    if n and kernels.enabled(device):
+        made = encode(0, n)
+        try:
+            kernels.pack(made, bits, out=out)
+            return out
+        except kernels.Unavailable:  # warned; the codes made are packed below, not made (drawn) again
+
+            def encode(start: int, stop: int) -> Tensor:
+                return made[start:stop]
+
     host = torch.device(device).type == "cpu"
-    fused = bool(n) and kernels.enabled(device)
 
     def pack(start: int, stop: int) -> None:
-        nonlocal fused
         codes = encode(start, stop)
-        first = start // 8 * bits
-        into = out[first : first + packed_nbytes(stop - start, bits)]
-        if fused:
-            try:
-                kernels.pack(codes, bits, out=into)
-                return
-            except kernels.Unavailable:  # warned; these codes are packed below, not made (drawn) again
-                fused = False
         codes = codes.view(torch.uint8) if codes.dtype in (torch.uint8, torch.bool) else codes.to(torch.uint8)
-        into.copy_(_pack_host(codes, bits) if host else _pack_words(codes, bits, workspace))
+        first = start // 8 * bits
+        packed = _pack_host(codes, bits) if host else _pack_words(codes, bits, workspace)
+        out[first : first + packed_nbytes(stop - start, bits)] = packed
 
-    if fused:  # in order on this thread (one kernel per chunk; Triton's interpreter on a CPU)
-        for start, stop in chunks(n, device, multiple=8):
-            pack(start, stop)
-    else:
-        for_chunks(pack, n, device, multiple=8)
+    for_chunks(pack, n, device, multiple=8)
     return out
 
 
@@ -217,28 +215,26 @@ def unpack_chunks(
     (:func:`~grace_dgc.workspace.for_chunks`: ``decode`` writes only its own chunk)."""
     if bits not in _PACKED_WORD:
         raise ValueError(f"bits={bits!r}; unpack_chunks unpacks 1, 2 or 4 bits")
+    if n and kernels.enabled(packed.device):  # one fused kernel, the whole tensor as one chunk
+        codes = _scratch(workspace, "unpacked", n, torch.uint8, packed.device)
+        try:
+            kernels.unpack(packed, bits, n, out=codes)
+        except kernels.Unavailable:  # warned; the torch path below
+            pass
+        else:
+            decode(0, n, codes)
+            return
     host = packed.device.type == "cpu"
-    fused = bool(n) and kernels.enabled(packed.device)
 
     def unpack(start: int, stop: int) -> object:
-        nonlocal fused
-        first = start // 8 * bits
-        raw = packed[first : first + packed_nbytes(stop - start, bits)]
-        if fused:  # one fused kernel per chunk, into a chunk-sized buffer of its own slot
-            codes = _scratch(workspace, "unpacked_chunk", stop - start, torch.uint8, packed.device)
-            try:
-                kernels.unpack(raw, bits, stop - start, out=codes)
-                return decode(start, stop, codes)
-            except kernels.Unavailable:  # warned; the torch path below, from this chunk on
-                fused = False
-        codes = _unpack_host(raw, bits, stop - start) if host else _unpack_words(packed, bits, start, stop, workspace)
+        if host:
+            first = start // 8 * bits
+            codes = _unpack_host(packed[first : first + packed_nbytes(stop - start, bits)], bits, stop - start)
+        else:
+            codes = _unpack_words(packed, bits, start, stop, workspace)
         return decode(start, stop, codes)
 
-    if fused:
-        for start, stop in chunks(n, packed.device, multiple=8):
-            unpack(start, stop)
-    else:
-        for_chunks(unpack, n, packed.device, multiple=8)
+    for_chunks(unpack, n, packed.device, multiple=8)
 
 
 def _unpack_aligned(packed: Tensor, bits: int, n: int, workspace: Workspace | None) -> Tensor:

@@ -52,11 +52,6 @@ class Workspace:
 
 
 CPU_CHUNK = 1 << 19  # elements; a chunk's fp32 temporaries (2 MiB) stay in a core's cache
-# On an accelerator a chunk bounds a method's temporaries (a few chunk-sized buffers, 16 MiB
-# each in fp32, instead of a few gradients: 3.75–4.5 gradients of scratch for the stochastic
-# quantizers on an H200 before), and is large enough that a launch's fixed cost stays small
-# against its pass over memory (4 Mi elements: ~10 µs per pass on an H100/H200).
-ACCELERATOR_CHUNK = 1 << 22
 # torch's own grain (at::internal::GRAIN_SIZE): a smaller op runs on one thread anyway, and
 # above it every op is a fork-join region of all intra-op threads (see for_chunks)
 PARALLEL_GRAIN = 1 << 15
@@ -67,16 +62,12 @@ def chunks(numel: int, device: torch.device | str, multiple: int = 1) -> list[tu
     ``CPU_CHUNK`` elements (a multiple of ``multiple``) on a CPU, where temporaries of one
     chunk stay in the cache, and at least one per intra-op thread once a tensor is above
     ``PARALLEL_GRAIN`` (so :func:`for_chunks` keeps every core busy without a fork-join per
-    op); chunks of ``ACCELERATOR_CHUNK`` elements on an accelerator, where launches cost
-    more and the chunk only bounds the temporaries."""
-    if torch.device(device).type != "cpu":
-        size = max(multiple, ACCELERATOR_CHUNK // multiple * multiple)
-    elif numel <= PARALLEL_GRAIN and numel <= CPU_CHUNK:
+    op); one chunk on an accelerator, where launches cost more."""
+    if torch.device(device).type != "cpu" or numel <= PARALLEL_GRAIN and numel <= CPU_CHUNK:
         return [(0, numel)] if numel else []
-    else:
-        share = -(-numel // torch.get_num_threads())
-        size = min(CPU_CHUNK, max(PARALLEL_GRAIN, share))
-        size = max(multiple, size // multiple * multiple)
+    share = -(-numel // torch.get_num_threads())
+    size = min(CPU_CHUNK, max(PARALLEL_GRAIN, share))
+    size = max(multiple, size // multiple * multiple)
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 

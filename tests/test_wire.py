@@ -1,5 +1,4 @@
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -59,58 +58,3 @@ def test_host_and_word_packers_write_the_same_stream(bits, n, seed):
     host = wire._unpack_host(packed, bits, n)
     words = wire._unpack_words(packed, bits, 0, n, None)
     assert torch.equal(host, codes) and torch.equal(words, codes)
-
-
-def test_an_accelerator_gets_chunks_that_bound_the_temporaries():
-    """On an accelerator a tensor runs in chunks of ACCELERATOR_CHUNK elements (a multiple of
-    ``multiple``), so a method's scratch is a few chunks, not a few gradients; the chunks
-    cover the tensor in order."""
-    from grace_dgc.workspace import ACCELERATOR_CHUNK, chunks
-
-    n = 2 * ACCELERATOR_CHUNK + 13
-    spans = chunks(n, torch.device("cuda"), multiple=24)
-    size = ACCELERATOR_CHUNK // 24 * 24
-    assert spans[0] == (0, size) and spans[-1][1] == n
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    assert all(stop - start == size for start, stop in spans[:-1])
-    assert chunks(5, "cuda") == [(0, 5)] and chunks(0, "cuda") == []
-
-
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
-)
-@pytest.mark.parametrize("name", ["terngrad", "natural", "twobit", "qsgd", "onebit", "signsgd"])
-def test_the_kernels_chunk_by_chunk_send_what_one_chunk_sends(monkeypatch, name, device):
-    """The fused kernels run once per chunk (as on a GPU, where chunks bound the scratch): many
-    small chunks give the payload bytes and decoded tensor of one chunk and of the torch ops
-    (here on a CPU under Triton's interpreter, chunks of 256 elements)."""
-    pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it on Linux x86-64)")
-    from method_params import PARAMS
-    from test_cuda import round_trip
-
-    from grace_dgc import kernels, workspace
-    from grace_dgc.registry import COMPRESSORS
-
-    if device == "cpu" and not kernels._interpreted():
-        pytest.skip("on CPU tensors the kernels run only under Triton's interpreter (tests/conftest.py sets it)")
-    x = torch.randn(5000, generator=torch.Generator().manual_seed(3)).reshape(-1, 10).to(device)
-
-    def sent_and_decoded():
-        comp = COMPRESSORS.get(name)(**PARAMS.get(name, {}))
-        payload, out = round_trip(comp, x)
-        return [wire.as_bytes(t).clone() for t in payload], out
-
-    with kernels.use("torch"):
-        plain = sent_and_decoded()
-    monkeypatch.setattr(kernels, "_mode", "triton")
-    one_chunk = sent_and_decoded()
-    monkeypatch.setattr(workspace, "PARALLEL_GRAIN", 64)
-    monkeypatch.setattr(workspace, "CPU_CHUNK", 256)
-    monkeypatch.setattr(workspace, "ACCELERATOR_CHUNK", 256)
-    assert len(workspace.chunks(x.numel(), device, 8)) > 10
-    chunked = sent_and_decoded()
-    for other in (one_chunk, plain):
-        assert len(chunked[0]) == len(other[0])
-        assert all(torch.equal(a, b) for a, b in zip(chunked[0], other[0])), f"{name}: payload bytes differ"
-        assert torch.equal(chunked[1], other[1]), f"{name}: decoded tensors differ"
