@@ -1,8 +1,13 @@
 """Where the GPU time goes: torch.profiler over compress+decompress of the methods that miss
 their bound, and over the dense path's step (DistributedOptimizer and the DDP hook against
-plain DDP) on one NCCL rank. Prints the top kernels/ops and writes Chrome traces.
+plain DDP) on one NCCL rank. Prints the top kernels/ops, grace's own phase times per step
+(what the communication thread spent compressing, communicating, ... and what the training
+thread waited for it), and writes Chrome traces.
 
     python benchmarks/profile_cuda.py [--out DIR] [--only 'topk,randomk'] [--steps 10]
+        [--widths 64 64 ... 10] [--device cuda|cpu]
+
+``--only ''`` profiles the steps alone; ``--device cpu`` is the dry run (gloo, CPU activity).
 """
 
 import argparse
@@ -13,20 +18,30 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # grace_dgc, uninstalled
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the other benchmarks
 
 import grace_dgc
 from grace_dgc.registry import COMPRESSORS
 
-ACTIVITIES = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+
+def activities(device):
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 PARAMS = {"topk": {"compress_ratio": 0.01}, "randomk": {"compress_ratio": 0.01}, "dgc": {"compress_ratio": 0.001}}
 
 
-def compressors(pattern, numel, out):
-    x = torch.randn(numel // 1000, 1000, device="cuda")
+def compressors(pattern, numel, out, device):
+    x = torch.randn(numel // 1000, 1000, device=device)
     into = torch.empty_like(x)
     for name in grace_dgc.list_compressors():
-        if not any(fnmatch.fnmatch(name, p) for p in pattern.split(",")):
+        if not any(fnmatch.fnmatch(name, p) for p in pattern.split(",") if p):
             continue
         comp = COMPRESSORS.get(name)(**PARAMS.get(name, {}))
 
@@ -41,32 +56,32 @@ def compressors(pattern, numel, out):
 
         for _ in range(3):
             once()
-        torch.cuda.synchronize()
-        with profile(activities=ACTIVITIES) as prof:
+        synchronize(device)
+        with profile(activities=activities(device)) as prof:
             for _ in range(5):
                 once()
-            torch.cuda.synchronize()
+            synchronize(device)
         print(f"\n===== {name}: 5 × compress+decompress_into of {numel} fp32")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        order = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=order, row_limit=14, max_name_column_width=60))
         prof.export_chrome_trace(os.path.join(out, f"compress-{name}.json"))
 
 
-def step_job(rank, world_size, mode, steps, out):
-    from bench_overhead import WIDTHS, mlp
+def step_job(rank, world_size, mode, steps, out, widths):
+    from bench_overhead import mlp
 
-    device = torch.device("cuda", 0)
-    model = mlp().to(device)
+    device = torch.device("cuda", 0) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    model = mlp(widths).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    grace = grace_dgc.build("none", "none", "allreduce")
     if mode == "optimizer":
-        optimizer = grace_dgc.DistributedOptimizer(
-            optimizer, grace_dgc.build("none", "none", "allreduce"), model.named_parameters()
-        )
+        optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
         if mode == "hook":
-            model.register_comm_hook(*grace_dgc.ddp_comm_hook(grace_dgc.build("none", "none", "allreduce"), model))
-    x = torch.randn(32, WIDTHS[0], device=device)
-    y = torch.randint(0, WIDTHS[-1], (32,), device=device)
+            model.register_comm_hook(*grace_dgc.ddp_comm_hook(grace, model))
+    x = torch.randn(32, widths[0], device=device)
+    y = torch.randint(0, widths[-1], (32,), device=device)
 
     def step():
         optimizer.zero_grad()
@@ -75,13 +90,20 @@ def step_job(rank, world_size, mode, steps, out):
 
     for _ in range(5):
         step()
-    torch.cuda.synchronize()
-    with profile(activities=ACTIVITIES) as prof:
+    synchronize(device)
+    grace.reset_stats()
+    with profile(activities=activities(device)) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        synchronize(device)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
     prof.export_chrome_trace(os.path.join(out, f"step-{mode}.json"))
+    if mode != "ddp":  # grace's phases, per step (under the profiler, so slower than unprofiled)
+        stats = grace.stats()
+        phases = ("compress", "memory", "communicate", "decompress", "wait")
+        table += f"\ngrace per step ({stats['groups'] / steps:.0f} groups): " + ", ".join(
+            f"{phase} {stats[phase + '_seconds'] / steps * 1e3:.3f} ms" for phase in phases
+        )
     return table
 
 
@@ -91,13 +113,20 @@ def main():
     parser.add_argument("--only", default="topk,randomk,onebit,terngrad,qsgd,natural,efsignsgd,signum,dgc,twobit")
     parser.add_argument("--numel", type=int, default=25_000_000)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--widths", type=int, nargs="+", default=None, help="the MLP's layer widths")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
-    compressors(args.only, args.numel, args.out)
+    device = torch.device(args.device)
+    compressors(args.only, args.numel, args.out, device)
+    from bench_overhead import WIDTHS
+
     from grace_dgc.launch import run_local
 
+    widths = tuple(args.widths or WIDTHS)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     for mode in ("ddp", "optimizer", "hook"):
-        table = run_local(step_job, 1, (mode, args.steps, args.out), backend="nccl", timeout=200)[0]
-        print(f"\n===== step, {mode}: {args.steps} steps, sorted by self CPU time")
+        table = run_local(step_job, 1, (mode, args.steps, args.out, widths), backend=backend, timeout=200)[0]
+        print(f"\n===== step, {mode}: {args.steps} steps of an MLP {'-'.join(map(str, widths))}, by self CPU time")
         print(table)
 
 

@@ -19,7 +19,9 @@ reported as such, and the check goes on to the next):
      DDP hook, one rank per GPU);
   7. the same on a host-bound model (24 narrow layers: the ratios are host work per tensor and
      per group, which a CPU run of the same shape shows too: 1.57x DDP on 2 cores);
-  8. a short DGC-vs-dense training survey on CUDA (benchmarks/configs/gpu-check.toml).
+  8. a short DGC-vs-dense training survey on CUDA (benchmarks/configs/gpu-check.toml);
+  9. benchmarks/profile_cuda.py on the dense step (DDP, DistributedOptimizer, the DDP hook):
+     torch.profiler's top ops and grace's phase times per step, for the overhead steps 6-7 show.
 
 The whole check stops starting steps at ``--budget`` seconds (default 570: it fits a
 10-minute slot on a lent machine), each step's limit cut to what is left; steps left out are
@@ -93,7 +95,7 @@ def environment(device):
 TORCH_OPS_ONLY = {"GRACE_DGC_KERNELS": "torch"}
 # 24 layers 64 wide: arithmetic negligible, so the ratios to DDP are per-tensor and per-group host work
 HOST_BOUND_WIDTHS = ["64"] * 24 + ["10"]
-TESTS = ["tests/test_cuda.py", "tests/test_kernels.py"]
+TESTS = ["tests/test_cuda.py", "tests/test_kernels.py", "tests/test_randomk.py"]
 
 
 def steps(device, gpus, scratch):
@@ -123,6 +125,10 @@ def steps(device, gpus, scratch):
                 "DGC vs dense training",
                 [py, "-m", "grace_dgc.cli", "survey", "--config", str(survey_config)]
                 + ["--out", str(scratch / "survey"), "--no-progress"],
+            ),
+            (
+                "where the dense step's time goes",
+                [py, "benchmarks/profile_cuda.py", "--only", "", "--steps", "10", "--out", str(scratch)],
             ),
         ]
     dry_config = scratch / "gpu-check-cpu.toml"
@@ -161,6 +167,11 @@ def steps(device, gpus, scratch):
                 "--max-steps",
                 "3",
             ],
+        ),
+        (
+            "where the dense step's time goes",
+            [py, "benchmarks/profile_cuda.py", "--device", "cpu", "--only", "", "--steps", "2"]
+            + ["--widths", "64", "64", "10", "--out", str(scratch)],
         ),
     ]
 

@@ -63,6 +63,7 @@ def test_the_gpu_check_dry_run_writes_a_report_of_every_step(tmp_path):
             "dense-path overhead",
             "dense-path overhead, host-bound",
             "DGC vs dense",
+            "where the dense step's time goes",
         ),
         start=1,
     ):
@@ -70,6 +71,7 @@ def test_the_gpu_check_dry_run_writes_a_report_of_every_step(tmp_path):
     assert "python benchmarks/bench_compressors.py --device cpu" in text and "# Survey report" in text
     assert "GRACE_DGC_KERNELS=torch python benchmarks/bench_compressors.py" in text
     assert "pack_signs" in text and "- Triton " in text
+    assert "===== step, optimizer" in text and "grace per step (1 groups): compress" in text
 
 
 def gpu_check_module():
