@@ -18,6 +18,9 @@ For each size n and each operation of grace_dgc.wire that has a fused kernel:
     rotate      thc's H·D·x/√d, x zero-padded to d = 2^⌈log2 n⌉ (the torch path: log2 d
                 butterfly stages of an add and a sub each; fused: 1 + ⌈(log2 d − 12)/7⌉ passes)
     unrotate    thc's decoder: int8 codes × M/K, rotated back, × D, the first n into the gradient
+    qsgd        qsgd's compress and decompress (s = 64, buckets of 512), the uniforms' draw and
+                the bucket norms included (torch: ten elementwise ops to quantize, three or four
+                to decode; fused: one pass each, the norms and the draw staying torch's)
     thc codes   thc's stochastic rounding of the rotated d-vector to int8 codes, its uniforms
                 drawn beforehand (torch: nine elementwise ops; fused: one pass)
 
@@ -42,6 +45,7 @@ from timing import Report, shown_argv
 from grace_dgc import kernels, wire
 from grace_dgc.compressors import sparse, thc
 from grace_dgc.compressors.onebit import OneBitCompressor
+from grace_dgc.compressors.qsgd import QSGDCompressor
 from grace_dgc.compressors.twobit import TwoBitCompressor
 from grace_dgc.workspace import Workspace
 
@@ -112,7 +116,22 @@ def operations(n, device):
         lambda: thc.unrotate(codes, factor, diagonal, out) or out,
         lambda: kernels.unrotate(codes, factor, diagonal, out),
     )
+    qsgd = QSGDCompressor()  # a fresh stream per call: the same draws on either path
+    decoded = torch.empty_like(grad)
+    ops["qsgd"] = (
+        lambda q=qsgd, g=grad, o=decoded: qsgd_round_trip(q, g, o),
+        lambda q=qsgd, g=grad, o=decoded: qsgd_round_trip(q, g, o),
+    )
     return grad, ops
+
+
+def qsgd_round_trip(compressor, grad, out):
+    """qsgd's payload and the gradient it decodes to (into ``out``), its step reset first: each
+    call draws the same uniforms, so the two paths' bytes can be compared."""
+    compressor.steps.clear()
+    payload, ctx = compressor.compress(grad, "g")
+    compressor.decompress_into(payload, ctx, out)
+    return (*payload, out)
 
 
 def written(result):

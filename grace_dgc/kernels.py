@@ -24,6 +24,11 @@ once (the selection: two reads):
     unrotate(codes, f, D, out) thc's decoder: out = the first n of D·H·(codes·f)/√d, likewise
     stochastic_codes(x, r, f, K, dtype)
                                thc's rounding: ⌊u⌋ + (r < u − ⌊u⌋), u = x·f clamped to [−K, K]
+    qsgd_codes(x, r, f, s, size, out)
+                               qsgd's levels: s + sgn(x)·(⌊u⌋ + (r < u − ⌊u⌋)), u = min(|x|·f_b, s),
+                               f_b = s/‖v‖ of x's bucket b (the norms stay torch's)
+    qsgd_values(codes, g, s, size, out)
+                               qsgd's decoder: out = (code − s)·g_b, g_b = ‖v‖/s of the bucket
 
 Each writes the same bytes as the torch path it replaces (the packed stream of
 :func:`grace_dgc.wire.pack_bits`, element i at bits [i·bits, (i+1)·bits); τ rounded to the
@@ -475,3 +480,64 @@ def stochastic_codes(values: Tensor, uniform: Tensor, factor: Tensor, levels: in
         meta = {"BLOCK": CODES_BLOCK, **HADAMARD_META}
         _launch("stochastic_codes", grid, values, uniform, factor, codes, n, float(levels), **meta)
     return codes
+
+
+# -- QSGD ----------------------------------------------------------------------------------------
+
+QSGD_BLOCK = 4096  # elements per program of qsgd_codes and qsgd_values
+QSGD_META = HADAMARD_META  # products rounded on their own (no FMA), as torch rounds each op
+QSGD_CODES = (torch.uint8, torch.int64)  # qsgd's codes: one per byte up to 8 bits, else int64
+
+
+def _check_buckets(n: int, size: int, levels: int, per_bucket: Tensor, name: str) -> Tensor:
+    if not 1 <= levels <= 2**23 or size < 1:
+        raise ValueError(f"QSGD takes 1 ≤ s ≤ 2**23 levels and buckets of ≥ 1 element; got s={levels}, size={size}")
+    per_bucket = _flat(per_bucket)
+    if per_bucket.dtype != torch.float32 or per_bucket.numel() < -(-n // size):
+        raise ValueError(
+            f"{name} must be float32, one per bucket of {size} ({-(-n // size)}); "
+            f"got {per_bucket.dtype}, {per_bucket.numel()}"
+        )
+    return per_bucket
+
+
+def qsgd_codes(values: Tensor, uniform: Tensor, factor: Tensor, levels: int, size: int, out: Tensor) -> Tensor:
+    """QSGD's quantizer in one pass (its torch ops take ten): for the first n = out.numel()
+    elements of the fp32 ``values`` (a zero-padded block of buckets of ``size``), u = |x|·f
+    with f = ``factor``[i // size] (s/‖v‖ as qsgd computed it, fp32), clamped to s =
+    ``levels``, and out_i = s + sgn(x_i)·(⌊u⌋ + (uniform_i < u − ⌊u⌋)) (uint8 or int64; a NaN
+    u's code 0), bit for bit qsgd's torch ops; ``uniform`` (fp32, ≥ n) is read, not written."""
+    values, uniform = _flat(values), _flat(uniform)
+    n = out.numel()
+    if values.dtype != torch.float32 or uniform.dtype != torch.float32 or min(values.numel(), uniform.numel()) < n:
+        raise ValueError(
+            f"qsgd_codes takes at least {n} float32 values and uniforms; got {values.dtype} "
+            f"{values.numel()}, {uniform.dtype} {uniform.numel()}"
+        )
+    factor = _check_buckets(n, size, levels, factor, "factor")
+    if out.dtype not in QSGD_CODES:
+        raise ValueError(f"qsgd_codes writes uint8 or int64 codes; got {out.dtype}")
+    _check_out(out, n, out.dtype, values.device)
+    if n:
+        grid = (-(-n // QSGD_BLOCK),)
+        meta = {"BLOCK": QSGD_BLOCK, **QSGD_META}
+        _launch("qsgd_codes", grid, values, uniform, factor, out.view(-1), n, min(size, n), float(levels), **meta)
+    return out
+
+
+def qsgd_values(codes: Tensor, scale: Tensor, levels: int, size: int, out: Tensor) -> Tensor:
+    """QSGD's decoder in one pass (its torch ops take three or four): out_i = (code_i − s)·
+    ``scale``[i // size] in fp32 (scale = ‖v‖/s as qsgd computed it) for n = out.numel() of
+    the uint8 or int64 ``codes``, into ``out`` (a contiguous fp32 tensor, returned), bit for
+    bit qsgd's cast, sub_ and mul_."""
+    codes = _flat(codes)
+    n = out.numel()
+    if codes.dtype not in QSGD_CODES or codes.numel() < n:
+        raise ValueError(f"qsgd_values takes at least {n} uint8 or int64 codes; got {codes.dtype}, {codes.numel()}")
+    scale = _check_buckets(n, size, levels, scale, "scale")
+    _check_out(out, n, torch.float32, codes.device)
+    if n:
+        grid = (-(-n // QSGD_BLOCK),)
+        meta = {"BLOCK": QSGD_BLOCK, **QSGD_META}
+        _launch("qsgd_values", grid, codes, scale, out.view(-1), n, min(size, n), float(levels), **meta)
+    return out

@@ -233,3 +233,51 @@ def stochastic_codes_kernel(values, uniform, factor, codes, n, levels, BLOCK: tl
     low = tl.where(low > u, low - 1.0, low)
     up = tl.load(uniform + index, mask=inside, other=1.0) < u - low
     tl.store(codes + index, (low + up.to(tl.float32)).to(codes.dtype.element_ty), mask=inside)
+
+
+# -- QSGD's quantizer and its decoder (kernels.qsgd_codes, kernels.qsgd_values) -----------------
+#
+# Element i is in bucket i // size (a zero-padded [rows, size] block, read up to n): each program
+# divides once in int64 for its first element's bucket, then each element its offset within
+# (< size + BLOCK) by size. The per-bucket factors (s/‖v‖, ‖v‖/s) are torch's, computed
+# before the launch, so a kernel multiplies by exactly the fp32 numbers the torch ops multiply
+# by; launched with enable_fp_fusion=False, each product rounded on its own.
+
+
+@triton.jit
+def bucket_of(BLOCK: tl.constexpr, n, size):
+    """(index, inside, bucket) of this program's BLOCK elements."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    first = start // size
+    index = start + tl.arange(0, BLOCK)
+    local = (start - first * size) + tl.arange(0, BLOCK)
+    return index, index < n, first + local // size
+
+
+@triton.jit
+def qsgd_codes_kernel(values, uniform, factor, codes, n, size, levels, BLOCK: tl.constexpr):
+    """QSGD's quantizer in one pass (qsgd's abs, mul, clamp, floor, sub, lt, add, copysign,
+    add, cast): u = |x|·factor[bucket], clamped to s (NaN stays NaN), ξ = ⌊u⌋ + (uniform <
+    u − ⌊u⌋), code = s ± ξ by x's sign bit (copysign), a NaN u's code 0 (the torch cast of NaN
+    to uint8; to int64 its INT64_MIN packs to the same bits). ⌊u⌋ from u truncated to an
+    integer (exact for 0 ≤ u ≤ s ≤ 2^23, a subnormal u included: tl.floor flushes them)."""
+    index, inside, bucket = bucket_of(BLOCK, n, size)
+    x = tl.load(values + index, mask=inside, other=0.0)
+    u = tl.abs(x) * tl.load(factor + bucket, mask=inside, other=0.0)
+    u = tl.where(u > levels, levels, u)  # clamp_(max=s): a NaN compares false and stays
+    nan = u != u
+    u = tl.where(nan, 0.0, u)
+    low = u.to(tl.int32).to(tl.float32)
+    level = low + (tl.load(uniform + index, mask=inside, other=1.0) < u - low).to(tl.float32)
+    signed = tl.where(x.to(tl.int32, bitcast=True) < 0, -level, level) + levels  # exact integers
+    code = tl.where(nan, 0, signed.to(tl.int32))
+    tl.store(codes + index, code.to(codes.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def qsgd_values_kernel(codes, scale, out, n, size, levels, BLOCK: tl.constexpr):
+    """QSGD's decoder in one pass (qsgd's cast, sub, mul): out = (code − s)·scale[bucket] in
+    fp32, scale = ‖v‖/s per bucket."""
+    index, inside, bucket = bucket_of(BLOCK, n, size)
+    code = tl.load(codes + index, mask=inside, other=0).to(tl.float32)
+    tl.store(out + index, (code - levels) * tl.load(scale + bucket, mask=inside, other=0.0), mask=inside)

@@ -76,13 +76,21 @@ def variants(n_type):
     for word in ("*i8", "*i32"):  # stochastic_codes()
         quantize = {"values": "*fp32", "uniform": "*fp32", "factor": "*fp32", "codes": word, "n": n_type}
         found.append(("stochastic_codes", quantize | {"levels": "fp32", "BLOCK": C}, {"BLOCK": kernels.CODES_BLOCK}))
+    for word in ("*u8", "*i64"):  # qsgd_codes(), qsgd_values(): codes of up to 8 bits, or wider
+        buckets = {"n": n_type, "size": n_type, "levels": "fp32", "BLOCK": C}
+        meta = {"BLOCK": kernels.QSGD_BLOCK}
+        codes = {"values": "*fp32", "uniform": "*fp32", "factor": "*fp32", "codes": word}
+        found.append(("qsgd_codes", codes | buckets, meta))
+        found.append(("qsgd_values", {"codes": word, "scale": "*fp32", "out": "*fp32"} | buckets, meta))
     return found
 
 
 def options(name):
-    """The compile options a launch of kernel ``name`` passes (thc's: no FMA contraction)."""
+    """The compile options a launch of kernel ``name`` passes (thc's and qsgd's: no FMA contraction)."""
     from grace_dgc import kernels
 
+    if name.startswith("qsgd"):
+        return dict(kernels.QSGD_META)
     return dict(kernels.HADAMARD_META) if name.startswith(("hadamard", "stochastic")) else {}
 
 

@@ -423,6 +423,222 @@ def test_the_rotation_wrappers_name_bad_arguments(device):
         kernels.stochastic_codes(signs, signs, factor, 7, torch.int16)
 
 
+# -- qsgd: the levels and the decoder ----------------------------------------------------------
+
+QSGD_LEVELS = [1, 2, 5, 7, 64, 127, 200, 2**20, 2**23]  # 2, 3, 4, 4, 8, 8, 9, 22 and 25 bits
+# factors qsgd makes (s/‖v‖: 0 where ‖v‖ = ∞, ∞ where ‖v‖ is subnormal, s where NaN) and others
+FACTORS = [0.0, 1.0, 0.37, float("inf"), float("nan"), 1e-30, 3e38, 1e-45, 64.0, 2.0**23]
+
+
+def same_values(got, want):
+    """Equal bit for bit in any float dtype, a NaN matching any NaN (its payload is the backend's)."""
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = got.isnan()
+    assert torch.equal(nan, want.isnan())
+    assert torch.equal(got[~nan].reshape(-1).view(torch.uint8), want[~nan].reshape(-1).view(torch.uint8))
+
+
+def qsgd_bits(s):
+    import math
+
+    return math.ceil(math.log2(2 * s + 1))
+
+
+def padded_block(x, size):
+    """``x`` (fp32) zero-padded to whole buckets of ``size``, as [rows, size] (qsgd's block)."""
+    rows = -(-x.numel() // size)
+    block = torch.zeros(rows * size, device=x.device)
+    block[: x.numel()] = x
+    return block.view(rows, size)
+
+
+def qsgd_torch_factor(block, s):
+    """s/‖v‖ per bucket as qsgd.compress computes it (the overflow-safe norm where ‖v‖² overflows)."""
+    from grace_dgc.compressors import qsgd
+
+    norm = block.norm(dim=1)
+    bad = ~torch.isfinite(norm)
+    norm[bad] = qsgd.scaled_norms(block[bad])
+    return s / torch.where(norm > 0, norm, 1.0)
+
+
+def check_qsgd_codes(device, monkeypatch, x, size, s, factor, uniform):
+    """kernels.qsgd_codes against qsgd.quantize_codes's torch ops on the same device: the same
+    codes (packed: an int64 code of NaN is 0 here, INT64_MIN there; both pack to the same bits)."""
+    from grace_dgc.compressors import qsgd
+
+    n, bits = x.numel(), qsgd_bits(s)
+    dtype = torch.uint8 if bits <= 8 else torch.int64
+    block, uniform, factor = padded_block(x, size).to(device), uniform.to(device), factor.to(device)
+    got = torch.full((n + 3,), 77, dtype=dtype, device=device)
+    kept = uniform.clone()
+    assert kernels.qsgd_codes(block, uniform, factor, s, size, got[:n]).data_ptr() == got.data_ptr()
+    assert torch.equal(uniform, kept) and got[n:].tolist() == [77] * 3  # read, not written; only n
+    want = torch.full((n,), 5, dtype=dtype, device=device)
+    torch_path(monkeypatch, qsgd.quantize_codes, block, uniform.clone(), factor, s, want, Workspace())
+    if dtype == torch.uint8:
+        assert torch.equal(got[:n], want)
+    else:
+        assert torch.equal(wire.pack_bits(got[:n], bits), wire.pack_bits(want, bits))
+    return got[:n]
+
+
+def qsgd_decode(codes, norms, s, size, dtype):
+    """qsgd.decompress_into of the payload (codes, bucket norms) into a stale ``dtype`` gradient."""
+    comp = COMPRESSORS.get("qsgd")(quantum_num=s, bucket_size=size)
+    bits = qsgd_bits(s)
+    packed = codes if bits == 8 else wire.pack_bits(codes, bits)
+    out = torch.full((codes.numel(),), 7.0, dtype=dtype, device=codes.device)
+    return comp.decompress_into([packed, norms], ((codes.numel(),), dtype), out)
+
+
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")  # numpy, interpreting ∞
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    values=st.lists(
+        st.floats(allow_nan=True, allow_infinity=True, width=32) | st.sampled_from(SPECIALS), min_size=1, max_size=3000
+    ),
+    size=st.integers(1, 600) | st.sampled_from([4095, 4096, 4097, 10**6]),
+    s=st.sampled_from(QSGD_LEVELS),
+    data=st.data(),
+)
+def test_qsgd_codes_and_values_equal_the_torch_ops(device, monkeypatch, values, size, s, data):
+    """The levels of any fp32 values (NaN, ±∞, −0.0, subnormals, overflowing norms) with the
+    factors qsgd makes or any others, ties (a uniform equal to the fraction) and the edge
+    uniforms 0 and 1 − 2^−24 included; then the decoder of those codes under any norms."""
+    x = torch.tensor(values, dtype=torch.float32)
+    n = x.numel()
+    block = padded_block(x, size)
+    rows = block.shape[0]
+    if data.draw(st.booleans()):
+        factor = qsgd_torch_factor(block.clone(), s)
+    else:
+        factor = torch.tensor(data.draw(st.lists(st.sampled_from(FACTORS), min_size=rows, max_size=rows)))
+    uniform = torch.rand(rows * size, generator=torch.Generator().manual_seed(n)).view(rows, size)
+    u = (block.abs() * factor.unsqueeze(1)).clamp(max=s)
+    fraction = u - u.floor()
+    tie = torch.isfinite(fraction)
+    tie.view(-1)[1::3] = False
+    uniform[tie] = fraction[tie]  # uniform = u − ⌊u⌋: not rounded up
+    uniform.view(-1)[2::7] = 0.0
+    uniform.view(-1)[5::11] = 0.99999994
+    codes = check_qsgd_codes(device, monkeypatch, x, size, s, factor, uniform)
+    bits = qsgd_bits(s)
+    if bits > 8:  # codes beyond 2s too (a peer's corrupt payload): exact as fp32 up to 2^24
+        codes[::5] = torch.randint(0, 2**bits, (len(codes[::5]),), generator=torch.Generator().manual_seed(s)).to(
+            device
+        )
+    norms = torch.tensor(
+        data.draw(st.lists(st.floats(width=32) | st.sampled_from(SPECIALS), min_size=rows, max_size=rows))
+    ).to(device)
+    for dtype in (torch.float32, torch.float16):
+        same_values(
+            qsgd_decode(codes, norms, s, size, dtype),
+            torch_path(monkeypatch, qsgd_decode, codes, norms, s, size, dtype),
+        )
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 2 * 4096 + 3])
+@pytest.mark.parametrize("size", [1, 7, 512, 4096, 4097])
+def test_qsgd_at_program_and_bucket_boundaries(device, monkeypatch, n, size):
+    """Sizes around one program (4096 elements) and buckets that end inside, at and across its
+    edges, a short last bucket; payload and decoded tensors with the kernels and without."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n + size)).to(device)
+    params = {"quantum_num": 7 if size == 7 else 127, "bucket_size": size}
+    fused = compress_and_decode("qsgd", x, params)
+    plain = torch_path(monkeypatch, compress_and_decode, "qsgd", x, params)
+    for a, b in zip(fused[0], plain[0], strict=True):
+        assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), "payload bytes differ"
+    assert torch.equal(fused[1], plain[1]) and torch.equal(fused[2], plain[2])
+
+
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")  # numpy, interpreting ∞
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"quantum_num": 1, "bucket_size": 1}, {"quantum_num": 5, "bucket_size": 7, "seed": 3}, {"quantum_num": 200}]
+    + [{"quantum_num": 2**23, "bucket_size": 1000}],
+)
+def test_qsgd_is_bit_identical_with_the_kernels(device, monkeypatch, dtype, params):
+    """qsgd end to end in every dtype it takes (payload, decoded tensor and aggregate in the
+    input's dtype), with special values: a NaN bucket, an infinite one, subnormals, −0.0, one
+    whose ‖v‖² overflows fp32, one of zeros."""
+    x = torch.randn(70, 90, generator=torch.Generator().manual_seed(9)) * 3
+    flat = x.view(-1)
+    flat[::13] = -0.0
+    flat[5] = float("nan")
+    flat[600] = float("-inf")
+    flat[1200:1300] = 3e38
+    flat[2000:2100] = 1e-40
+    flat[3000:3600] = 0.0
+    x = x.to(dtype).to(device)
+    fused = compress_and_decode("qsgd", x, params)
+    plain = torch_path(monkeypatch, compress_and_decode, "qsgd", x, params)
+    for a, b in zip(fused[0], plain[0], strict=True):
+        assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), "payload bytes differ"
+    assert fused[1].dtype == dtype
+    same_values(fused[1], plain[1])
+    same_values(fused[2], plain[2])
+
+
+def test_qsgd_of_an_empty_tensor_with_the_kernels(device, monkeypatch):
+    x = torch.zeros(0, 3, device=device)
+    fused = compress_and_decode("qsgd", x, {})
+    plain = torch_path(monkeypatch, compress_and_decode, "qsgd", x, {})
+    assert [t.numel() for t in fused[0]] == [t.numel() for t in plain[0]] == [0, 0] and fused[1].shape == (0, 3)
+
+
+def test_the_qsgd_wrappers_name_bad_arguments(device):
+    values, uniform = torch.zeros(2, 5, device=device), torch.zeros(10, device=device)
+    factor, codes = torch.ones(2, device=device), torch.empty(9, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="at least 9 float32 values and uniforms"):
+        kernels.qsgd_codes(values.double(), uniform, factor, 7, 5, codes)
+    with pytest.raises(ValueError, match="factor must be float32, one per bucket of 5 \\(2\\)"):
+        kernels.qsgd_codes(values, uniform, factor[:1], 7, 5, codes)
+    with pytest.raises(ValueError, match="1 ≤ s ≤ 2\\*\\*23"):
+        kernels.qsgd_codes(values, uniform, factor, 2**24, 5, codes)
+    with pytest.raises(ValueError, match="uint8 or int64 codes"):
+        kernels.qsgd_codes(values, uniform, factor, 7, 5, codes.to(torch.int32))
+    with pytest.raises(ValueError, match="at least 9 uint8 or int64 codes"):
+        kernels.qsgd_values(codes[:4], factor, 7, 5, torch.empty(9, device=device))
+    with pytest.raises(ValueError, match="contiguous torch.float32"):
+        kernels.qsgd_values(codes, factor, 7, 5, torch.empty(9, dtype=torch.float16, device=device))
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "params", [{}, {"quantum_num": 5, "bucket_size": 7}, {"quantum_num": 2**20, "bucket_size": 1000}]
+)
+def test_qsgd_in_auto_mode_on_the_gpu_is_bit_identical_from_any_thread(monkeypatch, params):
+    """auto mode (the default) launches the two fused kernels on a large CUDA tensor, from a
+    thread whose current GPU is 0 and on a side stream, and sends and decodes the torch ops' bits."""
+    import threading
+
+    monkeypatch.setattr(kernels, "_mode", "auto")
+    launched = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda name, *a, **k: launched.append(name) or launch(name, *a, **k))
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    x = torch.randn(2**22 + 5, device=device) * 2
+    x[::11] = 0.0
+    results = {}
+
+    def work():
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            results["fused"] = compress_and_decode("qsgd", x, params)
+            torch.cuda.current_stream(device).synchronize()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert {"qsgd_codes", "qsgd_values"} <= set(launched)
+    fused, plain = results["fused"], torch_path(monkeypatch, compress_and_decode, "qsgd", x, params)
+    for a, b in zip(fused[0], plain[0], strict=True):
+        assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), "payload bytes differ"
+    assert torch.equal(fused[1], plain[1]) and torch.equal(fused[2], plain[2])
+
+
 @pytest.mark.parametrize("name", ["twobit", "threshold", "dgc", "topk", "signsgd", "onebit"])
 def test_float64_goes_through_the_torch_ops(device, monkeypatch, name):
     """The kernels compare in fp32, exact for fp32/fp16/bf16 only: fp64 tensors take the torch
@@ -528,6 +744,7 @@ def test_bad_settings_and_arguments_are_named(monkeypatch):
 
 KERNEL_NAMES = ("pack_kernel", "unpack_kernel", "lookup_kernel", "count_kernel", "compact_kernel", "sign_split_kernel")
 KERNEL_NAMES += ("hadamard_block_kernel", "hadamard_columns_kernel", "stochastic_codes_kernel")
+KERNEL_NAMES += ("qsgd_codes_kernel", "qsgd_values_kernel")
 
 
 class BrokenKernel:
@@ -574,7 +791,9 @@ def test_a_failing_kernel_warns_once_and_the_torch_path_takes_over(broken_kernel
 
 
 @pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural", "twobit", "onebit", "signsgd", "threshold", "dgc"])
-@pytest.mark.parametrize("fails_in", ["pack", "unpack", "lookup", "count", "compact", "sign_split"])
+@pytest.mark.parametrize(
+    "fails_in", ["pack", "unpack", "lookup", "count", "compact", "sign_split", "qsgd_codes", "qsgd_values"]
+)
 def test_a_method_whose_kernel_fails_sends_what_the_torch_path_sends(broken_kernels, monkeypatch, name, fails_in):
     """Whichever kernel fails first, the payload and the decoded tensor are the torch path's:
     the codes a stochastic method made before the failed launch are packed, not drawn again."""
@@ -612,6 +831,32 @@ def test_thc_whose_kernel_fails_sends_and_decodes_what_the_torch_path_does(broke
     assert len(broken_kernels) == 1 and kernels.failure is not None
 
 
+@pytest.mark.parametrize("fails_in", ["qsgd_codes", "qsgd_values", "pack", "unpack"])
+@pytest.mark.parametrize("params", [{"quantum_num": 5, "bucket_size": 7}, {"quantum_num": 2**20, "bucket_size": 1000}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qsgd_whose_kernel_fails_sends_and_decodes_what_the_torch_path_does(
+    broken_kernels, monkeypatch, fails_in, params, dtype
+):
+    """A failed quantizer kernel leaves the uniforms it read for the torch ops (no second draw,
+    the same codes), a failed decoder the gradient for them; warned once, launched once."""
+    needs_interpreter()
+    working = REAL_KERNELS()
+    mixed = SimpleNamespace(**{k: getattr(working, k) for k in KERNEL_NAMES})
+    setattr(mixed, f"{fails_in}_kernel", BrokenKernel(broken_kernels))
+    monkeypatch.setattr(kernels, "_kernels", lambda: mixed)
+    x = torch.randn(5003, generator=torch.Generator().manual_seed(7)).to(dtype)
+    wide = params["quantum_num"] > 127  # 22 bits: no pack or unpack kernel
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallen = compress_and_decode("qsgd", x, params)
+    plain = torch_path(monkeypatch, compress_and_decode, "qsgd", x, params)
+    for a, b in zip(fallen[0], plain[0], strict=True):
+        assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), "payload bytes differ"
+    assert torch.equal(fallen[1], plain[1]) and torch.equal(fallen[2], plain[2])
+    failed = [w for w in caught if "the torch ops take over" in str(w.message)]
+    assert len(failed) == len(broken_kernels) == (0 if wide and fails_in in ("pack", "unpack") else 1)
+
+
 def test_a_forced_kernel_that_fails_raises(broken_kernels, monkeypatch):
     monkeypatch.setattr(kernels, "_mode", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -639,4 +884,4 @@ def test_every_kernel_variant_compiles_for_h100_and_a100(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "112 of 112 kernel variants compiled" in done.stdout
+    assert "120 of 120 kernel variants compiled" in done.stdout

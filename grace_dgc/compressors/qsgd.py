@@ -1,10 +1,11 @@
+import contextlib
 import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from .. import wire
+from .. import kernels, wire
 from ..errors import check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
@@ -29,6 +30,24 @@ def stochastic_round_(x: Tensor, uniform: Tensor, workspace: Workspace) -> Tenso
     return floor.add_(uniform.lt_(fraction))  # in place: large tensors, few passes
 
 
+def quantize_codes(block: Tensor, uniform: Tensor, factor: Tensor, s: int, out: Tensor, workspace: Workspace) -> None:
+    """``out`` (uint8 or int64) = s + sgn(v)·ξ for the first out.numel() elements of ``block``
+    (fp32 [rows, size], a short last bucket zero-padded): ξ = ⌊u⌋ + Bernoulli(u − ⌊u⌋), u =
+    min(|v|·factor_row, s), ``factor`` = s/‖v‖ per row and ``uniform`` ~ U[0, 1) of block's
+    shape. One fused kernel where the kernels run (:func:`grace_dgc.kernels.qsgd_codes`: the
+    uniforms are only read, so a failed launch leaves them for the torch ops), else the torch
+    ops (which overwrite ``uniform``); the same codes either way."""
+    if kernels.enabled(block.device, block.dtype):
+        with contextlib.suppress(kernels.Unavailable):  # a kernel failed (warned once): the torch ops
+            kernels.qsgd_codes(block, uniform, factor, s, block.shape[1], out)
+            return
+    scaled = torch.abs(block, out=workspace.get("scaled", block.numel(), torch.float32, block.device).view(block.shape))
+    scaled.mul_(factor.unsqueeze(1))
+    levels = stochastic_round_(scaled.clamp_(max=s), uniform, workspace)
+    signed = torch.copysign(levels, block, out=scaled).add_(s)  # in [0, 2s]
+    out.copy_(signed.view(-1)[: out.numel()])
+
+
 @register_compressor("qsgd", aliases=("qsgd_cuda",))  # GRACE's CUDA-kernel name
 class QSGDCompressor(StochasticCompressor):
     """QSGD (Alistarh et al. 2017): unbiased stochastic levels, ⌈log2(2s+1)⌉ bits/element + bucket norms.
@@ -46,6 +65,11 @@ class QSGDCompressor(StochasticCompressor):
     ⌈n·b/8⌉ + 4·⌈n/bucket_size⌉ bytes. Default s = 64 (b = 8); s = 127 (GRACE's helper
     default, used by grace_dgc.compat) is the finest that still fits 8 bits. A bucket of zeros
     sends norm 0 and levels 0.
+
+    On a GPU the per-element quantization and the decoding each run as one fused Triton kernel
+    (:func:`grace_dgc.kernels.qsgd_codes`, ``qsgd_values``; the bucket norms and the factors
+    s/‖v‖, ‖v‖/s stay torch's): one pass over memory instead of ten and three, the same
+    bits as the torch ops.
 
     Plain reference: ``tests/test_quantizers.py::two_point_reference`` (float64): the exact
     levels ⌊·⌋ or ⌈·⌉ of |v|·s/‖v‖ in ``test_qsgd_exact_levels_and_zero_bucket``, unbiasedness
@@ -102,14 +126,9 @@ class QSGDCompressor(StochasticCompressor):
             if overflowed.numel():
                 norm[overflowed] = scaled_norms(block[overflowed])
             # a zero-norm bucket has only zeros: divide by 1 instead (levels stay 0)
-            scaled = torch.abs(
-                block, out=scratch.get("scaled", block.numel(), torch.float32, flat.device).view(block.shape)
-            )
-            scaled.mul_((s / torch.where(norm > 0, norm, 1.0)).unsqueeze(1))
-            uniform = uniforms[row * size : last_row * size].view(scaled.shape)
-            levels = stochastic_round_(scaled.clamp_(max=s), uniform, scratch)
-            signed = torch.copysign(levels, block, out=scaled).add_(s)  # in [0, 2s]
-            codes[start:stop].copy_(signed.view(-1)[: stop - start])
+            factor = s / torch.where(norm > 0, norm, 1.0)
+            uniform = uniforms[row * size : last_row * size].view(block.shape)
+            quantize_codes(block, uniform, factor, s, codes[start:stop], scratch)
 
         self.for_row_chunks(quantize, n, flat.device)
         packed = codes if self.bits == 8 else wire.pack_bits(codes, self.bits, scratch)
@@ -120,6 +139,15 @@ class QSGDCompressor(StochasticCompressor):
         n, s, size = out.numel(), self.quantum_num, self.bucket_size
         codes = packed if self.bits == 8 else wire.unpack_bits(packed, self.bits, n, self.workspace)
         flat = out.view(-1)
+        if n and kernels.enabled(out.device):  # one fused pass (a GPU: one chunk anyway)
+            direct = out.dtype == torch.float32 and out.is_contiguous()
+            target = flat if direct else self.workspace.get("decoded", n, torch.float32, out.device)
+            try:
+                kernels.qsgd_values(codes, norms / s, s, size, target)
+            except kernels.Unavailable:  # warned; the torch ops below
+                pass
+            else:
+                return out if direct else out.copy_(target.view(out.shape))
 
         def dequantize(row: int, last_row: int, start: int, stop: int) -> None:
             whole = stop - start == (last_row - row) * size and out.dtype == torch.float32
