@@ -29,6 +29,9 @@ SCRIPT = textwrap.dedent(
     from grace_dgc import survey
 
     MODE = sys.argv[1] if len(sys.argv) > 1 else "ok"
+    if MODE == "abort-at-exit":  # after grace's own exit handler (atexit runs them last in, first out)
+        import atexit, os, signal
+        atexit.register(lambda: os.kill(os.getpid(), signal.SIGABRT))
     if MODE == "horovod":
         import horovod.torch as hvd
         hvd.init()
@@ -51,6 +54,9 @@ SCRIPT = textwrap.dedent(
             opt.step()
         if MODE == "crash" and rank == 1:
             raise ZeroDivisionError("rank 1 divides by zero")
+        if MODE == "abort" and rank == 1:
+            import os, signal
+            os.kill(os.getpid(), signal.SIGABRT)
         if MODE == "hang":
             time.sleep(120)
         accuracy = "high" if MODE == "bad-metric" else torch.tensor(0.5 + 0.2 * epoch)
@@ -127,6 +133,18 @@ def test_a_crash_on_one_rank_ends_the_cell_with_its_traceback(script, tmp_path):
     assert "ZeroDivisionError: rank 1 divides by zero" in message and "Traceback" in message
     errors = [r for r in read_records(str(tmp_path / "out")) if r["type"] == "error"]
     assert "ZeroDivisionError" in errors[0]["message"]
+
+
+def test_a_signal_after_the_script_ended_keeps_the_cell_and_one_during_it_does_not(script, tmp_path, capfd):
+    """torch's gloo teardown sometimes aborts a rank ("terminate called without an active
+    exception") after the script has ended: its reports are whole, so the cell stands, with a
+    line saying so; a rank killed by a signal while the script runs still fails the cell."""
+    summaries, failures = _run(script, tmp_path / "out", args=["abort-at-exit"])
+    assert failures == [] and len(summaries) == 1
+    assert "exited with status -6 after its script had finished" in capfd.readouterr().err
+    summaries, failures = _run(script, tmp_path / "again", args=["abort"])
+    assert summaries == [] and len(failures) == 1
+    assert "rank 1 of the script failed first (exit status -6)" in failures[0][1]
 
 
 @pytest.mark.parametrize(

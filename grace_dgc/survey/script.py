@@ -43,6 +43,7 @@ filesystem every node sees.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -73,6 +74,7 @@ DIR_ENV = "GRACE_DGC_CELL_DIR"  # where the ranks write their reports
 SCRIPT_RUNS = "script-runs"
 STARTED = "started"  # the marker cell_grace writes: the script asked for its method
 FAILED = "failed"  # failed<rank>: the time and traceback of a rank's uncaught exception
+FINISHED = "finished"  # finished<rank>: the rank's script ended without an uncaught exception
 STRAGGLE_S = 300.0  # ranks still running this long after another finished cleanly are stopped
 RENAMED = {"accuracy": "test_accuracy", "loss": "test_loss"}  # report_metrics()'s names -> the records' names
 STANDARD = ("test_accuracy", "test_loss", "train_accuracy", "train_loss", "lr")
@@ -157,12 +159,27 @@ def cell_grace(compressor: str = "none", memory: str = "none", communicator: str
 
 def _record_failures(directory: str, rank: int) -> None:
     """Chain an excepthook that writes ``failed<rank>`` (time and traceback): the survey then
-    names the rank that failed first, not the peers that died of losing it."""
+    names the rank that failed first, not the peers that died of losing it. At a normal exit
+    without one, ``finished<rank>``: a signal after that (torch's gloo teardown sometimes aborts
+    with "terminate called without an active exception" after the script has ended) is the
+    interpreter's teardown, not the script (see :func:`_wait`)."""
     previous = sys.excepthook
+    raised: list[type[BaseException]] = []
+
+    def finished() -> None:
+        if not raised:
+            try:
+                with open(os.path.join(directory, f"{FINISHED}{rank}"), "w") as f:
+                    f.write(str(time.time()))
+            except OSError:
+                pass
+
+    atexit.register(finished)
 
     def hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
         import traceback
 
+        raised.append(kind)
         try:
             with open(os.path.join(directory, f"{FAILED}{rank}"), "w") as f:
                 text = "".join(traceback.format_exception(kind, error, tb))
@@ -369,8 +386,17 @@ def _wait(
     all of them."""
     deadline = time.monotonic() + timeout
     first_done: float | None = None
+    excused: set[str] = set()
     while True:
-        failed = [(who, proc.returncode) for who, proc in procs if proc.poll() not in (None, 0)]
+        for who, proc in procs:
+            if who not in excused and _after_its_script(directory, who, proc.poll()):
+                excused.add(who)
+                print(
+                    f"[survey] {run_id}: {who} exited with status {proc.returncode} after its script had finished "
+                    f"(in the interpreter's teardown: {_last_line(_traceback(directory, who))}); its reports are kept",
+                    file=sys.stderr,
+                )
+        failed = [(who, proc.returncode) for who, proc in procs if proc.poll() not in (None, 0) and who not in excused]
         if failed:
             grace_period = time.monotonic() + 2  # the others' errors (a peer gone) come second
             while time.monotonic() < grace_period and any(p.poll() is None for _, p in procs):
@@ -386,7 +412,7 @@ def _wait(
                 f"{run_id}: {who} of the script failed first (exit status {code}); the cell was stopped on every "
                 f"rank{'; then ' + ', '.join(later) if later else ''}. {who}'s traceback:\n{output[-3000:]}"
             )
-        done = [proc.poll() == 0 for _, proc in procs]
+        done = [proc.poll() == 0 or who in excused for who, proc in procs]
         if all(done):
             return
         if any(done) and first_done is None:
@@ -403,6 +429,17 @@ def _wait(
             alive = [who for who, proc in procs if proc.returncode not in (0,)]
             raise TimeoutError(f"{run_id}: the script did not finish within timeout = {timeout:g} s ({alive} stopped)")
         time.sleep(0.05)
+
+
+def _after_its_script(directory: str, who: str, code: int | None) -> bool:
+    """Did ``who`` die of a signal after its script had ended without an exception
+    (``finished<rank>`` and no ``failed<rank>``)? Then the script's work and reports are whole."""
+    if code is None or code >= 0 or not who.startswith("rank "):
+        return False
+    rank = who.split()[-1]
+    return os.path.exists(os.path.join(directory, f"{FINISHED}{rank}")) and not os.path.exists(
+        os.path.join(directory, f"{FAILED}{rank}")
+    )
 
 
 def _read_reports(directory: str, workers: int, run_id: str) -> dict[int, list[dict[str, Any]]]:
