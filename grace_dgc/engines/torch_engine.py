@@ -98,9 +98,9 @@ class TorchEngine(Engine):
             if self._polled:
                 # NCCL's wait(timeout) polls for completion sleeping 1 ms between polls
                 # (ProcessGroupNCCL's kSynchronizeBusyWaitMillis): up to a millisecond per
-                # collective on the communication thread (H100/H200: the dense path at ~2 x
-                # DDP's step). Poll here at POLL_SECONDS instead; wait() without a timeout
-                # then orders the current stream after the collective and raises its error.
+                # collective on the communication thread. Poll here at POLL_SECONDS instead;
+                # wait() without a timeout then orders the current stream after the
+                # collective and raises its error.
                 deadline = start + self.timeout
                 while not work.is_completed():
                     if time.perf_counter() > deadline:
