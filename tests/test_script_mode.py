@@ -31,7 +31,8 @@ SCRIPT = textwrap.dedent(
     MODE = sys.argv[1] if len(sys.argv) > 1 else "ok"
     if MODE == "abort-at-exit":  # after grace's own exit handler (atexit runs them last in, first out)
         import atexit, os, signal
-        atexit.register(lambda: os.kill(os.getpid(), signal.SIGABRT))
+        # rank 1 only, a second after rank 0's exit: torchrun then stops no rank mid-exit
+        atexit.register(lambda: os.environ["RANK"] == "1" and (time.sleep(1), os.kill(os.getpid(), signal.SIGABRT)))
     if MODE == "horovod":
         import horovod.torch as hvd
         hvd.init()
@@ -213,6 +214,23 @@ def test_the_torchrun_launcher_runs_a_cell(script, tmp_path):
     )
     assert not failures, failures
     assert summaries[0]["dense_bytes_per_step"] == 72 and summaries[0]["epochs_to_target"] == 2
+
+
+def test_under_torchrun_a_signal_after_the_script_ended_keeps_the_cell_and_one_during_it_does_not(
+    script, tmp_path, capfd
+):
+    """torchrun turns a rank's signal into its own exit status 1: the cell stands when every
+    rank had finished its script, and fails, naming the launcher, when one had not."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun is not installed beside this python")
+    launcher = f"{torchrun} --nproc-per-node {{workers}} --master-port {{port}}"
+    summaries, failures = _run(script, tmp_path / "out", args=["abort-at-exit"], launcher=launcher)
+    assert failures == [] and len(summaries) == 1
+    assert "launcher exited with status 1 after its script had finished" in capfd.readouterr().err
+    summaries, failures = _run(script, tmp_path / "again", args=["abort"], launcher=launcher)
+    assert summaries == [] and len(failures) == 1
+    assert "launcher of the script failed first (exit status 1)" in failures[0][1]
 
 
 def test_the_horovodrun_launcher_runs_a_horovod_script(script, tmp_path):

@@ -160,9 +160,11 @@ def cell_grace(compressor: str = "none", memory: str = "none", communicator: str
 def _record_failures(directory: str, rank: int) -> None:
     """Chain an excepthook that writes ``failed<rank>`` (time and traceback): the survey then
     names the rank that failed first, not the peers that died of losing it. At a normal exit
-    without one, ``finished<rank>``: a signal after that (torch's gloo teardown sometimes aborts
-    with "terminate called without an active exception" after the script has ended) is the
-    interpreter's teardown, not the script (see :func:`_wait`)."""
+    without one, ``finished<rank>``: a signal after that is the interpreter's teardown, not the
+    script (see :func:`_wait`). torch's gloo teardown aborts so ("terminate called without an
+    active exception") when the default group outlives destroy_process_group(); importing
+    grace_dgc before init_process_group prevents it (see engines/torch_engine.py), a script
+    that imports it later can still meet it."""
     previous = sys.excepthook
     raised: list[type[BaseException]] = []
 
@@ -379,7 +381,12 @@ def _first_failure(directory: str) -> tuple[str, str] | None:
 
 
 def _wait(
-    procs: list[tuple[str, subprocess.Popen[bytes]]], directory: str, timeout: float, run_id: str, straggle: float
+    procs: list[tuple[str, subprocess.Popen[bytes]]],
+    directory: str,
+    timeout: float,
+    run_id: str,
+    straggle: float,
+    workers: int,
 ) -> None:
     """Wait for the cell's processes; the first failure, the timeout, or ranks still running
     ``straggle`` seconds after another rank finished cleanly (blocked on a peer that left) stop
@@ -389,7 +396,7 @@ def _wait(
     excused: set[str] = set()
     while True:
         for who, proc in procs:
-            if who not in excused and _after_its_script(directory, who, proc.poll()):
+            if who not in excused and _after_its_script(directory, who, proc.poll(), workers):
                 excused.add(who)
                 print(
                     f"[survey] {run_id}: {who} exited with status {proc.returncode} after its script had finished "
@@ -431,14 +438,23 @@ def _wait(
         time.sleep(0.05)
 
 
-def _after_its_script(directory: str, who: str, code: int | None) -> bool:
-    """Did ``who`` die of a signal after its script had ended without an exception
-    (``finished<rank>`` and no ``failed<rank>``)? Then the script's work and reports are whole."""
-    if code is None or code >= 0 or not who.startswith("rank "):
+def _after_its_script(directory: str, who: str, code: int | None, workers: int) -> bool:
+    """Did ``who`` end badly only after the script had ended without an exception? A rank:
+    killed by a signal after ``finished<rank>`` (and no ``failed<rank>``). A launcher
+    (torchrun reports a rank's signal as its own exit status 1): every rank of the cell
+    finished and none failed. Then the script's work and reports are whole."""
+    if code is None or code == 0:
         return False
-    rank = who.split()[-1]
-    return os.path.exists(os.path.join(directory, f"{FINISHED}{rank}")) and not os.path.exists(
-        os.path.join(directory, f"{FAILED}{rank}")
+    if who == "launcher":
+        ranks = [str(rank) for rank in range(workers)]
+    elif who.startswith("rank ") and code < 0:
+        ranks = [who.split()[-1]]
+    else:
+        return False
+    return all(
+        os.path.exists(os.path.join(directory, f"{FINISHED}{rank}"))
+        and not os.path.exists(os.path.join(directory, f"{FAILED}{rank}"))
+        for rank in ranks
     )
 
 
@@ -475,7 +491,7 @@ def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, devi
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
         procs = _start(cell, directory, backend, device)
-        _wait(procs, directory, timeout, cell.run_id, straggle=min(timeout, STRAGGLE_S))
+        _wait(procs, directory, timeout, cell.run_id, straggle=min(timeout, STRAGGLE_S), workers=cell.workers)
     finally:
         _stop(procs)  # after a success too: nothing the script started outlives its cell
     asked = [name for name in os.listdir(directory) if name.startswith(STARTED)]
