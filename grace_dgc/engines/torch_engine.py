@@ -14,15 +14,6 @@ from .. import environment
 from ..errors import GraceCommError, GraceConfigError, check_range
 from .base import Engine, pad_to
 
-if dist.is_available() and not dist.is_initialized():
-    # torch.distributed.nn.functional's collectives default to ``group=group.WORLD``, evaluated
-    # when it is imported; torch imports it lazily (Optimizer.add_param_group -> torch._dynamo ->
-    # FSDP), i.e. usually after init_process_group. Its defaults then hold the default group
-    # for good: destroy_process_group() no longer joins gloo's workers, and one of them that
-    # drops a finished collective's tensors during interpreter teardown aborts the process
-    # ("terminate called without an active exception"). Imported now, its defaults are None.
-    import torch.distributed.nn.functional
-
 ERROR_KEY = "grace/error/"  # + global rank: the error a rank posted before leaving (see fail)
 SEEN_KEY = "grace/error-seen/"  # + global rank: it has read a posted error
 

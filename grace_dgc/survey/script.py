@@ -161,10 +161,9 @@ def _record_failures(directory: str, rank: int) -> None:
     """Chain an excepthook that writes ``failed<rank>`` (time and traceback): the survey then
     names the rank that failed first, not the peers that died of losing it. At a normal exit
     without one, ``finished<rank>``: a signal after that is the interpreter's teardown, not the
-    script (see :func:`_wait`). torch's gloo teardown aborts so ("terminate called without an
-    active exception") when the default group outlives destroy_process_group(); importing
-    grace_dgc before init_process_group prevents it (see engines/torch_engine.py), a script
-    that imports it later can still meet it."""
+    script (see :func:`_wait`): torch's gloo teardown aborts so ("terminate called without an
+    active exception") when a gloo worker frees a finished collective's tensors while the
+    interpreter shuts down (README, "Script mode")."""
     previous = sys.excepthook
     raised: list[type[BaseException]] = []
 
