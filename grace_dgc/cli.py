@@ -167,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int | None:
             raise
         # a user's mistake: one line naming it (the messages name the fix); a bug keeps its traceback
         parser.exit(2, error_line(error) + "\n")
+    except BrokenPipeError:  # the reader left (grace-dgc list | head): stop quietly
+        # stdout to /dev/null, so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -401,7 +401,7 @@ class Grace:
 
     # -- settings and checkpointing -----------------------------------------------
     STATE_FORMAT = 2
-    READABLE_FORMATS = (1, 2)  # 1: grace_dgc 0.2, without the settings
+    READABLE_FORMATS = (1, 2)  # 1: an earlier header, without the settings
 
     def settings(self) -> dict[str, Any]:
         """What the ranks compare (see :mod:`~grace_dgc.handshake`) and a checkpoint records:
@@ -612,7 +612,10 @@ def build(
         ("communicator", COMMUNICATORS, names["communicator"]),
     ]
     routed = _route(params, parts)
+    if nonfinite not in NONFINITE_POLICIES:  # every value is checked before the parts' pairing
+        raise GraceConfigError(f"nonfinite={nonfinite!r}; accepted: {', '.join(NONFINITE_POLICIES)}")
     comp = COMPRESSORS.get(names["compressor"])(**routed["compressor"])
+    mem = MEMORIES.get(names["memory"])(**routed["memory"])
     comm_cls = COMMUNICATORS.get(names["communicator"])
     engine_kwargs = {
         key: value for key, value in (("process_group", process_group), ("timeout", timeout)) if value is not None
@@ -628,7 +631,7 @@ def build(
         )
     grace = Grace(
         comp,
-        MEMORIES.get(names["memory"])(**routed["memory"]),
+        mem,
         comm,
         eng,
         nonfinite=nonfinite,

@@ -70,6 +70,17 @@ def test_a_misspelt_method_through_the_console_entry_point_is_one_line_exit_2():
     assert proc.stdout == ""  # no rank started: the table header is not printed
 
 
+def test_a_reader_that_leaves_early_is_no_traceback():
+    """grace-dgc list | head: the pipe closes before the table is written."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grace_dgc.cli", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    errors = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and errors == "", errors
+
+
 @pytest.mark.parametrize(
     ("methods", "expected"),
     [

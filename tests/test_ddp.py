@@ -209,6 +209,20 @@ def test_checkpoint_resume_equals_uninterrupted(results):
         assert r["resume_randomk"][2] == sorted(f"param.{k}" for k in range(6))
 
 
+@pytest.mark.parametrize("momentum, warned", [(0.9, True), (0.0, False)])
+def test_the_momentum_memory_without_an_optimizer_warns_of_momentum_applied_twice(caplog, momentum, warned):
+    grace = grace_dgc.build("dgc", "momentum", "allgather", engine="local", momentum=momentum)
+    with caplog.at_level("WARNING", logger="grace_dgc"):
+        grace_dgc.ddp_comm_hook(grace, make_model())
+    assert ("applied twice" in caplog.text) is warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grace_dgc"):  # given, its momentum is taken over: no warning
+        model = make_model()
+        grace = grace_dgc.build("dgc", "momentum", "allgather", engine="local", momentum=momentum)
+        grace_dgc.ddp_comm_hook(grace, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert "applied twice" not in caplog.text
+
+
 def test_bad_input_and_pickling():
     grace = grace_dgc.build(engine="local")
     with pytest.raises(grace_dgc.GraceConfigError, match="needs a Grace"):

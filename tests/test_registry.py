@@ -109,8 +109,18 @@ def test_from_params_accepts_grace_dicts():
     assert grace_dgc.from_params({}).compressor.registered_name == "none"
 
 
+@pytest.mark.parametrize(
+    "params, message",
+    [({"momentum": 1.5}, r"momentum=1.5 is out of range; accepted: \[0, 1\)"), ({"nonfinite": "ignore"}, "nonfinite=")],
+)
+def test_a_bad_value_is_named_before_the_parts_pairing(params, message):
+    """dgc over the default allreduce is also a bad pairing: the bad value is named first."""
+    with pytest.raises(GraceConfigError, match=message):
+        grace_dgc.build("dgc", "momentum", **params)
+
+
 def test_unknown_engine_is_refused():
-    with pytest.raises(GraceConfigError, match="unknown engine 'mpi'; accepted: auto, "):
+    with pytest.raises(GraceConfigError, match="unknown engine 'mpi'; accepted: auto, horovod, local, torch$"):
         grace_dgc.build(engine="mpi")
     with pytest.raises(GraceConfigError, match="needs an initialized process group"):
         grace_dgc.build(engine="torch")

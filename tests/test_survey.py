@@ -51,7 +51,7 @@ def topk_bytes(ratio):
     [
         ({"wrokers": 2}, "unknown key(s) 'wrokers'"),
         ({"workers": 0}, "workers = 0 must be an int >= 1"),
-        ({"workers": "2"}, "workers = '2' must be a int or list"),
+        ({"workers": "2"}, "workers = '2' must be an int or list"),
         ({"workload": "mnist1d-mpl"}, "Did you mean 'mnist1d-mlp'"),
         ({"epochs": 0}, "epochs=0 is out of range"),
         ({"seeds": [0, 0]}, "distinct"),
@@ -73,7 +73,7 @@ def topk_bytes(ratio):
             {"methods": [{"compressor": "none", "fusion_bytes": -1}]},
             "methods[0]: fusion_bytes = -1 must be an int >= 0",
         ),
-        ({"methods": [{"compressor": "none", "fusion_bytes": 1.5}]}, "fusion_bytes = 1.5 must be a int"),
+        ({"methods": [{"compressor": "none", "fusion_bytes": 1.5}]}, "fusion_bytes = 1.5 must be an int"),
     ],
 )
 def test_config_errors_name_the_problem(change, message):

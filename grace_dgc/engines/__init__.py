@@ -134,7 +134,9 @@ def create_engine(engine: str | Engine = "auto", **kwargs: Any) -> Engine:
     if engine == "horovod" and "horovod" not in ENGINES:
         from . import horovod_engine  # noqa: F401  registers itself; import errors name the fix
     if engine not in ENGINES:
-        raise GraceConfigError(f"unknown engine {engine!r}; accepted: auto, {', '.join(sorted(ENGINES))}")
+        raise GraceConfigError(
+            f"unknown engine {engine!r}; accepted: auto, {', '.join(sorted(set(ENGINES) | {'horovod'}))}"
+        )
     return ENGINES[engine](**kwargs)
 
 

@@ -83,6 +83,13 @@ class MomentumMemory(Memory):
         """Called by DistributedOptimizer: learn the parameters; take over SGD's momentum."""
         self.parameters = dict(named_parameters)
         if optimizer is None:  # the DDP hook without an optimizer: nothing to take over
+            if self.momentum > 0:  # a momentum the optimizer also applies would be applied twice
+                log.warning(
+                    "the momentum memory applies momentum=%s before compression and was given no optimizer to "
+                    "take over: if the optimizer applies momentum too, it is applied twice. Pass it "
+                    "(ddp_comm_hook(grace, model, optimizer)), or use an optimizer without momentum",
+                    self.momentum,
+                )
             return
         if not isinstance(optimizer, torch.optim.SGD):
             if self.momentum > 0 or self.nesterov:

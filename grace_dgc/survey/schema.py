@@ -128,7 +128,8 @@ def _check_keys(table: Mapping[str, Any], accepted: Schema, where: str) -> None:
         types = accepted[key][0]
         if isinstance(value, bool) != (bool in types) or not isinstance(value, types):
             names = " or ".join("table" if t is dict else "list" if t is list else t.__name__ for t in types)
-            raise GraceConfigError(f"{where}: {key} = {value!r} must be a {names}")
+            article = "an" if names[0] in "aeiou" else "a"
+            raise GraceConfigError(f"{where}: {key} = {value!r} must be {article} {names}")
 
 
 MAX_WORKERS = 1 << 16  # ranks in one survey cell: far beyond any cluster it would launch
