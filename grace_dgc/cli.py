@@ -109,8 +109,8 @@ def _cmd_list(args: argparse.Namespace) -> None:
 
 def _add_demo(sub: argparse._SubParsersAction[OneLineParser]) -> None:
     p = sub.add_parser("demo", help="2-rank demo training on generated data: loss and bytes per method")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--workers", type=int, default=2, help="ranks (gloo processes on this machine; default 2)")
+    p.add_argument("--steps", type=int, default=60, help="training steps per method (default 60)")
     p.add_argument(
         "--methods",
         default="none,fp16,topk:residual,randomk:residual,threshold:residual",

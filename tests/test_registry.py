@@ -119,6 +119,11 @@ def test_a_bad_value_is_named_before_the_parts_pairing(params, message):
         grace_dgc.build("dgc", "momentum", **params)
 
 
+def test_a_bad_outer_communicator_is_named_as_outer():
+    with pytest.raises(GraceConfigError, match=r"hierarchical\(outer='bogus'\): unknown communicator 'bogus'"):
+        grace_dgc.build("none", "none", "hierarchical", outer="bogus", engine="local")
+
+
 def test_unknown_engine_is_refused():
     with pytest.raises(GraceConfigError, match="unknown engine 'mpi'; accepted: auto, horovod, local, torch$"):
         grace_dgc.build(engine="mpi")

@@ -42,7 +42,10 @@ class Hierarchical(Communicator):
 
     def __init__(self, engine: Engine, outer: str = "allgather", group_size: int | None = None) -> None:
         super().__init__(engine)
-        self.outer_name = COMMUNICATORS.canonical(outer)
+        try:
+            self.outer_name = COMMUNICATORS.canonical(outer)
+        except GraceConfigError as error:  # say where the name came from
+            raise GraceConfigError(f"hierarchical(outer={outer!r}): {error}") from error
         if self.outer_name == "hierarchical":
             raise GraceConfigError("hierarchical(outer='hierarchical') nests itself; pick a flat outer communicator")
         if group_size is not None:
