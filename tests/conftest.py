@@ -12,6 +12,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# libstdc++'s message when torch's gloo worker frees a finished collective's tensors after the
+# interpreter began to shut down (README, "Script mode"): torch's, a few runs in 25 of a plain
+# torch + gloo script on a loaded machine. It follows a complete run; anything else is a failure.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def only_teardown_abort(returncode: int, stderr: str, finished: bool) -> bool:
+    """A rank that ``finished`` its work (wrote its last output) and then died of that abort
+    alone: SIGABRT, the message, and no Python traceback."""
+    return finished and returncode == -6 and TEARDOWN_ABORT in stderr and "Traceback (most recent" not in stderr
+
+
 def install_dummy_distribution(tmp_path, monkeypatch, name, entry_points):
     """A real (dummy) installed distribution on sys.path: ``name-1.0.dist-info`` with
     ``entry_points`` (entry_points.txt text); the compressor registry forgets its plugins, so

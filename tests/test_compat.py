@@ -1,9 +1,11 @@
 """grace_dgc.compat: GRACE's defaults, keys, names and constructors, and GRACE-idiom scripts
 (torch.distributed with explicit ranks, and Horovod) run with only their imports changed."""
 
+import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from grace_dgc.errors import GraceConfigError
 from grace_dgc.launch import free_port
 
 sys.path.insert(0, os.path.dirname(__file__))
+from conftest import only_teardown_abort
 from test_horovod import HOROVOD_MISSING, start_horovodrun
 
 
@@ -225,10 +228,19 @@ def _run_dist(tmp_path, helper):
             for p in procs:
                 p.kill()
             raise AssertionError("the GRACE-style script did not finish in 120 s") from None
+        if only_teardown_abort(proc.returncode, err, finished=_complete_json(outs[procs.index(proc)])):
+            warnings.warn("a GRACE-style rank finished, then aborted in torch's gloo teardown", stacklevel=2)
+            continue
         assert proc.returncode == 0, err[-3000:]
-    import json
-
     return [json.loads(out.read_text()) for out in outs]
+
+
+def _complete_json(path):
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _topk_03(values):

@@ -128,6 +128,29 @@ def test_parts_built_before_init_process_group_exchange_through_it():
         assert average == [0.5] * 3
 
 
+SETTLE = """
+import atexit, os, tempfile
+import torch.distributed as dist
+from grace_dgc.engines import torch_engine
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
+before = atexit._ncallbacks()
+torch_engine.TorchEngine(), torch_engine.TorchEngine()
+print(atexit._ncallbacks() - before, torch_engine._settling)
+dist.destroy_process_group()
+"""
+
+
+def test_a_gloo_engine_lets_gloos_workers_settle_once_at_exit():
+    """One exit handler per process (sleeping without the GIL), however many engines: a gloo
+    worker still freeing a collective's tensors at interpreter shutdown aborts the process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SETTLE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "[True]"]
+
+
 # -- checkpoints -----------------------------------------------------------------------------
 
 METHODS = [

@@ -40,6 +40,25 @@ def bounded(fn: Callable[[], Any], seconds: float) -> Any:
     return box.get("value")
 
 
+GLOO_SETTLE_SECONDS = 0.1  # at exit, without the GIL (see _settle_gloo_at_exit)
+_settling: list[bool] = []
+
+
+def _settle_gloo_at_exit() -> None:
+    """Once per process: at exit, sleep GLOO_SETTLE_SECONDS without the GIL before the
+    interpreter shuts down. A gloo worker frees a finished collective's tensors after the
+    collective completes, and that needs the GIL; one still doing it once the interpreter
+    is finalizing aborts the process ("terminate called without an active exception"; the
+    group outlives destroy_process_group(), README "Script mode"). The sleep lets it finish.
+    Joining the workers instead would deadlock: torch destroys a group with the GIL held."""
+    if _settling:
+        return
+    _settling.append(True)
+    import atexit
+
+    atexit.register(time.sleep, GLOO_SETTLE_SECONDS)
+
+
 DEFAULT_TIMEOUT = 300.0  # seconds: far below torch's 30 min, far above any sane step
 POLL_SECONDS = 20e-6  # between checks of an NCCL collective's completion (see TorchEngine._run)
 DIAGNOSIS_MARGIN = 5.0  # seconds a survivor waits for the others beyond the collective timeout (see _patience)
@@ -73,6 +92,8 @@ class TorchEngine(Engine):
         self.size = dist.get_world_size(process_group)
         self._backend = dist.get_backend(process_group)
         self._polled = "nccl" in self._backend  # see _run
+        if "gloo" in self._backend:
+            _settle_gloo_at_exit()
 
     @property
     def backend(self) -> str:
