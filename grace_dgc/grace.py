@@ -77,9 +77,7 @@ class Grace:
         self.memory = memory
         self.communicator = communicator
         self.engine = engine
-        if nonfinite not in NONFINITE_POLICIES:
-            raise GraceConfigError(f"nonfinite={nonfinite!r}; accepted: {', '.join(NONFINITE_POLICIES)}")
-        self.nonfinite = nonfinite
+        self.nonfinite = _check_nonfinite(nonfinite)
         if world_size is not None:
             check_range("world_size", world_size, 1, kind=int)
         self.expected_world_size = world_size  # checked against the engine's when bound
@@ -580,6 +578,12 @@ def _route(params: dict[str, Any], parts: list[tuple[str, Registry, str]]) -> di
     return routed
 
 
+def _check_nonfinite(policy: str) -> str:
+    if policy not in NONFINITE_POLICIES:
+        raise GraceConfigError(f"nonfinite={policy!r}; accepted: {', '.join(NONFINITE_POLICIES)}")
+    return policy
+
+
 def build(
     compressor: str = "none",
     memory: str = "none",
@@ -612,8 +616,7 @@ def build(
         ("communicator", COMMUNICATORS, names["communicator"]),
     ]
     routed = _route(params, parts)
-    if nonfinite not in NONFINITE_POLICIES:  # every value is checked before the parts' pairing
-        raise GraceConfigError(f"nonfinite={nonfinite!r}; accepted: {', '.join(NONFINITE_POLICIES)}")
+    _check_nonfinite(nonfinite)  # every value is checked before the parts' pairing
     comp = COMPRESSORS.get(names["compressor"])(**routed["compressor"])
     mem = MEMORIES.get(names["memory"])(**routed["memory"])
     comm_cls = COMMUNICATORS.get(names["communicator"])

@@ -12,6 +12,7 @@ import sys
 import warnings
 
 import pytest
+from conftest import TEARDOWN_ABORT  # torch's gloo teardown abort, after a complete run
 
 from grace_dgc.launch import free_port
 
@@ -32,10 +33,6 @@ METHOD = [
 
 
 RANKS = 2
-# libstdc++'s message when a std::thread is destroyed still joinable: torch's gloo threads at
-# interpreter exit, about 1 run in 25 here, with or without grace_dgc (a plain torch + gloo
-# script does it too). It follows a complete run; anything else is a real failure.
-TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def teardown_abort_only(proc):
