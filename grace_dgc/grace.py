@@ -246,13 +246,16 @@ class Grace:
         """What gets compressed, under which names, into which outputs, and whether the
         payloads may be consumed by an in-place reduction (nothing reads a single-round
         payload afterwards when the memory is the identity). A handed-over fusion bucket of
-        an elementwise method is compressed, reduced and decompressed as its flat buffer."""
+        an elementwise method is compressed, reduced and decompressed as its flat buffer.
+        Parts always see contiguous tensors: a strided or channels_last gradient (a
+        convolution's) is copied once here, so no compressor, memory or chunking view fails
+        on its strides (its average goes back in its own layout, :meth:`_finish`)."""
         consume = self.wire.rounds == 1 and self.memory.identity
         if inplace and consume and self.wire.elementwise and len(tensors) > 1:
             flat = flat_span(tensors)
             if flat is not None:
                 return [flat], [names[0] + "…"], [flat], consume
-        return tensors, names, outputs, consume
+        return [t if t.is_contiguous() else t.contiguous() for t in tensors], names, outputs, consume
 
     def _guard(self, tensors: list[Tensor], keys: list[str]) -> dict[str, dict[str, Any]] | None:
         """A finite gradient may still overflow on the wire (fp16: beyond ±65504): then the
@@ -478,6 +481,17 @@ class Grace:
                 f"the state does not fit {_describe(self._methods())} ({type(error).__name__}: "
                 f"{error}); was it saved by another method?"
             ) from error
+
+    def shape_problems(self, state: dict[str, Any], shapes: dict[str, torch.Size]) -> list[str]:
+        """What in a saved :meth:`state_dict` does not fit tensors of ``shapes`` (name ->
+        shape): each part answers for its own state, as it declares it (binds first: a
+        communicator's state exists once it is set up)."""
+        if not self._bound:
+            self.bind()
+        problems = []
+        for kind, part in self._parts():
+            problems += part.shape_problems(state.get(kind), shapes, f"grace[{kind!r}]")
+        return problems
 
     def _check_settings(self, saved: dict[str, dict[str, str]] | None) -> None:
         """Refuse a state saved with other settings, unless a part declares that the

@@ -13,7 +13,7 @@ caller's ``out``.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -115,6 +115,39 @@ class Part:
             elif _keeps(value) and attribute not in self.STATE and attribute not in self.RANK_LOCAL:
                 found.append(attribute)
         return found
+
+    def state_numels(self, key: str, shape: torch.Size) -> Collection[int] | None:
+        """The element counts the entry of per-tensor state ``key`` may hold for a tensor of
+        ``shape`` (None: any). A checkpoint's shape check reads it, so that a differently
+        shaped model is refused and every legitimate state loads. Default: the tensor's own
+        (a residual); PowerSGD's Q (m × r) and reduce_scatter's owner chunk say otherwise."""
+        return (shape.numel(),)
+
+    def shape_problems(self, state: Any, shapes: dict[str, torch.Size], where: str) -> list[str]:
+        """What in ``state`` (this part's :meth:`state_dict` as saved) does not fit tensors
+        of ``shapes`` (name -> shape), per :meth:`state_numels`; nested parts answer for theirs."""
+        problems: list[str] = []
+        if not isinstance(state, dict):
+            return problems
+        for key in self.STATE:
+            current, saved = getattr(self, key, None), state.get(key)
+            if isinstance(current, Part):
+                problems += current.shape_problems(saved, shapes, f"{where}[{key!r}]")
+            elif isinstance(current, dict) and current and all(isinstance(v, Part) for v in current.values()):
+                for inner, part in current.items():
+                    saved_inner = saved.get(inner) if isinstance(saved, dict) else None
+                    problems += part.shape_problems(saved_inner, shapes, f"{where}[{key!r}][{inner!r}]")
+            elif isinstance(saved, dict):
+                for name, value in saved.items():
+                    if name not in shapes or not isinstance(value, Tensor):
+                        continue
+                    expected = self.state_numels(key, shapes[name])
+                    if expected is not None and value.numel() not in expected:
+                        problems.append(
+                            f"{where}[{key!r}][{name!r}]: {value.numel()} elements for {tuple(shapes[name])} "
+                            f"(accepted: {' or '.join(map(str, sorted(set(expected))))})"
+                        )
+        return problems
 
     # -- optional hooks: no-ops unless a part needs them ----------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -430,7 +463,8 @@ class Communicator(Part):
 
     def setup(self) -> Engine:
         """Called by Grace when it binds, on every rank (it may run collectives: ``hierarchical``
-        forms its groups here); returns the engine the compressor and memory bind to."""
+        forms its groups here, except on an engine without them, ``engine.collectives``
+        False); returns the engine the compressor and memory bind to."""
         return self.engine
 
     def wire_compressor(self, compressor: Compressor) -> Compressor:
@@ -443,6 +477,13 @@ class Communicator(Part):
         the node; ``auto``: with a carried error folded in), never written in place.
         Default: the gradients themselves."""
         return tensors
+
+    def plan(self, names: list[str], adopt: Tensor | None = None) -> Tensor | None:
+        """What this communicator decided for ``names`` that ranks compressing alike but not
+        exchanging (a node's other ranks under ``hierarchical``) must share, as a tensor of
+        the same size on every rank (``auto``: its choices); with ``adopt``, the exchanging
+        rank's plan, to follow from now on. None: it decides nothing."""
+        return None
 
     def aggregate_into(
         self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False

@@ -406,9 +406,9 @@ class DistributedOptimizer(WrappingOptimizer):
     def _check_shapes(self, optimizer_state: Any, grace_state: Any) -> None:
         """A checkpoint of a differently shaped model is refused here, not one step later:
         per-parameter tensors of the optimizer's state (momentum buffers) must have their
-        parameter's shape, and tensors the grace state keys by a parameter's name its size."""
+        parameter's shape, and what grace's parts keep per parameter the size each part
+        declares for that shape (:meth:`~grace_dgc.interfaces.Part.state_numels`)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        names = {name: p for p, name in self._names.items()}
         saved = [i for group in optimizer_state.get("param_groups", []) for i in group.get("params", [])]
         per_param = optimizer_state.get("state", {}) if isinstance(optimizer_state, dict) else {}
         problems = []
@@ -418,15 +418,8 @@ class DistributedOptimizer(WrappingOptimizer):
                     name = self._names.get(param, index)
                     problems.append(f"{key} of {name!r}: {tuple(value.shape)} for {tuple(param.shape)}")
 
-        def walk(node: Any, where: str) -> None:
-            if isinstance(node, dict):
-                for key, value in node.items():
-                    if key in names and torch.is_tensor(value) and value.numel() != names[key].numel():
-                        problems.append(f"{where}[{key!r}]: {value.numel()} elements for {tuple(names[key].shape)}")
-                    else:
-                        walk(value, f"{where}[{key!r}]")
-
-        walk(grace_state, "grace")
+        if grace_state:
+            problems += self.grace.shape_problems(grace_state, {name: p.shape for p, name in self._names.items()})
         if problems:
             raise GraceConfigError(
                 f"this checkpoint is of a differently shaped model: {'; '.join(problems[:4])}"

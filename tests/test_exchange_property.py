@@ -2,8 +2,10 @@
 
 Hypothesis draws a case — communicator (and its parameters) × a compressor it accepts ×
 a fusion group of 1–3 tensors mixing fp32/fp16/bf16/fp64 with sizes from 1 (fewer
-elements than ranks) to 4096 × which ranks hold all-zero gradients (empty sparse
-payloads) × seed — and runs two steps of it on 2 and on 3 gloo ranks kept alive across
+elements than ranks) to 4096, laid out contiguous, strided (every other element),
+transposed or channels_last (issue 38: gradients of channels_last convolutions are not
+contiguous) × the memory (none, residual) × which ranks hold all-zero gradients (empty
+sparse payloads) × seed — and runs two steps of it on 2 and on 3 gloo ranks kept alive across
 cases (tests/rank_pool.py). Each result is checked against references computed here:
 
 * on every communicator, ranks hold bitwise identical, finite averages;
@@ -45,7 +47,7 @@ COMMUNICATOR_PARAMS = {
     "reduce_scatter": [{"error_feedback": True}, {"error_feedback": False}],
     "hierarchical": [
         {"outer": outer, "group_size": size}
-        for outer in ("allgather", "allreduce", "reduce_scatter", "sparse_allreduce")
+        for outer in ("allgather", "allreduce", "reduce_scatter", "sparse_allreduce", "auto")
         for size in (1, 2)
     ],
     "auto": [{"bandwidth": 1e9, "latency": 1e-5}],
@@ -83,27 +85,46 @@ def accepted_pairs():
 
 PAIRS = accepted_pairs()
 SIZES = st.one_of(st.sampled_from([1, 2, 3, 5, 37, 4096]), st.integers(1, 3000))
-TENSOR = st.tuples(SIZES, st.sampled_from(sorted(DTYPES)), st.sampled_from([1e-2, 1.0, 30.0]))
+LAYOUTS = {"contiguous": 1, "strided": 1, "transposed": 2, "channels_last": 6}  # layout -> elements per size
+TENSOR = st.tuples(
+    SIZES, st.sampled_from(sorted(DTYPES)), st.sampled_from([1e-2, 1.0, 30.0]), st.sampled_from(sorted(LAYOUTS))
+)
 CASE = st.fixed_dictionaries(
     {
         "pair": st.sampled_from(sorted(COMMUNICATOR_PARAMS)).flatmap(
             lambda comm: st.sampled_from([pair for pair in PAIRS if pair[0] == comm])
         ),
         "tensors": st.lists(TENSOR, min_size=1, max_size=3),
+        "memory": st.sampled_from(["none", "residual"]),
         "zero_ranks": st.sets(st.integers(0, 2), max_size=2),
         "seed": st.integers(0, 2**20),
     }
 )
 
 
+def laid_out(values, layout):
+    """``values`` (1-D) as a tensor of ``layout``; its elements in logical order are ``values``."""
+    n = values.numel() // LAYOUTS[layout]
+    if layout == "strided":
+        spaced = torch.zeros(2 * n, dtype=values.dtype)
+        spaced[::2] = values
+        return spaced[::2]
+    if layout == "transposed":
+        return values.view(n, 2).t().contiguous().t()
+    if layout == "channels_last":
+        return values.view(1, 3, n, 2).contiguous(memory_format=torch.channels_last)
+    return values
+
+
 def inputs(case, rank, step):
     out = []
-    for i, (size, dtype, scale) in enumerate(case["tensors"]):
+    for i, (size, dtype, scale, layout) in enumerate(case["tensors"]):
+        numel = size * LAYOUTS[layout]
         if rank in case["zero_ranks"]:
-            out.append(torch.zeros(size, dtype=DTYPES[dtype]))
+            out.append(laid_out(torch.zeros(numel, dtype=DTYPES[dtype]), layout))
             continue
         gen = torch.Generator().manual_seed(case["seed"] * 1009 + step * 101 + rank * 11 + i)
-        out.append((torch.randn(size, generator=gen, dtype=torch.float64) * scale).to(DTYPES[dtype]))
+        out.append(laid_out((torch.randn(numel, generator=gen, dtype=torch.float64) * scale).to(DTYPES[dtype]), layout))
     return out
 
 
@@ -111,7 +132,7 @@ def case_job(rank, world, case):
     """Two steps of the case on this rank: inputs, what was sent, results, owner errors."""
     comm, comm_params, comp = case["pair"]
     try:
-        grace = grace_dgc.build(comp, "none", comm, **compressor_params(comp), **comm_params)
+        grace = grace_dgc.build(comp, case["memory"], comm, **compressor_params(comp), **comm_params)
     except GraceConfigError as error:  # a refusal is an answer, if every rank gives it
         return {"refused": str(error)}
     names = [f"t{i}" for i in range(len(case["tensors"]))]
@@ -120,8 +141,9 @@ def case_job(rank, world, case):
         x = inputs(case, rank, step)
         record = {"x": x}
         if comm in SINGLE_STAGE or comm == "reduce_scatter":
-            local = copy.deepcopy(grace.wire)
-            record["sent"] = [local.decompress(*local.compress(t.clone(), n)) for t, n in zip(x, names)]
+            local, memory = copy.deepcopy(grace.wire), copy.deepcopy(grace.memory)
+            compensated = [memory.compensate(t.clone(), n) for t, n in zip(x, names)]
+            record["sent"] = [local.decompress(*local.compress(c, n)) for c, n in zip(compensated, names)]
         if comm == "reduce_scatter":
             record["carried_before"] = {n: e.clone() for n, e in grace.communicator.errors.items()}
         record["out"] = grace.step_group_async(x, names).result()
@@ -156,13 +178,13 @@ def check(case, results, world):
         records = [r["steps"][step] for r in results]
         for i, _ in enumerate(case["tensors"]):
             outs = [rec["out"][i] for rec in records]
-            x = torch.stack([rec["x"][i].double() for rec in records])
+            x = torch.stack([rec["x"][i].double().reshape(-1) for rec in records])
             dtype = records[0]["x"][i].dtype
             where = f"{comm}{comm_params} {comp} step {step} tensor {i} ({dtype}, n={x.shape[1]})"
             assert outs[0].dtype == dtype and outs[0].shape == records[0]["x"][i].shape, where
             for rank, out in enumerate(outs[1:], 1):
                 assert torch.equal(out, outs[0]), f"{where}: rank {rank} differs from rank 0"
-            out = outs[0].double()
+            out = outs[0].double().reshape(-1)
             assert bool(torch.isfinite(out).all()), f"{where}: not finite"
             if comp in EXACT:
                 exact = x.mean(dim=0)
@@ -171,7 +193,7 @@ def check(case, results, world):
                 assert error <= tol, f"{where}: max |out - exact average| = {error:.3g} > {tol:.3g}"
             if "sent" not in records[0]:
                 continue
-            sent = torch.stack([rec["sent"][i].double() for rec in records])
+            sent = torch.stack([rec["sent"][i].double().reshape(-1) for rec in records])
             scale = maxabs(sent)
             tol = tolerance(dtype, wire_dtype(comp, dtype), world, scale)
             if comm in SINGLE_STAGE:

@@ -647,15 +647,16 @@ def test_an_fp16_overflow_is_skipped_not_silent_and_leaves_the_memory_as_it_was(
     assert torch.equal(grace.step(torch.ones(4), "w"), expected.half().float())
 
 
-def extra_step_job(rank, world_size):
-    """Rank 1 takes one step more than rank 0, which has finished and left."""
+def extra_step_job(rank, world_size, leaving=0):
+    """Every rank but ``leaving`` takes one step more; ``leaving`` has finished its loop and
+    exited normally."""
     grace = grace_dgc.build("none", "none", "allreduce", timeout=10)
     grace.step(torch.ones(4), "w")
-    if rank == 0:
+    if rank == leaving:
         return None
     import time
 
-    time.sleep(1.0)  # rank 0 is gone by now
+    time.sleep(1.0)  # the leaving rank is gone by now
     try:
         grace.step(torch.ones(4), "w")
     except grace_dgc.GraceCommError as error:
@@ -663,12 +664,23 @@ def extra_step_job(rank, world_size):
     return "no error"
 
 
-def test_a_rank_stepping_more_than_the_others_gets_an_error_naming_who_is_gone():
+@pytest.mark.parametrize("world, leaving", [(2, 0), (2, 1), (3, 2)])
+def test_a_rank_stepping_more_than_the_others_gets_an_error_naming_who_is_gone(world, leaving):
+    """Uneven steps without join(): the survivors' error says which rank has left and that
+    join() is the fix (a rank other than 0 says so in the store as it exits; rank 0 hosts
+    the store, so its exit can only be suspected)."""
     from grace_dgc.launch import run_local
 
-    _, message = run_local(extra_step_job, 2, timeout=120)
-    assert "allreduce" in message and "failed on rank 1 of 2" in message, message
-    assert "rank 0" in message, message
+    results = run_local(extra_step_job, world, (leaving,), timeout=120)
+    for rank, message in enumerate(results):
+        if rank == leaving:
+            continue
+        assert "allreduce" in message and f"failed on rank {rank} of {world}" in message, message
+        assert "optimizer.join(" in message, message
+        if leaving == 0:
+            assert "rank 0" in message, message
+        else:
+            assert f"rank {leaving} has left: its process exited normally" in message, message
 
 
 # -- a failure on one rank reaches every rank (issue 20) ------------------------------------

@@ -72,10 +72,9 @@ class Auto(Communicator):
         return None  # allgather carries every single-round compressor
 
     def setup(self) -> Any:
-        self.members = {}
-        for name in CANDIDATES:
-            self.members[name] = COMMUNICATORS.get(name)(self.engine)
-        if self.bandwidth is None or self.latency is None:
+        self.members = {name: COMMUNICATORS.get(name)(self.engine) for name in CANDIDATES}
+        # a node's other ranks under hierarchical follow their leader's plan: no link to measure
+        if (self.bandwidth is None or self.latency is None) and self.engine.collectives:
             self._measure_link()
         return self.engine
 
@@ -146,6 +145,13 @@ class Auto(Communicator):
         bucket["steps"] += 1
         self._decide(key, bucket)
         return sent, [SwitchContext(c.part, ctx, c.seconds) for c, ctx in zip(ctxs, sent_ctxs)]
+
+    def plan(self, names: list[str], adopt: Tensor | None = None) -> Tensor:
+        if adopt is not None:
+            for name, code in zip(names, adopt.tolist()):
+                self.choice[name] = CANDIDATES[code]
+            return adopt
+        return torch.tensor([CANDIDATES.index(self.choice.get(n, self._default())) for n in names])
 
     def _default(self) -> str:
         return "allreduce" if "allreduce" in self.fitting else "allgather"

@@ -43,7 +43,12 @@ class Chunked(Compressor):
         return self.inner.workspace
 
     def bounds(self, numel: int) -> list[int]:
-        return [numel * j // self.parts for j in range(self.parts + 1)]
+        return self.bounds_of(numel, self.parts)
+
+    @staticmethod
+    def bounds_of(numel: int, parts: int) -> list[int]:
+        """Where each of ``parts`` chunks of ``numel`` elements starts (and the end)."""
+        return [numel * j // parts for j in range(parts + 1)]
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         flat, bounds = tensor.reshape(-1), self.bounds(tensor.numel())

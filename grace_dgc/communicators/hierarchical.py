@@ -88,6 +88,7 @@ class Hierarchical(Communicator):
         self.leader = cross is not None
         self.nodes_view = NodesView(engine.rank // size, nodes, engine.name)
         self.outer = COMMUNICATORS.get(self.outer_name)(cross if cross is not None else self.nodes_view)
+        self.outer.setup()  # (auto: its members; the leaders measure the link between them)
         return self.nodes_view
 
     def wire_compressor(self, compressor: Compressor) -> Compressor:
@@ -95,6 +96,9 @@ class Hierarchical(Communicator):
         return self.outer.wire_compressor(compressor)
 
     def prereduce(self, tensors: list[Tensor], names: list[str]) -> list[Tensor]:
+        assert self.outer is not None
+        if self.leader:  # before the node's sum, so every rank of the node compresses the same s_n
+            tensors = self.outer.prereduce(tensors, names)  # (auto: a stranded owner error)
         sums: list[Tensor] = [t for t in tensors]
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
@@ -110,6 +114,11 @@ class Hierarchical(Communicator):
         assert outer is not None
         if self.leader:
             sent = outer.aggregate_into(comp, payloads, ctxs, names, outs)
+        plan = outer.plan(names)
+        if plan is not None:  # the node's other ranks compress the next step as their leader decided
+            plan = self.node.broadcast(plan.to(outs[0].device), 0)
+            if not self.leader:
+                outer.plan(names, adopt=plan.cpu())
         for dtype in dict.fromkeys(o.dtype for o in outs):  # 3. the leader's result to its node
             members = [i for i, o in enumerate(outs) if o.dtype == dtype]
             flat = torch.cat([outs[i].reshape(-1) for i in members])

@@ -111,6 +111,13 @@ class ReduceScatter(Communicator):
                 first += width
         return payloads, ctxs
 
+    def state_numels(self, key: str, shape: torch.Size) -> set[int]:
+        """An owner's error covers its chunk of the tensor: any owner's size, since a rank-0
+        checkpoint's optimizer state carries rank 0's, which ``load_gathered_state`` then
+        replaces with this rank's own."""
+        bounds = Chunked.bounds_of(shape.numel(), self.engine.size)
+        return {stop - start for start, stop in zip(bounds, bounds[1:])}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("errors") and not self.error_feedback:  # they would be added again at every step
             raise GraceConfigError(

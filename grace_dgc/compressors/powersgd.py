@@ -101,6 +101,10 @@ class PowerSGDCompressor(Compressor):
         rank = min(n, m, self.compress_rank)
         return rank if (n + m) * rank * self.min_compression_rate < n * m else 0
 
+    def state_numels(self, key: str, shape: torch.Size) -> tuple[int, ...] | None:
+        """Q of a low-rank tensor is m × r (none is kept for a tensor sent dense)."""
+        return (torch.Size(shape[1:]).numel() * self.low_rank(shape),) if key == "q" else None
+
     def initial_q(self, name: str, m: int, rank: int, dtype: torch.dtype) -> Tensor:
         draw = self.draws.get(name, 0)
         self.draws[name] = draw + 1

@@ -27,6 +27,7 @@ class Engine:
     name = "base"
     rank = 0
     size = 1
+    collectives = True  # False: a view of the world that refuses collectives (hierarchical's NodesView)
 
     @property
     def backend(self) -> str:

@@ -10,6 +10,8 @@ class NodesView(Engine):
     """The world as the compressor and memory see it under ``hierarchical``: one rank per
     node (``rank`` = the node's index), no collectives of its own."""
 
+    collectives = False
+
     def __init__(self, rank: int, size: int, name: str) -> None:
         super().__init__()
         self.rank, self.size, self.name = rank, size, name

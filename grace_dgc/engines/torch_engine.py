@@ -16,6 +16,30 @@ from .base import Engine, pad_to
 
 ERROR_KEY = "grace/error/"  # + global rank: the error a rank posted before leaving (see fail)
 SEEN_KEY = "grace/error-seen/"  # + global rank: it has read a posted error
+LEFT_KEY = "grace/left/"  # + global rank: its process exited normally (see _say_when_leaving)
+UNEVEN_HINT = (
+    "ranks that run different numbers of steps (uneven data, an early break) must train inside "
+    "`with optimizer.join(module=model):` (DistributedOptimizer.join; with the DDP hook, torch's Join)"
+)
+_leaving: list[bool] = []
+
+
+def _say_when_leaving(store: Any, global_rank: int) -> None:
+    """Once per process: at a normal exit, write LEFT_KEY in the store (bounded, best effort),
+    so that a rank still in a collective with this one can say it has left, finished, rather
+    than "did not answer": the usual cause is uneven steps without ``join()``."""
+    if _leaving:
+        return
+    _leaving.append(True)
+    import atexit
+
+    def leave() -> None:
+        try:
+            bounded(lambda: store.set(f"{LEFT_KEY}{global_rank}", "1"), 2)
+        except Exception:  # the store's host (rank 0) may have exited first
+            pass
+
+    atexit.register(leave)
 
 
 def bounded(fn: Callable[[], Any], seconds: float) -> Any:
@@ -94,6 +118,7 @@ class TorchEngine(Engine):
         self._polled = "nccl" in self._backend  # see _run
         if "gloo" in self._backend:
             _settle_gloo_at_exit()
+        _say_when_leaving(dist.distributed_c10d._get_default_store(), self._global(self.rank))
 
     @property
     def backend(self) -> str:
@@ -191,8 +216,8 @@ class TorchEngine(Engine):
         except Exception as store_error:
             return (
                 f"{what}; the store (hosted by rank 0) is unreachable too ({type(store_error).__name__}): rank 0 "
-                "stopped or died, or already exited after an error of its own; this rank cannot tell which "
-                "rank failed first: look at rank 0's log"
+                "stopped or died, or already exited (after an error of its own, or at the end of its loop: "
+                f"{UNEVEN_HINT}); this rank cannot tell which: look at rank 0's log"
             )
 
     def _patience(self) -> float:
@@ -225,6 +250,13 @@ class TorchEngine(Engine):
         if posted:
             return f"{what}; {posted}"
         self._linger_as_host(store, [r for r in range(self.size) if r != self.rank and r not in missing])
+        left = [r for r in missing if store.check([f"{LEFT_KEY}{self._global(r)}"])]
+        if left:
+            return (
+                f"{what}; rank{'s' if len(left) > 1 else ''} {', '.join(map(str, left))} ha"
+                f"{'ve' if len(left) > 1 else 's'} left: {'their' if len(left) > 1 else 'its'} process exited "
+                f"normally while this rank still exchanged, i.e. it finished its loop first; {UNEVEN_HINT}"
+            )
         if missing:
             return (
                 f"{what}; rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
