@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from functools import partial
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import handshake
+from . import handshake, wire
 from .engines import AutoEngine, create_engine
 from .engines.base import Engine
 from .errors import GraceConfigError, GraceNonFiniteError, check_range, on_every_rank
@@ -96,7 +96,18 @@ class Grace:
         self._worker: ThreadPoolExecutor | None = None
         self._rides = False  # see _prepare
         self._audited = False  # the parts' declarations checked against what they keep
+        self._watched: dict[str, Tensor] = {}  # see watch: compared across ranks at the next exchange
+        self._watched_optimizer: torch.optim.Optimizer | None = None
+        self._loaded_rank: int | None = None  # whose state load_state_dict restored (None: none loaded)
         self.reset_stats()
+
+    def watch(self, params: Mapping[str, Tensor], optimizer: torch.optim.Optimizer | None = None) -> None:
+        """The model a wrapper trains (DistributedOptimizer, the DDP hook): at the next exchange
+        (1) the ranks compare a fingerprint of each parameter's values, and ranks that start from
+        different models are a :class:`GraceConfigError` naming the parameters and the fix
+        (``broadcast_parameters``), not a silent divergence; (2) a resume that restored
+        ``optimizer``'s state but not grace's own (or another rank's) is warned about once."""
+        self._watched, self._watched_optimizer = dict(params), optimizer
 
     def expect_groups(self, groups: Sequence[Sequence[tuple[str, Tensor]]]) -> None:
         """Declare the fusion groups of one step, in order, as (name, tensor) pairs: the
@@ -224,6 +235,10 @@ class Grace:
         if signature not in self._agreed:  # first exchange of this group: do ranks agree?
             handshake.agree(self, tensors, names)
             self._agreed.add(signature)
+        if self._watched:  # once, before anything is stepped: the same model on every rank?
+            watched, self._watched = self._watched, {}
+            handshake.agree_replicas(self.engine, watched, tensors[0].device)
+            self._warn_of_a_partial_resume()
         if self._wire_of is not self.compressor:
             self.wire, self._wire_of = self.communicator.wire_compressor(self.compressor), self.compressor
         # a NaN/Inf rides along in a plain sum to every rank when nothing keeps state
@@ -240,6 +255,29 @@ class Grace:
                         stacklevel=2,
                     )
 
+    def _warn_of_a_partial_resume(self) -> None:
+        """A run whose optimizer state was restored while grace's was not (or was another
+        rank's) trains on, with its error feedback, momenta or Q lost: say so once."""
+        if not any(part.STATE for _, part in self._parts()):
+            return  # nothing of grace's to lose
+        fix = (
+            "save every rank's grace state (grace_dgc.gather_state(optimizer) into rank 0's file, restored with "
+            "grace_dgc.load_gathered_state; or grace_dgc.PerRankState with torch.distributed.checkpoint; or "
+            "DistributedOptimizer.state_dict() written by every rank)"
+        )
+        if self._loaded_rank is not None and self._loaded_rank != self.rank:
+            warnings.warn(
+                f"rank {self.rank} resumed from rank {self._loaded_rank}'s grace state, which holds that rank's "
+                f"memory, not this one's: {fix}",
+                stacklevel=2,
+            )
+        elif self._loaded_rank is None and self._watched_optimizer is not None and self._watched_optimizer.state:
+            warnings.warn(
+                "the optimizer has state (a resumed run?) but grace's state starts empty: what the "
+                f"{_describe(self._methods())} kept (error feedback, momenta, factors) was not restored; {fix}",
+                stacklevel=2,
+            )
+
     def _sources(
         self, tensors: list[Tensor], names: list[str], outputs: list[Tensor], inplace: bool
     ) -> tuple[list[Tensor], list[str], list[Tensor], bool]:
@@ -255,7 +293,7 @@ class Grace:
             flat = flat_span(tensors)
             if flat is not None:
                 return [flat], [names[0] + "…"], [flat], consume
-        return [t if t.is_contiguous() else t.contiguous() for t in tensors], names, outputs, consume
+        return [wire.dense(t) for t in tensors], names, outputs, consume
 
     def _guard(self, tensors: list[Tensor], keys: list[str]) -> dict[str, dict[str, Any]] | None:
         """A finite gradient may still overflow on the wire (fp16: beyond ±65504): then the
@@ -432,6 +470,7 @@ class Grace:
             "format": self.STATE_FORMAT,
             "methods": self._methods(),
             "world_size": self.world_size,
+            "rank": self.rank,  # per-rank state: a resume on another rank is warned about
             "settings": {kind: settings[kind]["settings"] for kind, _ in self._parts()},
             "compressor": self.compressor.state_dict(),
             "memory": self.memory.state_dict(),
@@ -476,6 +515,7 @@ class Grace:
             self.communicator.load_state_dict(state.get("communicator", {}))
             self.compressor.load_state_dict(state["compressor"])
             self.memory.load_state_dict(state["memory"])
+            self._loaded_rank = state.get("rank", self.rank)
         except (KeyError, TypeError, AttributeError, StateMismatch) as error:
             raise GraceConfigError(
                 f"the state does not fit {_describe(self._methods())} ({type(error).__name__}: "

@@ -116,5 +116,45 @@ def _compare(engine: Engine, mine: dict[str, str], fields: Sequence[str], device
     )
 
 
+def fingerprint(tensor: Tensor) -> Tensor:
+    """One int64 of ``tensor``'s values: the sum of their bit patterns. Integer sums do not
+    depend on the order of the additions (two's complement wraps), so ranks that hold the same
+    values get the same number whatever their threads or device, and different ones almost
+    never do."""
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(tensor.element_size())
+    values = tensor.detach() if as_int is not None else tensor.detach().float()
+    return values.view(as_int or torch.int32).sum(dtype=torch.int64)
+
+
+def agree_replicas(engine: Engine, params: Mapping[str, Tensor], device: torch.device) -> None:
+    """Raise on every rank when the ranks' ``params`` (name -> tensor) hold different values:
+    one fixed-size allgather of a hash of every parameter's :func:`fingerprint`; on a
+    difference, every rank's fingerprints to name the parameters that differ."""
+    if engine.size == 1 or not params:
+        return
+    prints = torch.stack([fingerprint(p) for p in params.values()]).cpu()
+    digest = hashlib.blake2b(prints.numpy().tobytes(), digest_size=8).digest()
+    mine = torch.tensor([len(params), int.from_bytes(digest, "little") >> 1], dtype=torch.int64, device=device)
+    table = torch.stack(engine.allgather(mine)).cpu()
+    if bool((table == table[0]).all()):
+        return
+    everyone = [engine.broadcast_object(prints if engine.rank == root else None, root) for root in range(engine.size)]
+    names = list(params)
+    differing = [
+        name
+        for i, name in enumerate(names)
+        if any(len(other) != len(names) or other[i] != everyone[0][i] for other in everyone)
+    ]
+    shown = ", ".join(differing[:6]) + (f" and {len(differing) - 6} more" if len(differing) > 6 else "")
+    raise on_every_rank(
+        GraceConfigError(
+            f"the ranks train different models: the values of {shown or 'the parameter list'} differ between "
+            "ranks at the first step (each rank initialized its own, e.g. seeded by its rank). Call "
+            "grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0) once after building the model "
+            "(and after loading a checkpoint), as DDP does at construction"
+        )
+    )
+
+
 def _short(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"

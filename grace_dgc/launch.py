@@ -12,15 +12,86 @@ import pickle
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.multiprocessing as mp
+
+from . import environment
 
 if TYPE_CHECKING:
     from multiprocessing.queues import SimpleQueue
 
 T = TypeVar("T")
+
+
+def threads_per_rank(ranks: int) -> int:
+    """The intra-op threads each of ``ranks`` ranks on this machine runs with: one rule for
+    every launcher (``run_local``, so the survey's own ranks; script mode's ``local``,
+    torchrun and horovodrun prefixes), so that no launcher decides a comparison. The value
+    of ``OMP_NUM_THREADS`` when set (the user's choice, for all of them), else the cores
+    shared out, cores // ranks, at least 1."""
+    given = environment.read_int("OMP_NUM_THREADS", None, low=1)
+    return given if given is not None else max(1, (os.cpu_count() or 1) // ranks)
+
+
+def rank_environment(ranks: int) -> dict[str, str]:
+    """The variables that carry :func:`threads_per_rank` into a rank's process. They must be
+    in its environment before torch starts: OpenMP reads them once, at load, and a thread
+    count set later with ``torch.set_num_threads`` applies to the calling thread only, not to
+    threads started afterwards (grace's communication thread, where PowerSGD multiplies)."""
+    threads = str(threads_per_rank(ranks))
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+
+
+def conditions() -> dict[str, Any]:
+    """The launch conditions this process runs under, as a run records them: its intra-op
+    threads on this thread and on a thread started now (they differ when only
+    ``torch.set_num_threads`` set them), ``OMP_NUM_THREADS``, the cores and the machine's load
+    (1-minute load average, and per core)."""
+    import threading
+
+    import torch
+
+    seen: list[int] = []
+    probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()), name="grace-threads-probe")
+    probe.start()
+    probe.join()
+    return {
+        "threads": torch.get_num_threads(),
+        "threads_other": seen[0],
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        **machine_load(),
+    }
+
+
+def machine_load() -> dict[str, float | int | None]:
+    """The machine's cores and its 1-minute load average, whole and per core (None where the
+    platform has no load average)."""
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {
+        "cores": cores,
+        "load": None if load is None else round(load, 2),
+        "load_per_core": None if load is None else round(load / cores, 2),
+    }
+
+
+def launch_record(
+    launcher: str, ranks: Sequence[Mapping[str, object]], start: Mapping[str, object]
+) -> dict[str, object]:
+    """What a run's summary records of how it was launched: the launcher, each rank's threads
+    (:func:`conditions`), the rule's value, and the machine's load at the start and the end."""
+    return {
+        "launcher": launcher,
+        "threads": [r.get("threads") for r in ranks],
+        "threads_other": [r.get("threads_other") for r in ranks],
+        "omp_num_threads": ranks[0].get("omp_num_threads") if ranks else None,
+        "cores": start.get("cores"),
+        "load_start": start.get("load_per_core"),
+        "load_end": machine_load()["load_per_core"],
+    }
 
 
 def free_port() -> int:
@@ -46,8 +117,9 @@ def _worker(
     try:
         import torch
 
-        # ranks share the machine's cores: don't let each spin up a full-size thread pool
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # the rule of every launcher (rank_environment set it before torch started): this
+        # thread's count follows it too, as OpenMP's variable gives it
+        torch.set_num_threads(threads_per_rank(world_size))
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size)
@@ -59,6 +131,20 @@ def _worker(
             dist.destroy_process_group()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+
+
+@contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_local(
@@ -80,8 +166,9 @@ def run_local(
     collected: dict[int, T] = {}
     failures: list[tuple[int, str]] = []
     try:
-        for proc in procs:
-            proc.start()
+        with _environment(rank_environment(world_size)):  # a spawned rank inherits it as it starts
+            for proc in procs:
+                proc.start()
         deadline = time.monotonic() + timeout
         while len(collected) + len(failures) < world_size:
             if results.empty():

@@ -178,6 +178,7 @@ class DistributedOptimizer(WrappingOptimizer):
         # ranks compare every bucket at the first exchange, not bucket by bucket as they come
         grace.wrapper = {"backward_passes_per_step": backward_passes_per_step, "fusion_bytes": fusion_bytes}
         grace.expect_groups([[(self._names[p], p) for p in bucket] for bucket in self._buckets])
+        grace.watch({name: p for p, name in self._names.items()}, optimizer)
 
     @classmethod
     def _make_buckets(cls, params: list[torch.nn.Parameter], fusion_bytes: int) -> list[list[torch.nn.Parameter]]:

@@ -20,8 +20,17 @@ from .workspace import Workspace, for_chunks
 
 
 def as_bytes(tensor: Tensor) -> Tensor:
-    """The raw bytes of ``tensor`` as a 1-D uint8 view (a copy only if not contiguous)."""
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
+    """The raw bytes of ``tensor`` as a 1-D uint8 view (a copy only if not dense)."""
+    return dense(tensor).reshape(-1).view(torch.uint8)
+
+
+def dense(tensor: Tensor) -> Tensor:
+    """``tensor``, or a contiguous copy when it is not contiguous or its last stride is not 1:
+    torch calls a one-element tensor sliced with a step contiguous, yet views of another
+    element size (the bytes on the wire, a compressor's bit tricks) refuse its stride."""
+    if tensor.is_contiguous() and (tensor.dim() == 0 or tensor.stride(-1) == 1):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def encode(payload: Sequence[Tensor]) -> tuple[Tensor, Tensor]:

@@ -15,6 +15,7 @@ import torch
 import grace_dgc
 
 from ..errors import GraceConfigError
+from ..launch import conditions, launch_record
 from .cell import Cell
 from .context import Context
 from .results import Record, append_record
@@ -38,6 +39,7 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
         lr = workload.lr
     attempt = ctx.broadcast_object(uuid.uuid4().hex[:12])
     started = datetime.datetime.now().isoformat(timespec="seconds")
+    at_start = conditions()  # this rank's threads and the machine's load as training starts
     base: Record = cell.record_head(attempt)
 
     def on_epoch(record: Record) -> None:
@@ -62,6 +64,11 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
     finally:
         if writer is not None:
             writer.close()
+    ranks = [
+        {"threads": int(t), "threads_other": int(o)}
+        for t, o in ctx.gather([at_start["threads"], at_start["threads_other"]])
+    ]
+    ranks[0]["omp_num_threads"] = at_start["omp_num_threads"]
     target = workload.target_accuracy
     reached = None if target is None else next((h for h in history if h["test_accuracy"] >= target), None)
     timed = [h for h in history if h["timed_steps"]] or history
@@ -115,6 +122,7 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
         backend=ctx.backend,
         engine=ctx.engine_kind,
         **host_fields(),
+        launch=launch_record("survey", ranks, at_start),
         started=started,
         finished=datetime.datetime.now().isoformat(timespec="seconds"),
         method_stats=last["method_stats"],

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import GraceConfigError
+from .conditions import launch_lines
 from .extras import require
 from .results import CONFIG_JSON, Record, latest_summaries, read_records
 from .units import human_bytes, human_seconds
@@ -822,6 +823,7 @@ def write_report(out_dir: str, report_dir: str | None = None) -> str:
         f"{', '.join(map(str, seeds))}; {_setup_text(first)}",
         f"- Device: {first.get('device')}, backend {first.get('backend')}, torch {first.get('torch')}, "
         f"host {first.get('host')}",
+        *launch_lines([r for g in groups for r in g.runs]),
         "",
     ]
     if first.get("target_accuracy") is None:  # a workload or script without a target

@@ -62,6 +62,7 @@ import torch
 import grace_dgc
 
 from ..errors import GraceConfigError
+from ..launch import launch_record, machine_load
 from ..stats import COUNTERS, TIMERS, WAIT
 from .results import Record, append_record
 
@@ -244,6 +245,10 @@ def report_metrics(epoch: int | None = None, *, train_time_s: float | None = Non
         "backend": session.grace.engine.backend,
         "engine": session.grace.engine.name,
     }
+    if len(session.history) == 1:  # the rank's threads, as its launcher started it
+        from ..launch import conditions
+
+        line["conditions"] = conditions()
     with open(os.path.join(session.directory, f"rank{session.rank}.jsonl"), "a") as f:
         f.write(json.dumps(line) + "\n")
     session.grace.set_epoch(done)  # the next epoch, 0-based, is the number of epochs done
@@ -291,7 +296,7 @@ def _run_dir(out_dir: str, cell: Cell, attempt: str) -> str:
 
 def _start(cell: Cell, directory: str, backend: str, device: str) -> list[tuple[str, subprocess.Popen[bytes]]]:
     """The cell's processes: one per rank (local) or the launcher's one, each logging to a file."""
-    from ..launch import free_port
+    from ..launch import free_port, rank_environment
 
     port = free_port()
     env = dict(os.environ)
@@ -306,14 +311,15 @@ def _start(cell: Cell, directory: str, backend: str, device: str) -> list[tuple[
                 command, env=process_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
 
+    # every launcher's ranks get the same threads (torchrun keeps an OMP_NUM_THREADS it is given,
+    # horovodrun passes the environment on): the rule of grace_dgc.launch, as the survey's own ranks
+    env.update(rank_environment(cell.workers))
     if cell.launcher != "local":
         return [("launcher", start("launcher.log", env))]
     procs = []
-    threads = max(1, (os.cpu_count() or 1) // cell.workers)  # ranks share the cores, as torchrun sets it
     for rank in range(cell.workers):
         rank_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
         rank_env.update(WORLD_SIZE=str(cell.workers), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(cell.workers))
-        rank_env.setdefault("OMP_NUM_THREADS", str(threads))
         procs.append((f"rank {rank}", start(f"rank{rank}.log", rank_env)))
     return procs
 
@@ -487,6 +493,7 @@ def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, devi
     attempt = os.urandom(6).hex()
     directory = _run_dir(out_dir, cell, attempt)
     started = datetime.datetime.now().isoformat(timespec="seconds")
+    at_start = machine_load()
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
         procs = _start(cell, directory, backend, device)
@@ -502,6 +509,8 @@ def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, devi
         )
     reports = _read_reports(directory, cell.workers, cell.run_id)
     summary = compose(cell, reports, attempt, started, backend, device)
+    ranks = [reports[r][0].get("conditions", {}) for r in sorted(reports)]
+    summary["launch"] = launch_record("script " + cell.launcher, ranks, at_start)
     epochs = summary.pop("_epochs")
     for record in epochs:
         append_record(out_dir, record)
