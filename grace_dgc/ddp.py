@@ -16,6 +16,7 @@ iteration). Grace averages over ranks, which is the division DDP's built-in allr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -63,6 +64,24 @@ class GraceHookState:
         elif optimizer is not None:
             raise GraceConfigError("ddp_comm_hook(grace, model, optimizer): optimizer needs the model")
         self._named_by_model = model is not None
+        # the training thread's wait on this backward's exchanges (see _end_of_backward)
+        self._timing = False
+        self._pending: list[torch.futures.Future[Tensor]] = []
+
+    def _end_of_backward(self) -> None:
+        """Queued on autograd's engine at a backward's first bucket, so it runs at the end of
+        backward ahead of DDP's own end-of-backward (queued once every bucket was handed
+        over), which blocks until every bucket's Future is done: it waits for them here first,
+        so the time the training thread blocks on the exchanges is measured where it blocks."""
+        started = time.perf_counter()
+        for future in self._pending:
+            try:
+                future.wait()
+            except BaseException:  # DDP's own wait raises it from backward
+                break
+        self.grace.add_wait(time.perf_counter() - started)
+        self._pending.clear()
+        self._timing = False
 
     def name_of(self, param: Tensor) -> str:
         name = self.names.get(param)
@@ -97,6 +116,12 @@ def grace_hook(state, bucket):  # type: (GraceHookState, GradBucket) -> torch.fu
     it completes on grace's communication thread when the bucket's exchange is done.
     """
     grads, params = bucket.gradients(), bucket.parameters()
+    if not state._timing:  # the first bucket of this backward: time the wait at its end
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(state._end_of_backward)
+            state._timing = True
+        except RuntimeError:  # called outside a backward (by hand): nothing blocks on it there
+            pass
     # Views into DDP's flat bucket buffer, handed over: grace writes the averages into them
     # (and sums them where they lie when nothing else reads them).
     group = state.grace.step_group_async(grads, [state.name_of(param) for param in params], inplace=True)
@@ -121,6 +146,8 @@ def grace_hook(state, bucket):  # type: (GraceHookState, GradBucket) -> torch.fu
             result.set_exception(error)  # type: ignore[arg-type]  # torch's stub: the result's type
 
     group.add_done_callback(write_back)
+    if state._timing:
+        state._pending.append(result)
     return result
 
 

@@ -26,6 +26,7 @@ entry-point group ``grace_dgc.schedules``) and built with :func:`create`::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -238,7 +239,9 @@ class OuterSync(WrappingOptimizer):
                 ]
                 names = [self._names[p] for p in group]
                 pending.append((group, self.grace.step_group_async(deltas, names, inplace=True)))
+            waiting = time.perf_counter()  # the training thread blocks here until the round's exchanges end
             averages = {p: average for group, future in pending for p, average in zip(group, future.result())}
+            self.grace.add_wait(time.perf_counter() - waiting)
             for p in self._names:  # θ ← θ_start
                 p.copy_(start[p])
         self.since_sync = 0

@@ -239,6 +239,7 @@ def test_bad_input_and_pickling():
             "format": 2,
             "methods": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
             "world_size": 1,
+            "rank": 0,  # issue 39: a resume on another rank is warned about
             "settings": {"compressor": {}, "memory": {}, "communicator": {}},  # issue 26
             "compressor": {},
             "memory": {},

@@ -135,7 +135,7 @@ from grace_dgc.engines import torch_engine
 dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
 before = atexit._ncallbacks()
 torch_engine.TorchEngine(), torch_engine.TorchEngine()
-print(atexit._ncallbacks() - before, torch_engine._settling)
+print(atexit._ncallbacks() - before, torch_engine._exit.get("settle"))
 dist.destroy_process_group()
 """
 
@@ -148,7 +148,7 @@ def test_a_gloo_engine_lets_gloos_workers_settle_once_at_exit():
 
     out = subprocess.run([sys.executable, "-c", SETTLE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["1", "[True]"]
+    assert out.stdout.split() == ["1", "True"]
 
 
 # -- checkpoints -----------------------------------------------------------------------------

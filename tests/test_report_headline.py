@@ -124,10 +124,11 @@ def section(text, title):
 
 
 def t_interval(values):
-    n = len(values)
-    mean = statistics.mean(values)
-    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
-    return mean - half, mean + half
+    """The 95% interval of the geometric mean: Student t on the logs, mapped back (a time or
+    an epoch count is positive; a plain t interval of 2 seeds' times went negative)."""
+    n, logs = len(values), [math.log(v) for v in values]
+    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(logs) / math.sqrt(n)
+    return math.exp(statistics.mean(logs) - half), math.exp(statistics.mean(logs) + half)
 
 
 # -- ranking -------------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def test_headline_is_the_first_table_and_follows_the_ranking_rule(tmp_path):
         assert by_label[label][5:11] == ["—"] * 6
     # a partial method's mean is over the seeds that reached it, and says so
     assert by_label["partial"][5] == "3.50 s (2 seeds)" and by_label["partial"][9] == "—"
-    assert by_label["one seed got there"][6] == "n/a (1 seed)"
+    assert by_label["one seed got there"][6] == "too few seeds (1; an interval needs 3)"
 
 
 def test_headline_intervals_speedups_and_welch_p_against_scipy(tmp_path):
@@ -207,8 +208,7 @@ def test_headline_intervals_speedups_and_welch_p_against_scipy(tmp_path):
         assert row[6] == f"[{lo:.2f}, {hi:.2f}] s"
         lo, hi = t_interval(epochs)
         assert row[7] == f"{statistics.mean(epochs):.2f}" and row[8] == f"[{lo:.2f}, {hi:.2f}]"
-    lo, hi = t_interval(PARTIAL_TIMES)
-    assert by_label["partial"][6] == f"[{lo:.2f}, {hi:.2f}] s"
+    assert by_label["partial"][6] == "too few seeds (2; an interval needs 3)"  # 2 of 3 seeds reached it
     assert by_label["dense"][9] == "1.00× (baseline)"
     assert by_label["fast"][9] == f"{statistics.mean(DENSE) / statistics.mean(FAST):.2f}×"
     p = stats.ttest_ind(FAST, DENSE, equal_var=False).pvalue
@@ -230,7 +230,7 @@ def test_no_speedup_when_the_baseline_itself_missed_the_target_in_a_seed(tmp_pat
 def test_one_seed_has_no_interval(tmp_path):
     records = run_records("dense", 0, time=10.0) + run_records("fast", 0, time=5.0)
     rows = {r[1]: r for r in table_rows(write(tmp_path, records), "| Rank | Method |")}
-    assert rows["fast"][4] == "yes (1 seed)" and rows["fast"][6] == "n/a (1 seed)"
+    assert rows["fast"][4] == "yes (1 seed)" and rows["fast"][6] == "too few seeds (1; an interval needs 3)"
     assert rows["fast"][9] == "2.00×" and rows["fast"][10] == "—"
 
 

@@ -436,10 +436,11 @@ def test_report_confidence_intervals_and_welch_tests(tmp_path):
     t = (0.86 - 0.91) / math.sqrt(s**2 / 2 + s**2 / 2)
     p = 2 * (1 - (0.5 + abs(t) / (2 * math.sqrt(2 + t * t))))
     row = next(line for line in text.splitlines() if line.startswith("| 1 | 2 | local | 2 | 0.8600 |"))
-    assert f"[{0.86 - half:.4f}, {0.86 + half:.4f}]" in row
+    assert "too few seeds (2; an interval needs 3)" in row  # [0.86 ± half] from 1 degree of freedom
+    assert report.confidence_interval([0.85, 0.87]) == pytest.approx((0.86, half))
     assert f"| 100 (send all) | -0.0500 | {t:.2f} | {p:.3g} | no significant difference |" in row
     assert "| 100 (send all) | 2 | local | 2 | 0.9100 |" in text and "(baseline)" in text
-    assert "| 0 (send none) | 2 | local | 1 | 0.1000 | n/a (1 seed) |" in text
+    assert "| 0 (send none) | 2 | local | 1 | 0.1000 | too few seeds (1; an interval needs 3) |" in text
     assert "not testable (needs ≥ 2 seeds each)" in text
     # a clear difference is called, with its direction
     assert report.welch_test([0.5, 0.51, 0.52], [0.9, 0.91, 0.92])[1] < 0.05

@@ -250,7 +250,7 @@ def test_a_toml_file_spec_runs_through_survey_report_and_projection(plugin_dir, 
     summaries, failures = runner.run_grid(conf, str(out), progress=False, log=lambda *a: None)
     assert not failures and len(summaries) == 2
     first = summaries[0]
-    assert first["workload"] == conf.workload and first["metric"] == "accuracy"
+    assert first["workload"] == "my_workloads.py:make" and first["metric"] == "accuracy"  # no absolute path
     assert first["dense_bytes_per_step"] == 4 * (12 * 16 + 16 + 16 * 2 + 2)
     with open(out / "survey_config.json") as f:  # a saved config reloads from anywhere
         assert cfg.SurveyConfig(json.load(f)).workload == conf.workload

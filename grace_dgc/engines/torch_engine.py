@@ -16,30 +16,11 @@ from .base import Engine, pad_to
 
 ERROR_KEY = "grace/error/"  # + global rank: the error a rank posted before leaving (see fail)
 SEEN_KEY = "grace/error-seen/"  # + global rank: it has read a posted error
-LEFT_KEY = "grace/left/"  # + global rank: its process exited normally (see _say_when_leaving)
+LEFT_KEY = "grace/left/"  # + global rank: its process exited normally (see _on_exit)
 UNEVEN_HINT = (
     "ranks that run different numbers of steps (uneven data, an early break) must train inside "
     "`with optimizer.join(module=model):` (DistributedOptimizer.join; with the DDP hook, torch's Join)"
 )
-_leaving: list[bool] = []
-
-
-def _say_when_leaving(store: Any, global_rank: int) -> None:
-    """Once per process: at a normal exit, write LEFT_KEY in the store (bounded, best effort),
-    so that a rank still in a collective with this one can say it has left, finished, rather
-    than "did not answer": the usual cause is uneven steps without ``join()``."""
-    if _leaving:
-        return
-    _leaving.append(True)
-    import atexit
-
-    def leave() -> None:
-        try:
-            bounded(lambda: store.set(f"{LEFT_KEY}{global_rank}", "1"), 2)
-        except Exception:  # the store's host (rank 0) may have exited first
-            pass
-
-    atexit.register(leave)
 
 
 def bounded(fn: Callable[[], Any], seconds: float) -> Any:
@@ -64,23 +45,37 @@ def bounded(fn: Callable[[], Any], seconds: float) -> Any:
     return box.get("value")
 
 
-GLOO_SETTLE_SECONDS = 0.1  # at exit, without the GIL (see _settle_gloo_at_exit)
-_settling: list[bool] = []
+GLOO_SETTLE_SECONDS = 0.1  # at exit, without the GIL (see _on_exit)
+_exit: dict[str, Any] = {}  # what this process's one exit handler does (see _on_exit)
 
 
-def _settle_gloo_at_exit() -> None:
-    """Once per process: at exit, sleep GLOO_SETTLE_SECONDS without the GIL before the
-    interpreter shuts down. A gloo worker frees a finished collective's tensors after the
-    collective completes, and that needs the GIL; one still doing it once the interpreter
-    is finalizing aborts the process ("terminate called without an active exception"; the
-    group outlives destroy_process_group(), README "Script mode"). The sleep lets it finish.
-    Joining the workers instead would deadlock: torch destroys a group with the GIL held."""
-    if _settling:
-        return
-    _settling.append(True)
-    import atexit
+def _on_exit(**what: Any) -> None:
+    """Add to what the process does at a normal exit, in one ``atexit`` handler however many
+    engines it made. ``leave=(store, global rank)``: write LEFT_KEY in the store (bounded,
+    best effort), so that a rank still in a collective with this one can say it has left,
+    finished, rather than "did not answer" (the usual cause: uneven steps without
+    ``join()``). ``settle=True``: then sleep GLOO_SETTLE_SECONDS without the GIL. A gloo worker
+    frees a finished collective's tensors after the collective completes, and that needs the
+    GIL; one still doing it once the interpreter is finalizing aborts the process
+    ("terminate called without an active exception"; the group outlives
+    destroy_process_group(), README "Script mode"). The sleep lets it finish. Joining the
+    workers instead would deadlock: torch destroys a group with the GIL held."""
+    if not _exit:
+        import atexit
 
-    atexit.register(time.sleep, GLOO_SETTLE_SECONDS)
+        atexit.register(_at_exit)
+    _exit.update(what)
+
+
+def _at_exit() -> None:
+    if "leave" in _exit:
+        store, global_rank = _exit["leave"]
+        try:
+            bounded(lambda: store.set(f"{LEFT_KEY}{global_rank}", "1"), 2)
+        except Exception:  # the store's host (rank 0) may have exited first
+            pass
+    if _exit.get("settle"):
+        time.sleep(GLOO_SETTLE_SECONDS)
 
 
 DEFAULT_TIMEOUT = 300.0  # seconds: far below torch's 30 min, far above any sane step
@@ -116,9 +111,9 @@ class TorchEngine(Engine):
         self.size = dist.get_world_size(process_group)
         self._backend = dist.get_backend(process_group)
         self._polled = "nccl" in self._backend  # see _run
+        _on_exit(leave=(dist.distributed_c10d._get_default_store(), self._global(self.rank)))
         if "gloo" in self._backend:
-            _settle_gloo_at_exit()
-        _say_when_leaving(dist.distributed_c10d._get_default_store(), self._global(self.rank))
+            _on_exit(settle=True)
 
     @property
     def backend(self) -> str:

@@ -91,8 +91,12 @@ def run_id(label: str, workers: int, seed: int, network_tag: str = "local") -> s
 
 
 def fingerprint(cell: Mapping[str, Any], *also_without: str) -> str:
-    """12 hex digits of SHA-1 over the cell's result-changing fields (minus ``also_without``)."""
+    """12 hex digits of SHA-1 over the cell's result-changing fields (minus ``also_without``).
+    The target accuracy is not one: training never reads it, and the report measures the
+    time to any target from the epoch records (``grace-dgc report --target``)."""
     keep = {k: v for k, v in dict(cell).items() if k not in _UNHASHED + also_without}
+    if isinstance(keep.get("hyper"), Mapping):
+        keep["hyper"] = {k: v for k, v in keep["hyper"].items() if k != "target_accuracy"}
     return hashlib.sha1(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -21,6 +21,7 @@ from .context import Context
 from .results import Record, append_record
 from .train import load_workload, train
 from .tuning import tune_lr
+from .units import shown_path
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -84,7 +85,7 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
         base,
         type="summary",
         **cell.summary_fields(),
-        workload=workload.name,
+        workload=shown_path(workload.name),
         workload_description=workload.description,
         metric=workload.metric_name,
         loss=workload.loss if isinstance(workload.loss, str) else "custom",

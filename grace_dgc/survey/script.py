@@ -65,6 +65,7 @@ from ..errors import GraceConfigError
 from ..launch import launch_record, machine_load
 from ..stats import COUNTERS, TIMERS, WAIT
 from .results import Record, append_record
+from .units import shown_path
 
 if TYPE_CHECKING:
     from ..grace import Grace
@@ -96,6 +97,7 @@ class _Session:
 
 
 _session: _Session | None = None
+REPORT_WAIT_S = 300.0  # the longest a rank waits at its first report for the others (see _every_rank_reports)
 
 
 def cell() -> dict[str, Any] | None:
@@ -220,6 +222,8 @@ def report_metrics(epoch: int | None = None, *, train_time_s: float | None = Non
     if session is None or session.grace is None:
         raise GraceConfigError("survey.report_metrics() before survey.cell_grace(): ask for the cell's method first")
     values = {RENAMED.get(key, key): _number(key, value) for key, value in metrics.items()}
+    if not session.history:
+        _every_rank_reports(session)
     done = len(session.history) + 1 if epoch is None else int(epoch)
     session.history.append(done)
     now = time.perf_counter()
@@ -252,6 +256,34 @@ def report_metrics(epoch: int | None = None, *, train_time_s: float | None = Non
     with open(os.path.join(session.directory, f"rank{session.rank}.jsonl"), "a") as f:
         f.write(json.dumps(line) + "\n")
     session.grace.set_epoch(done)  # the next epoch, 0-based, is the number of epochs done
+
+
+def _every_rank_reports(session: _Session) -> None:
+    """At the first report: every rank must make it (the survey averages every rank's bytes and
+    times, and a rank without reports fails the cell only once training is over). The ranks
+    meet in torch.distributed's store, not in a collective, so that a rank that never comes
+    leaves the others an error naming it instead of a collective out of step."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # Horovod: no store to meet in; the count check after the run still names the rank
+    import datetime as dt
+
+    store = dist.distributed_c10d._get_default_store()
+    workers, key = int(session.cell["workers"]), f"grace/report_metrics/{session.directory}/"
+    store.set(f"{key}{session.rank}", "1")
+    wait = float(session.cell.get("report_wait_s", REPORT_WAIT_S))
+    try:
+        store.wait([f"{key}{r}" for r in range(workers)], dt.timedelta(seconds=wait))
+    except Exception as error:
+        if "timeout" not in str(error).lower():
+            raise
+        missing = [r for r in range(workers) if not store.check([f"{key}{r}"])]
+        raise GraceConfigError(
+            f"report_metrics() was called on rank {session.rank} but not on rank{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(map(str, missing))} within {wait:g} s: every rank must call it, once per epoch (the "
+            "survey averages every rank's bytes and times); call it outside any `if rank == 0:`"
+        ) from None
 
 
 def _plain(value: object) -> bool:
@@ -294,13 +326,16 @@ def _run_dir(out_dir: str, cell: Cell, attempt: str) -> str:
     return path
 
 
-def _start(cell: Cell, directory: str, backend: str, device: str) -> list[tuple[str, subprocess.Popen[bytes]]]:
+def _start(
+    cell: Cell, directory: str, backend: str, device: str, timeout: float = REPORT_WAIT_S
+) -> list[tuple[str, subprocess.Popen[bytes]]]:
     """The cell's processes: one per rank (local) or the launcher's one, each logging to a file."""
     from ..launch import free_port, rank_environment
 
     port = free_port()
     env = dict(os.environ)
-    env.update({CELL_ENV: json.dumps(cell.as_dict(), default=str), DIR_ENV: directory})
+    settings = dict(cell.as_dict(), report_wait_s=min(timeout / 2, REPORT_WAIT_S))  # before the cell times out
+    env.update({CELL_ENV: json.dumps(settings, default=str), DIR_ENV: directory})
     env.update(GRACE_DGC_BACKEND=backend, GRACE_DGC_DEVICE=device, PYTHONUNBUFFERED="1")
     command = _command(cell, port)
 
@@ -496,7 +531,7 @@ def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, devi
     at_start = machine_load()
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
-        procs = _start(cell, directory, backend, device)
+        procs = _start(cell, directory, backend, device, timeout)
         _wait(procs, directory, timeout, cell.run_id, straggle=min(timeout, STRAGGLE_S), workers=cell.workers)
     finally:
         _stop(procs)  # after a success too: nothing the script started outlives its cell
@@ -597,10 +632,10 @@ def _summary(cell: Cell, base: Record, epochs: list[Record], started: str, backe
         type="summary",
         **cell.summary_fields(),
         workload=cell.workload,
-        workload_description=f"script {cell.script} {' '.join(cell.script_args)}".strip(),
+        workload_description=f"script {shown_path(cell.script)} {' '.join(cell.script_args)}".strip(),
         metric="accuracy",
         loss="script",
-        script=cell.script,
+        script=shown_path(cell.script),
         script_args=cell.script_args,
         script_sha=cell.script_sha,
         parameters=round(last["dense_bytes_per_step"] / 4),  # fp32 gradient elements exchanged per step

@@ -2,6 +2,7 @@
 survey's config, ``project`` and ``netem``)."""
 
 import math
+import os
 import re
 
 from ..errors import GraceConfigError
@@ -79,3 +80,15 @@ def human_seconds(seconds: float | None) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.3g} minutes"
     return f"{seconds / 3600:.3g} hours"
+
+
+def shown_path(spec: str | None) -> str | None:
+    """A path, or a ``file.py:factory`` spec, as outputs show it: the file's name only. A
+    report or a results line carries no absolute path (a user's home, a cluster's layout); a
+    script is identified by its content hash beside it."""
+    if not spec:
+        return spec
+    target, colon, attr = spec.rpartition(":")
+    if colon and target.endswith(".py"):
+        return f"{os.path.basename(target)}:{attr}"
+    return os.path.basename(spec) if os.path.isabs(spec) else spec

@@ -228,6 +228,9 @@ def _import_factory(spec: str) -> Callable[..., Workload]:
         if target.endswith(".py"):
             if not os.path.isfile(target):
                 raise GraceConfigError(f"{where}: the file {target} does not exist")
+            folder = os.path.dirname(target)
+            if folder not in sys.path:  # its own imports of modules beside it (`from helpers import ...`)
+                sys.path.insert(0, folder)
             module_name = "grace_dgc_workload_" + os.path.splitext(os.path.basename(target))[0]
             module = sys.modules.get(module_name)
             if module is None or getattr(module, "__file__", None) != target:
