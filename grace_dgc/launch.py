@@ -67,22 +67,48 @@ def conditions() -> dict[str, Any]:
 
 
 def machine_load() -> dict[str, float | int | None]:
-    """The machine's cores and its 1-minute load average, whole and per core (None where the
-    platform has no load average)."""
+    """The machine's cores and its 1-minute load average per core (None where the platform
+    has none): what it was doing as a run started (the survey's own previous run included)."""
     cores = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {
-        "cores": cores,
-        "load": None if load is None else round(load, 2),
-        "load_per_core": None if load is None else round(load / cores, 2),
-    }
+    return {"cores": cores, "load_per_core": None if load is None else round(load / cores, 2)}
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent not idle since boot (/proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class Neighbours:
+    """How much of the machine other processes used while a run trained: the machine's CPU
+    time over the run (/proc/stat) less the run's own (its ranks' CPU seconds), as a share of
+    the run's wall time × the cores. Unlike a load average, which still carries the survey's
+    previous run for a minute, it counts only what ran beside this one."""
+
+    def __init__(self) -> None:
+        self.started, self.busy = time.perf_counter(), _busy_seconds()
+
+    def share(self, own_cpu_seconds: float) -> float | None:
+        busy = _busy_seconds()
+        wall = time.perf_counter() - self.started
+        if busy is None or self.busy is None or wall <= 0:
+            return None
+        others = max(0.0, busy - self.busy - own_cpu_seconds)
+        return round(min(1.0, others / (wall * (os.cpu_count() or 1))), 3)
 
 
 def launch_record(
-    launcher: str, ranks: Sequence[Mapping[str, object]], start: Mapping[str, object]
+    launcher: str, ranks: Sequence[Mapping[str, object]], start: Mapping[str, object], others: float | None
 ) -> dict[str, object]:
     """What a run's summary records of how it was launched: the launcher, each rank's threads
-    (:func:`conditions`), the rule's value, and the machine's load at the start and the end."""
+    (:func:`conditions`), the load per core as it started, and the share of the machine other
+    processes used while it trained (:class:`Neighbours`)."""
     return {
         "launcher": launcher,
         "threads": [r.get("threads") for r in ranks],
@@ -90,7 +116,7 @@ def launch_record(
         "omp_num_threads": ranks[0].get("omp_num_threads") if ranks else None,
         "cores": start.get("cores"),
         "load_start": start.get("load_per_core"),
-        "load_end": machine_load()["load_per_core"],
+        "others_share": others,
     }
 
 

@@ -6,10 +6,11 @@ run records them with the machine's load, and the report warns when they differ.
 
 import os
 import sys
+import time
 
 import pytest
 
-from grace_dgc.launch import conditions, launch_record, run_local, threads_per_rank
+from grace_dgc.launch import Neighbours, conditions, launch_record, run_local, threads_per_rank
 from grace_dgc.survey import config as cfg
 from grace_dgc.survey import runner
 from grace_dgc.survey.conditions import launch_lines
@@ -55,7 +56,7 @@ def test_powersgd_runs_with_the_same_threads_under_every_launcher(tmp_path):
         assert launch["threads"] == expected, (name, launch)
         assert launch["threads_other"] == expected, (name, launch)  # the communication thread's too
         assert launch["omp_num_threads"] == str(expected[0]), (name, launch)
-        assert launch["load_start"] is not None and launch["load_end"] is not None
+        assert launch["load_start"] is not None and 0 <= launch["others_share"] <= 1
     assert recorded["script local"]["launcher"] == "script local" and recorded["survey"]["launcher"] == "survey"
 
 
@@ -73,19 +74,39 @@ def test_run_local_ranks_get_the_rule_before_torch_starts(monkeypatch):
         assert seen["threads"] == seen["threads_other"] == share
 
 
-def _run(run_id, threads, others, load):
+def _run(run_id, threads, others, share):
     launch = {"launcher": "survey", "threads": threads, "threads_other": others, "omp_num_threads": "1"}
-    return {"run_id": run_id, "launch": dict(launch, cores=2, load_start=load, load_end=load)}
+    return {"run_id": run_id, "launch": dict(launch, cores=2, load_start=1.2, others_share=share)}
 
 
 def test_the_report_warns_of_mixed_threads_and_a_busy_machine():
-    quiet = launch_lines([_run("a", [1, 1], [1, 1], 0.1), _run("b", [1, 1], [1, 1], 0.3)])
-    assert len(quiet) == 1 and "threads per rank 1;" in quiet[0] and "0.10–0.30" in quiet[0]
-    mixed = launch_lines([_run("a", [1, 1], [1, 1], 0.1), _run("b", [2, 2], [2, 2], 0.1)])
+    quiet = launch_lines([_run("a", [1, 1], [1, 1], 0.01), _run("b", [1, 1], [1, 1], 0.2)])
+    assert len(quiet) == 1 and "threads per rank 1;" in quiet[0] and "1%–20% of the machine" in quiet[0]
+    mixed = launch_lines([_run("a", [1, 1], [1, 1], 0.0), _run("b", [2, 2], [2, 2], 0.0)])
     assert any("not all run with the same threads per rank" in line and "b" in line for line in mixed)
-    leaked = launch_lines([_run("a", [1, 1], [2, 2], 0.1)])
+    leaked = launch_lines([_run("a", [1, 1], [2, 2], 0.0)])
     assert any("threads started after set-up" in line for line in leaked)
-    busy = launch_lines([_run("a", [1, 1], [1, 1], 1.6)])
-    assert any("started on a busy machine" in line and "a" in line for line in busy)
+    busy = launch_lines([_run("a", [1, 1], [1, 1], 0.6)])
+    assert any("trained on a busy machine" in line and "a" in line for line in busy)
     assert "not recorded" in launch_lines([{"run_id": "old"}])[0]
-    assert launch_record("x", [{"threads": 1, "threads_other": 1}], {"cores": 2})["threads"] == [1]
+    assert launch_record("x", [{"threads": 1, "threads_other": 1}], {"cores": 2}, None)["threads"] == [1]
+
+
+def spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_neighbours_counts_other_processes_not_the_runs_own():
+    import multiprocessing
+
+    own, alone = time.process_time(), Neighbours()
+    spin(0.5)  # this process's own work: not a neighbour's
+    assert alone.share(time.process_time() - own) < 0.25
+    busy = Neighbours()
+    spinner = multiprocessing.get_context("spawn").Process(target=spin, args=(1.5,))
+    spinner.start()
+    spinner.join()
+    # one core of the machine's was busy beside this idle process for most of the time
+    assert busy.share(0.0) > 0.5 / (os.cpu_count() or 1)

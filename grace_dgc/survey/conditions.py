@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-BUSY_LOAD_PER_CORE = 1.0  # runnable tasks per core before a run started: more than the cores, a busy machine
+BUSY_SHARE = 0.25  # of the machine's CPU time used by other processes while a run trained: a busy machine
 
 
 def _threads(run: Mapping[str, Any]) -> str:
@@ -31,11 +31,11 @@ def launch_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     for run in recorded:
         by_threads.setdefault(_threads(run), []).append(str(run.get("run_id", "?")))
     launchers = sorted({str(r["launch"].get("launcher")) for r in recorded})
-    starts = [r["launch"].get("load_start") for r in recorded if r["launch"].get("load_start") is not None]
+    shares = [r["launch"]["others_share"] for r in recorded if r["launch"].get("others_share") is not None]
     lines = [
         f"- Launch conditions: intra-op threads per rank {' | '.join(by_threads)}; launcher "
-        f"{', '.join(launchers)}; {recorded[0]['launch'].get('cores')} cores; load per core at the runs' "
-        + (f"starts {min(starts):.2f}–{max(starts):.2f}" if starts else "starts not recorded")
+        f"{', '.join(launchers)}; {recorded[0]['launch'].get('cores')} cores; other processes used "
+        + (f"{min(shares):.0%}–{max(shares):.0%} of the machine while the runs trained" if shares else "(not measured)")
     ]
     if len(by_threads) > 1:
         groups = "; ".join(
@@ -53,11 +53,11 @@ def launch_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             f"- **Warning: in {len(unshared)} run(s) threads started after set-up (grace's communication thread) "
             "ran with other thread counts than the main thread**: set OMP_NUM_THREADS before torch starts"
         )
-    busy = [r for r in recorded if (r["launch"].get("load_start") or 0) > BUSY_LOAD_PER_CORE]
+    busy = [r for r in recorded if (r["launch"].get("others_share") or 0) > BUSY_SHARE]
     if busy:
         ids = ", ".join(str(r.get("run_id", "?")) for r in busy[:4]) + (" …" if len(busy) > 4 else "")
         lines.append(
-            f"- **Warning: {len(busy)} run(s) started on a busy machine** (more than {BUSY_LOAD_PER_CORE:g} "
-            f"runnable task per core before the run: {ids}); their times carry the neighbours' load"
+            f"- **Warning: {len(busy)} run(s) trained on a busy machine** (other processes used more than "
+            f"{BUSY_SHARE:.0%} of its CPU time meanwhile: {ids}); their times carry the neighbours' load"
         )
     return lines

@@ -6,6 +6,7 @@ import os
 import platform
 import re
 import socket
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ import torch
 import grace_dgc
 
 from ..errors import GraceConfigError
-from ..launch import conditions, launch_record
+from ..launch import Neighbours, conditions, launch_record
 from .cell import Cell
 from .context import Context
 from .results import Record, append_record
@@ -41,6 +42,7 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
     attempt = ctx.broadcast_object(uuid.uuid4().hex[:12])
     started = datetime.datetime.now().isoformat(timespec="seconds")
     at_start = conditions()  # this rank's threads and the machine's load as training starts
+    neighbours, own_cpu = Neighbours(), time.process_time()
     base: Record = cell.record_head(attempt)
 
     def on_epoch(record: Record) -> None:
@@ -65,11 +67,11 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
     finally:
         if writer is not None:
             writer.close()
-    ranks = [
-        {"threads": int(t), "threads_other": int(o)}
-        for t, o in ctx.gather([at_start["threads"], at_start["threads_other"]])
-    ]
+    mine = [at_start["threads"], at_start["threads_other"], time.process_time() - own_cpu]
+    gathered = ctx.gather(mine)
+    ranks = [{"threads": int(t), "threads_other": int(o)} for t, o, _ in gathered]
     ranks[0]["omp_num_threads"] = at_start["omp_num_threads"]
+    others = neighbours.share(sum(cpu for _, _, cpu in gathered))  # the ranks share one machine here
     target = workload.target_accuracy
     reached = None if target is None else next((h for h in history if h["test_accuracy"] >= target), None)
     timed = [h for h in history if h["timed_steps"]] or history
@@ -123,7 +125,7 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
         backend=ctx.backend,
         engine=ctx.engine_kind,
         **host_fields(),
-        launch=launch_record("survey", ranks, at_start),
+        launch=launch_record("survey", ranks, at_start, others),
         started=started,
         finished=datetime.datetime.now().isoformat(timespec="seconds"),
         method_stats=last["method_stats"],

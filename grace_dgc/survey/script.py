@@ -62,7 +62,7 @@ import torch
 import grace_dgc
 
 from ..errors import GraceConfigError
-from ..launch import launch_record, machine_load
+from ..launch import Neighbours, launch_record, machine_load
 from ..stats import COUNTERS, TIMERS, WAIT
 from .results import Record, append_record
 from .units import shown_path
@@ -528,7 +528,7 @@ def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, devi
     attempt = os.urandom(6).hex()
     directory = _run_dir(out_dir, cell, attempt)
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    at_start = machine_load()
+    at_start, neighbours, own_cpu = machine_load(), Neighbours(), _cpu_of_children()
     procs: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
         procs = _start(cell, directory, backend, device, timeout)
@@ -545,13 +545,23 @@ def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, devi
     reports = _read_reports(directory, cell.workers, cell.run_id)
     summary = compose(cell, reports, attempt, started, backend, device)
     ranks = [reports[r][0].get("conditions", {}) for r in sorted(reports)]
-    summary["launch"] = launch_record("script " + cell.launcher, ranks, at_start)
+    others = neighbours.share(_cpu_of_children() - own_cpu)
+    summary["launch"] = launch_record("script " + cell.launcher, ranks, at_start, others)
     epochs = summary.pop("_epochs")
     for record in epochs:
         append_record(out_dir, record)
     _tensorboard(cell, epochs)
     append_record(out_dir, summary)
     return summary
+
+
+def _cpu_of_children() -> float:
+    """CPU seconds of this process and its waited-for descendants (the cell's ranks, a
+    launcher and the ranks it waited for)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def _mean(values: list[float]) -> float:
