@@ -33,6 +33,8 @@ from grace_dgc.registry import COMMUNICATORS, COMPRESSORS, MEMORIES
 
 sys.path.insert(0, os.path.dirname(__file__))
 from method_params import PARAMS
+from test_state import same
+from test_state import train_steps as train
 
 AUTO_LINK = {"bandwidth": 1e9, "latency": 1e-5}
 AUTO_CHOICES = ("allreduce", "allgather", "sparse_allreduce", "reduce_scatter")
@@ -110,14 +112,6 @@ def make(c, fusion_bytes, width=16):
     return model, grace_dgc.DistributedOptimizer(optimizer, grace, named, fusion_bytes=fusion_bytes)
 
 
-def train(model, opt, steps, rank):
-    for step in steps:
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
-
-
 def force_plan(opt, choice):
     """auto's choice for every bucket from now on (its own is timed, so two runs could
     differ); under hierarchical every rank of a node sets the same plan."""
@@ -139,16 +133,6 @@ def comparable(state):
         comm = dict(comm, buckets={k: v["chosen"] for k, v in comm["buckets"].items()})
     state["communicator"] = comm
     return state
-
-
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def save_and_load(how, model, opt, c, fusion_bytes, path):
