@@ -142,7 +142,9 @@ def case_job(rank, world, case):
         record = {"x": x}
         if comm in SINGLE_STAGE or comm == "reduce_scatter":
             local, memory = copy.deepcopy(grace.wire), copy.deepcopy(grace.memory)
-            compensated = [memory.compensate(t.clone(), n) for t, n in zip(x, names)]
+            # parts see dense tensors (Grace copies a strided one first: wire.dense)
+            dense = [t.clone(memory_format=torch.contiguous_format) for t in x]
+            compensated = [memory.compensate(t, n) for t, n in zip(dense, names)]
             record["sent"] = [local.decompress(*local.compress(c, n)) for c, n in zip(compensated, names)]
         if comm == "reduce_scatter":
             record["carried_before"] = {n: e.clone() for n, e in grace.communicator.errors.items()}

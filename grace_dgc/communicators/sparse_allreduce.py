@@ -141,8 +141,9 @@ class SparseAllreduce(Communicator):
                 v, i = _unrecords(region, dtype)
                 parts_v.append(v)
                 parts_i.append(i.long() + bounds[j])
-            else:
-                parts_v.append(region.view(dtype))
+            else:  # a region may start mid-element of a wider dtype (Horovod's allgather packs regions unpadded)
+                aligned = region.storage_offset() % region.new_empty((), dtype=dtype).element_size() == 0
+                parts_v.append((region if aligned else region.clone()).view(dtype))
                 parts_i.append(torch.arange(bounds[j], bounds[j + 1], device=device))
         all_v, all_i = torch.cat(parts_v), torch.cat(parts_i)
         cuts = torch.searchsorted(all_i, offsets.to(device)).tolist()
