@@ -30,7 +30,8 @@ VARIABLES = {
     "rank-local on purpose: every path writes the same bytes; read once, when first needed "
     "(grace_dgc.kernels.set_mode changes it at run time)",
     "OMP_NUM_THREADS": "intra-op threads per rank (OpenMP's own variable): when set, the one value every launcher "
-    "of the survey and run_local gives each rank (grace_dgc.launch.threads_per_rank); else cores / ranks",
+    "of the survey and run_local gives each rank (grace_dgc.launch.threads_per_rank); else cores / ranks. "
+    "Rank-local on purpose: it changes speed, not results; runs record every rank's threads; the report compares them",
     "TRITON_INTERPRET": "Triton's own switch to its interpreter (1): with GRACE_DGC_KERNELS=triton the kernels run "
     "on CPU tensors, which is how the tests prove them without a GPU; rank-local",
 }
