@@ -5,6 +5,7 @@ optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_paramet
 """
 
 from . import communicators, compressors, memories  # noqa: F401  (register the built-ins)
+from .adam import OneBitAdam, ZeroOneAdam
 from .checkpoint import PerRankState, gather_state, load_gathered_state
 from .compat import grace_from_params as from_params  # GRACE's dict and defaults: compat owns them
 from .ddp import ddp_comm_hook
@@ -51,6 +52,8 @@ __all__ = [
     "OuterSync",
     "DiLoCo",
     "LocalSGD",
+    "OneBitAdam",
+    "ZeroOneAdam",
     "list_schedules",
     "register_schedule",
 ]

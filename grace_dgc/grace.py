@@ -335,6 +335,14 @@ class Grace:
                 tensor.copy_(out)
         return list(tensors)
 
+    def nonfinite_ranks(self, tensors: Sequence[Tensor]) -> list[int]:
+        """The ranks whose ``tensors`` hold a NaN or an infinity, the same list on every rank
+        (one small allgather, in order with the exchanges): a schedule that exchanges several
+        groups for one step asks first, so that all of them are skipped or none."""
+        if not self._bound:
+            self.bind()
+        return self.run_in_order(partial(self._nonfinite_ranks, list(tensors))).result()
+
     def _nonfinite_ranks(self, tensors: list[Tensor]) -> list[int]:
         """Ranks whose gradients hold a NaN or an infinity (the same list on every rank)."""
         mine = 0.0 if all_finite(tensors) else 1.0

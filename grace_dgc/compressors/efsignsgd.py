@@ -2,6 +2,7 @@ import torch
 from torch import Tensor
 
 from .. import wire
+from ..errors import GraceConfigError
 from ..interfaces import Payload
 from ..registry import register_compressor
 from .packed import PackedCompressor, Shaped
@@ -27,6 +28,11 @@ class EFSignSGDCompressor(PackedCompressor):
     Aggregation: the average over ranks of the decompressed C(p_m) (``average = True``;
     GRACE sums instead). Sign bits cannot be summed: allgather or broadcast only.
 
+    ``scale="rms"``: the scale is ‖p‖₂/√d instead (the root mean square), as in 1-bit Adam's
+    compressed allreduce (Tang et al. 2021; DeepSpeed's ``compressed_allreduce``): the
+    ``onebit_adam`` and ``zero_one_adam`` schedules' default compressor. It keeps the L2 norm
+    (‖C(p)‖₂ = ‖p‖₂) and is positively homogeneous too.
+
     Plain reference: ``tests/test_sign.py::ref_packed`` and ``ref_scaled_sign`` (numpy): the
     packed bits equal bit for bit, the scaled signs to fp32 rounding, in
     ``test_efsignsgd_wire_and_values`` (hypothesis); the error feedback in
@@ -35,15 +41,27 @@ class EFSignSGDCompressor(PackedCompressor):
 
     chunkable = True
     sends_all = True  # a sign (or a mean) for every element, even one that decodes to 0
+    SETTINGS = ("scale",)
+    SCALES = ("mean", "rms")
+
+    def __init__(self, scale: str = "mean") -> None:
+        if scale not in self.SCALES:
+            raise GraceConfigError(
+                f"efsignsgd: scale={scale!r}; accepted: 'mean' (‖p‖₁/d, EF-SignSGD) or 'rms' (‖p‖₂/√d, 1-bit Adam)"
+            )
+        self.scale = scale
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         numel = tensor.numel()
         # fp32 accumulation: the scale is one fp32 on the wire whatever the gradient dtype
         magnitude = torch.abs(tensor, out=self.workspace.like("abs", tensor))
+        if self.scale == "rms":
+            magnitude.mul_(magnitude)  # |p|² (in place: the workspace is this call's)
         total = magnitude.sum(dtype=torch.float32)
         if not bool(torch.isfinite(total)):  # fp32 overflowed on finite values: sum in fp64
             total = magnitude.sum(dtype=torch.float64)
-        scale = (total / max(numel, 1)).float()
+        mean = total / max(numel, 1)
+        scale = (mean.sqrt() if self.scale == "rms" else mean).float()
         return [wire.pack_signs(tensor, self.workspace), scale.reshape(1)], (tensor.shape, tensor.dtype)
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:

@@ -1,0 +1,556 @@
+"""Compression-aware Adam: 1-bit Adam and 0/1 Adam as synchronization schedules.
+
+Error feedback under Adam fails quietly: Adam divides each coordinate by √v, and v learns
+the *compressed* gradients' magnitudes (a top-k residual that arrives every hundredth step
+as a spike), so the update is no longer Adam's. The methods made for Adam keep v away from
+compression: a dense warm-up learns v, then v is frozen (or rarely updated) and what
+travels compressed is the *momentum* (1-bit Adam) or the momentum accumulated over local
+steps (0/1 Adam), with error feedback on the worker and on the server side.
+
+Why a schedule (not a memory, not a new optimizer stack): both methods decide *what* is
+exchanged and *when* (the gradient densely, then the momentum; a variance step or not; a
+local step or a synchronization), and they own the update, which no memory can express
+under the user's optimizer. As schedules they take the user's ``torch.optim.Adam`` /
+``AdamW`` (its lr, betas, eps and weight decay, read at every step so LR schedulers act on
+them) and a :class:`~grace_dgc.grace.Grace`, through whose one data path the compressed
+exchanges go: the compressor, the memory and the communicator stay choices. The papers'
+compressed allreduce is ``build("efsignsgd", "residual", "reduce_scatter", scale="rms")``:
+the scaled sign ‖x‖₂/√d·sign(x), the worker error in ``residual`` and the server error on
+each chunk's owner in ``reduce_scatter(error_feedback=True)``; top-k, QSGD, THC or a plugin
+take its place by name. The dense exchanges (warm-up, variance steps) go through a second,
+dense Grace on the same engine (fp32 allreduce), counted in :meth:`stats`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from .errors import GraceConfigError, GraceNonFiniteError, check_bool, check_range, on_every_rank
+from .optimizer import WrappingOptimizer
+from .schedules import register_schedule
+
+if TYPE_CHECKING:
+    from .grace import Grace
+
+STATE_FORMAT = 1
+Fill = Callable[[torch.nn.Parameter, Tensor], object]  # writes what a parameter sends into a buffer
+
+
+class AdamSchedule(WrappingOptimizer):
+    """What 1-bit Adam and 0/1 Adam share: the Adam hyper-parameters read from the wrapped
+    ``Adam``/``AdamW`` (per param group), the moments m and v per parameter name (equal on
+    every rank), the exchanges in fusion groups, the stats and the checkpoint."""
+
+    SETTINGS: ClassVar[tuple[str, ...]] = ("fusion_bytes",)
+    COUNTERS: ClassVar[tuple[str, ...]] = ()  # integer schedule state beside ``steps`` (0/1 Adam's policies)
+    RESUME_MAY_DIFFER: ClassVar[dict[str, str]] = {
+        "fusion_bytes": "fusion only batches the exchange; what is kept is kept per parameter name"
+    }
+    needs_adam = True  # the survey's configuration check builds it over an AdamW
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grace: Grace,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
+        fusion_bytes: int,
+    ) -> None:
+        from .grace import build  # grace imports schedules' neighbours; built here, at run time
+
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise GraceConfigError(
+                f"{self.name} is Adam with compressed communication: it reads lr, betas, eps and weight_decay from "
+                f"the optimizer it wraps, which must be torch.optim.Adam or torch.optim.AdamW "
+                f"(got {type(optimizer).__name__})"
+            )
+        for index, group in enumerate(optimizer.param_groups):
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag):
+                    raise GraceConfigError(f"{self.name}: param group {index} has {flag}=True; accepted: False")
+        if grace.wrapper:
+            raise GraceConfigError(
+                f"this Grace already serves an optimizer wrapper or schedule ({grace.wrapper}): build one Grace "
+                "per schedule, since its memory and counters are kept per parameter name"
+            )
+        self.fusion_bytes = check_range("fusion_bytes", fusion_bytes, 0, kind=int)
+        self.optimizer, self.grace = optimizer, grace
+        self._names = self._name_parameters(optimizer, named_parameters)
+        if not self._names:
+            raise GraceConfigError("the optimizer has no trainable parameters (requires_grad=True)")
+        self._group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
+        self._index_of = {p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        self._groups = self._fusion_groups(list(self._names), self.fusion_bytes)
+        # the dense exchanges: fp32 allreduce on the same engine (never in flight with grace's)
+        self.dense = build("none", "none", "allreduce", engine=grace.engine, nonfinite=grace.nonfinite)
+        self.steps = 0  # optimizer steps taken (skipped ones not counted)
+        self.skipped = 0
+        self.exp_avg: dict[str, Tensor] = {}  # m, per parameter name
+        self.exp_avg_sq: dict[str, Tensor] = {}  # v
+        self._stat_steps = self._stat_skipped = 0
+        grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self._names.items()})
+        hyper = [{k: group[k] for k in ("betas", "eps", "weight_decay")} for group in optimizer.param_groups]
+        for part in (grace, self.dense):  # the ranks compare these at each Grace's first exchange
+            part.wrapper = {"schedule": self.name, **self.settings(), "adam": repr(hyper)}
+            part.expect_groups([[(self._names[p], p) for p in group] for group in self._groups])
+        self.dense.watch({n: p for p, n in self._names.items()})  # ranks start from one model
+
+    # -- what it is -------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return getattr(type(self), "registered_name", type(self).__name__)
+
+    def settings(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in self.SETTINGS}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # -- the pieces of a step -----------------------------------------------------------
+    def _hyper(self, p: torch.nn.Parameter) -> tuple[float, float, float, float, float, bool]:
+        """lr, β1, β2, eps, weight decay and whether it is decoupled (AdamW) for ``p``, now."""
+        group = self._group_of[p]
+        beta1, beta2 = group["betas"]
+        decoupled = isinstance(self.optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+        return float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], decoupled
+
+    def _grad(self, p: torch.nn.Parameter) -> Tensor:
+        """This rank's gradient (zeros where backward made none: every rank exchanges alike),
+        with Adam's coupled L2 term (torch.optim.Adam's weight_decay) added."""
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+        _, _, _, _, decay, decoupled = self._hyper(p)
+        return grad.add(p.detach(), alpha=decay) if decay and not decoupled else grad
+
+    def _moments(self, p: torch.nn.Parameter) -> tuple[Tensor, Tensor]:
+        name = self._names[p]
+        if name not in self.exp_avg:
+            self.exp_avg[name] = torch.zeros_like(p, memory_format=torch.preserve_format).detach()
+            self.exp_avg_sq[name] = torch.zeros_like(p, memory_format=torch.preserve_format).detach()
+        return self.exp_avg[name], self.exp_avg_sq[name]
+
+    def _average(self, grace: Grace, fill: Fill, params: list[torch.nn.Parameter] | None = None) -> dict | None:
+        """Every rank's ``fill`` averaged through ``grace``, per parameter (None: the exchange
+        was skipped alike on every rank for a NaN/Inf; nothing was changed)."""
+        chosen = None if params is None else set(params)
+        filled = []
+        with torch.no_grad():
+            for group in self._groups:
+                group = [p for p in group if chosen is None or p in chosen]
+                if not group:
+                    continue
+                flat = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
+                views = [view.view_as(p) for p, view in zip(group, flat.split([p.numel() for p in group]))]
+                for p, view in zip(group, views):
+                    fill(p, view)
+                filled.append((group, flat, views))
+        # one question for the whole step: a NaN/Inf anywhere skips every group alike, before
+        # any of them changes the Grace's state (a group skipped alone would leave the others'
+        # errors counting a step that never happened)
+        if grace.nonfinite_ranks([flat for _, flat, _ in filled]):
+            if grace.nonfinite == "raise":
+                raise on_every_rank(GraceNonFiniteError(f"{self.name}: a gradient is not finite (NaN or Inf)"))
+            return None
+        mark = grace.skipped
+        pending: list[tuple[list[torch.nn.Parameter], Future[list[Tensor]]]] = []
+        with torch.no_grad():
+            for group, _, views in filled:
+                names = [self._names[p] for p in group]
+                pending.append((group, grace.step_group_async(views, names, inplace=True)))
+            waiting = time.perf_counter()
+            averages = {p: average for group, future in pending for p, average in zip(group, future.result())}
+            grace.add_wait(time.perf_counter() - waiting)
+        return None if grace.skipped != mark else averages
+
+    def _skip(self) -> None:
+        self.skipped += 1
+        self._stat_skipped += 1
+
+    @staticmethod
+    def _mask(average: Tensor, exp_avg_sq: Tensor) -> Tensor:
+        """The momentum mask: an element whose averaged gradient was exactly 0 at every dense
+        step (v = 0, e.g. a position embedding past the sequences' length) gets no momentum
+        from the compressor's error. DeepSpeed asks the user for this mask (``exp_avg_mask``);
+        v = 0 finds it, alike on every rank."""
+        return average.masked_fill_(exp_avg_sq == 0, 0)
+
+    # -- stats ---------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.grace.reset_stats()
+        self.dense.reset_stats()
+        self._stat_steps = self._stat_skipped = 0
+
+    def stats(self) -> dict[str, Any]:
+        """The compressed Grace's stats plus the dense exchanges' bytes and times (added),
+        and: steps, skipped_steps, dense_bytes_sent (the warm-up's and variance steps' share),
+        phase (this method's, now)."""
+        out = self.grace.stats()
+        dense = self.dense.stats()
+        for key in ("bytes_sent", "bytes_received", "tensors", "groups", "skipped", "wait_seconds"):
+            out[key] = out.get(key, 0) + dense.get(key, 0)
+        for key, value in dense.items():
+            if key.endswith("_seconds") and key != "wait_seconds":
+                out[key] = out.get(key, 0.0) + value
+        out.update(
+            steps=self._stat_steps,
+            skipped_steps=self._stat_skipped,
+            dense_bytes_sent=dense["bytes_sent"],
+            dense_bytes=4 * sum(p.numel() for p in self._names) * self._stat_steps,
+            phase=self.phase(),
+        )
+        out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
+        out["bytes_per_step"] = out["bytes_sent"] / self._stat_steps if self._stat_steps else 0.0
+        return out
+
+    def phase(self) -> str:
+        raise NotImplementedError
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The moments, the step and policy counters, the wrapped optimizer's param groups
+        and the Grace's state (worker and server errors): every rank's file resumes bit for
+        bit; m and v are equal on every rank, the Grace's state is each rank's own."""
+        return {
+            "format": STATE_FORMAT,
+            "schedule": self.name,
+            "settings": self.settings(),
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "counters": {key: getattr(self, key) for key in self.COUNTERS},
+            "tensors": {key: {n: t.clone() for n, t in getattr(self, key).items()} for key in self._tensor_state()},
+            "optimizer": self.optimizer.state_dict(),
+            "grace": self.grace.state_dict(),
+        }
+
+    def _tensor_state(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; another schedule, other settings or other
+        parameters are refused by name before anything is loaded."""
+        state = state_dict
+        keys = ("format", "schedule", "settings", "steps", "counters", "tensors", "optimizer", "grace")
+        if not isinstance(state, dict) or any(key not in state for key in keys):
+            got = f"keys {sorted(state)[:8]}" if isinstance(state, dict) else type(state).__name__
+            raise GraceConfigError(
+                f"load_state_dict needs a {self.name} state_dict() (with {', '.join(keys)}); got {got}"
+            )
+        if state["format"] != STATE_FORMAT or state["schedule"] != self.name:
+            raise GraceConfigError(
+                f"the state was saved by schedule {state['schedule']!r} (format {state['format']!r}); this one is "
+                f"{self.name!r} (format {STATE_FORMAT}): build the same schedule to resume"
+            )
+        mine, saved = self.settings(), state["settings"]
+        differing = [
+            f"{key}: saved {saved.get(key, '(not set)')!r}, this run {mine.get(key, '(not set)')!r}"
+            for key in sorted(set(saved) | set(mine))
+            if saved.get(key, "(not set)") != mine.get(key, "(not set)") and key not in self.RESUME_MAY_DIFFER
+        ]
+        if differing:
+            raise GraceConfigError(
+                f"the state was saved with other settings of schedule {self.name!r}: {'; '.join(differing)}. "
+                "Build with the saved settings to resume"
+            )
+        shapes = {name: p.shape for p, name in self._names.items()}
+        problems = [
+            f"{key}[{name!r}]: "
+            + ("not in this model" if name not in shapes else f"{tuple(t.shape)} for {tuple(shapes[name])}")
+            for key, tensors in state["tensors"].items()
+            for name, t in tensors.items()
+            if name not in shapes or t.shape != shapes[name]
+        ]
+        if problems:
+            raise GraceConfigError(
+                f"this checkpoint is of other parameters: {'; '.join(problems[:4])}"
+                + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
+            )
+        self.grace.load_state_dict(state["grace"])  # refuses other methods, world sizes, settings
+        self.optimizer.load_state_dict(state["optimizer"])
+        by_name = {name: p for p, name in self._names.items()}
+        for key, tensors in state["tensors"].items():
+            setattr(
+                self,
+                key,
+                {n: t.to(dtype=by_name[n].dtype, device=by_name[n].device).clone() for n, t in tensors.items()},
+            )
+        self.steps, self.skipped = int(state["steps"]), int(state.get("skipped", 0))
+        for key in self.COUNTERS:
+            setattr(self, key, state["counters"][key])
+
+    def __repr__(self) -> str:
+        listed = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
+        return f"{type(self).__name__}({self.optimizer!r}, {self.grace!r}, {listed})"
+
+
+@register_schedule("onebit_adam", aliases=("1bit_adam", "onebit-adam"))
+class OneBitAdam(AdamSchedule):
+    """1-bit Adam (Tang et al. 2021, "1-bit Adam: Communication Efficient Large-Scale Training
+    with Adam's Convergence Speed", ICML, Algorithm 1; DeepSpeed's ``OnebitAdam``).
+
+    For step t = 1, 2, … with g_i this rank's gradient, ḡ the average over ranks, and the
+    wrapped optimizer's lr, β1, β2, ε and weight decay λ:
+
+    1. Warm-up, t ≤ T_w (``freeze_step``): Adam on the dense average (fp32 allreduce),
+           m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·ḡ².
+    2. Compression, t > T_w: v stays frozen at v_{T_w}; each rank forms its momentum
+           m_i = β1·m + (1−β1)·g_i
+       and the Grace averages it: with the default composition, the worker adds its error and
+       sends C(m_i + e_i) (e_i ← m_i + e_i − C(·)), each chunk's owner averages the ranks'
+       chunks, adds its server error and sends C again (the server error keeps the rest):
+           m ← mean_i(m_i) through C,   m ← m ⊙ [v ≠ 0]   (the momentum mask).
+    3. Update (both phases, as torch's Adam/AdamW): p ← p·(1 − lr·λ) for AdamW (Adam adds
+       λ·p to g_i instead), then p ← p − lr/b1 · m / (√v / √b2 + ε), with b1 = 1 − β1^t and
+       b2 = 1 − β2^min(t, T_w) when ``bias_correction`` (default, torch's Adam), else 1 (DeepSpeed's
+       code). In the warm-up this is torch's AdamW step on ḡ, bit for bit on one rank.
+
+    Deviations, deliberate: the scale of the sign is per owner chunk (``reduce_scatter`` cuts
+    each tensor into N chunks and compresses each), where DeepSpeed computes one worker scale
+    per padded tensor; and the mask is found from v = 0 instead of asked of the user.
+    State (checkpointed; a skipped step changes none of it): m, v, the step count; the worker
+    and server errors are the Grace's.
+    """
+
+    SETTINGS = ("freeze_step", "bias_correction", "momentum_mask", "fusion_bytes")
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grace: Grace,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        freeze_step: int = 1000,
+        bias_correction: bool = True,
+        momentum_mask: bool = True,
+        fusion_bytes: int = 4 * 2**20,
+    ) -> None:
+        self.freeze_step = check_range("freeze_step", freeze_step, 1, kind=int)
+        self.bias_correction = check_bool("bias_correction", bias_correction)
+        self.momentum_mask = check_bool("momentum_mask", momentum_mask)
+        super().__init__(optimizer, grace, named_parameters, fusion_bytes)
+
+    def phase(self) -> str:
+        return "warm-up" if self.steps < self.freeze_step else "compressed"
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.steps + 1
+        params = list(self._names)
+        if t <= self.freeze_step:  # 1. dense Adam
+            averages = self._average(self.dense, lambda p, out: out.copy_(self._grad(p)))
+            if averages is None:
+                self._skip()
+                return loss
+            with torch.no_grad():
+                for p in params:
+                    _, beta1, beta2, *_ = self._hyper(p)
+                    m, v = self._moments(p)
+                    m.lerp_(averages[p], 1 - beta1)
+                    v.mul_(beta2).addcmul_(averages[p], averages[p], value=1 - beta2)
+        else:  # 2. the momentum through the Grace
+
+            def momentum(p: torch.nn.Parameter, out: Tensor) -> None:
+                m, _ = self._moments(p)
+                torch.lerp(m, self._grad(p), 1 - self._hyper(p)[1], out=out)
+
+            averages = self._average(self.grace, momentum)
+            if averages is None:
+                self._skip()
+                return loss
+            with torch.no_grad():
+                for p in params:
+                    m, v = self._moments(p)
+                    m.copy_(self._mask(averages[p], v) if self.momentum_mask else averages[p])
+        with torch.no_grad():  # 3.
+            for p in params:
+                lr, beta1, beta2, eps, decay, decoupled = self._hyper(p)
+                m, v = self._moments(p)
+                first = 1 - beta1**t if self.bias_correction else 1.0
+                second = 1 - beta2 ** min(t, self.freeze_step) if self.bias_correction else 1.0
+                if decay and decoupled:
+                    p.mul_(1 - lr * decay)
+                denom = (v.sqrt() / second**0.5).add_(eps)
+                p.addcdiv_(m, denom, value=-lr / first)
+        self.steps = t
+        self._stat_steps += 1
+        return loss
+
+
+@register_schedule("zero_one_adam", aliases=("01adam", "zeroone_adam", "0/1_adam"))
+class ZeroOneAdam(AdamSchedule):
+    """0/1 Adam (Lu et al. 2022, "Maximizing Communication Efficiency for Large-scale
+    Training via 0/1 Adam", ICLR 2023, Algorithm 1; DeepSpeed's ``ZeroOneAdam``).
+
+    Two policies replace 1-bit Adam's single freeze: the variance is updated only at steps
+    in T_v (adaptive freezing), and after the last of them the ranks take local steps and
+    synchronize the accumulated momentum every H steps (1-bit sync with local steps).
+    With t the step, κ = ``var_update_scaler``, and no bias correction (as the paper):
+
+    1. Before the freeze, t ≤ ``var_freeze_step``:
+       a. t ∈ T_v (t divisible by the variance interval, which starts at 1 and doubles after
+          every κ variance updates): ḡ through the dense allreduce,
+              m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·ḡ²;
+       b. otherwise the *gradient* through the Grace (worker and server error): ĝ ← C-mean_i g_i,
+          ĝ ← ĝ ⊙ [v ≠ 0], m ← β1·m + (1−β1)·ĝ.
+       Update: u = m/(√v + ε) + λ·p (AdamW; Adam adds λ·p to g), p ← p − lr·u.
+    2. From t = ``var_freeze_step`` + 1 (the Grace's error state is reset once: it held
+       gradient errors, it will hold momentum errors), on each rank apart:
+          m ← β1·m + (1−β1)·g_i,   u = m/(√v + ε) + λ·p,   p ← p − lr·u,   Σlr ← Σlr + lr
+       and when t is divisible by the local-step interval H (it starts at 1 and doubles after
+       every ``local_step_scaler`` frozen steps, up to ``local_step_clipper``), with p₀ the
+       parameters the round started from and a = p − p₀ the local steps' sum:
+          â ← C-mean_i (a_i ⊙ (√v + ε)) ⊙ [v ≠ 0],   m ← −â / Σlr,
+          p ← p₀ + â / (√v + ε),   p₀ ← p,   Σlr ← 0.
+
+    Deviations, deliberate: the freeze starts at var_freeze_step + 1 (DeepSpeed flips it at the
+    end of step var_freeze_step + 1, one step later); DeepSpeed sums a = Σ −lr·u in a buffer of
+    its own and lands on p − a + â/(√v+ε), which rounds differently on each rank: keeping p₀
+    instead (the same one buffer) gives a = p − p₀ and puts every rank on p₀ + â/(√v+ε), bitwise
+    alike; the sign's scale is per owner chunk, as in ``onebit_adam``; a local step whose own
+    gradient is not finite is skipped on that rank (nothing to agree on), and a synchronization
+    that is not finite on some rank drops the round alike on every rank (p ← p₀, m ← 0).
+    """
+
+    SETTINGS = (
+        "var_freeze_step",
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+        "momentum_mask",
+        "fusion_bytes",
+    )
+    COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter", "lrs", "frozen")
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grace: Grace,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        var_freeze_step: int = 100_000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        momentum_mask: bool = True,
+        fusion_bytes: int = 4 * 2**20,
+    ) -> None:
+        self.var_freeze_step = check_range("var_freeze_step", var_freeze_step, 0, kind=int)
+        self.var_update_scaler = check_range("var_update_scaler", var_update_scaler, 1, kind=int)
+        self.local_step_scaler = check_range("local_step_scaler", local_step_scaler, 1, kind=int)
+        self.local_step_clipper = check_range("local_step_clipper", local_step_clipper, 1, kind=int)
+        self.momentum_mask = check_bool("momentum_mask", momentum_mask)
+        self.var_interval, self.var_counter = 1, 0
+        self.local_step_interval, self.local_step_counter = 1, 0
+        self.lrs = [0.0] * len(optimizer.param_groups)  # Σ lr over the round's local steps, per param group
+        self.frozen = False
+        self.round_starts: dict[str, Tensor] = {}  # p₀: the parameters the round started from, per name
+        super().__init__(optimizer, grace, named_parameters, fusion_bytes)
+
+    def _tensor_state(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "round_starts")
+
+    def phase(self) -> str:
+        return "local steps" if self.frozen else "variance updates"
+
+    def _masked(self, average: Tensor, v: Tensor) -> Tensor:
+        return self._mask(average, v) if self.momentum_mask else average
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.steps + 1
+        if not self.frozen and t > self.var_freeze_step:
+            self.frozen = True
+            for part in (self.grace.compressor, self.grace.memory, self.grace.communicator):
+                part.reset()  # gradient errors do not carry over to the momentum sums
+        done = self._frozen_step(t) if self.frozen else self._variance_step(t)
+        if done:
+            self.steps = t
+            self._stat_steps += 1
+        return loss
+
+    def _variance_step(self, t: int) -> bool:
+        params = list(self._names)
+        dense = t % self.var_interval == 0
+        averages = self._average(self.dense if dense else self.grace, lambda p, out: out.copy_(self._grad(p)))
+        if averages is None:
+            self._skip()
+            return False
+        with torch.no_grad():
+            for p in params:
+                lr, beta1, beta2, eps, decay, decoupled = self._hyper(p)
+                m, v = self._moments(p)
+                if dense:  # 1a.
+                    m.lerp_(averages[p], 1 - beta1)
+                    v.mul_(beta2).addcmul_(averages[p], averages[p], value=1 - beta2)
+                else:  # 1b.
+                    m.lerp_(self._masked(averages[p], v), 1 - beta1)
+                update = m / v.sqrt().add_(eps)
+                if decay and decoupled:
+                    update.add_(p, alpha=decay)
+                p.add_(update, alpha=-lr)
+        if dense:  # the variance policy: the interval doubles after κ updates
+            self.var_counter += 1
+            if self.var_counter == self.var_update_scaler:
+                self.var_counter, self.var_interval = 0, self.var_interval * 2
+        return True
+
+    def _frozen_step(self, t: int) -> bool:
+        params = list(self._names)
+        grads = {p: self._grad(p) for p in params}
+        if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
+            self._skip()  # a local step: this rank's alone, nothing to agree on
+            return False
+        with torch.no_grad():
+            for p in params:  # 2. the local step
+                self._round_start(p)
+                lr, beta1, _, eps, decay, decoupled = self._hyper(p)
+                m, v = self._moments(p)
+                m.lerp_(grads[p], 1 - beta1)
+                update = m / v.sqrt().add_(eps)
+                if decay and decoupled:
+                    update.add_(p, alpha=decay)
+                p.add_(update, alpha=-lr)
+            for index, group in enumerate(self.optimizer.param_groups):
+                self.lrs[index] += float(group["lr"])
+        if t % self.local_step_interval == 0:
+            self._synchronize(params)
+        self.local_step_counter += 1  # the local-step policy: H doubles, up to the clipper
+        if self.local_step_counter == self.local_step_scaler:
+            self.local_step_counter = 0
+            self.local_step_interval = min(self.local_step_clipper, self.local_step_interval * 2)
+        return True
+
+    def _round_start(self, p: torch.nn.Parameter) -> Tensor:
+        name = self._names[p]
+        if name not in self.round_starts:  # the first local step: the ranks' common parameters
+            self.round_starts[name] = p.detach().clone()
+        return self.round_starts[name]
+
+    def _synchronize(self, params: list[torch.nn.Parameter]) -> None:
+        def scaled(p: torch.nn.Parameter, out: Tensor) -> None:
+            _, v = self._moments(p)
+            torch.sub(p, self._round_start(p), out=out).mul_(v.sqrt().add_(self._hyper(p)[3]))
+
+        averages = self._average(self.grace, scaled)
+        with torch.no_grad():
+            for p in params:
+                m, v = self._moments(p)
+                start = self._round_start(p)
+                if averages is None:
+                    p.copy_(start)  # the round is dropped alike on every rank
+                    m.zero_()
+                else:
+                    average = self._masked(averages[p], v)
+                    torch.div(average, -self.lrs[self._index_of[p]], out=m)
+                    torch.add(start, average / v.sqrt().add_(self._hyper(p)[3]), out=p)
+                    start.copy_(p)
+        self.lrs = [0.0] * len(self.lrs)
+        if averages is None:
+            self._skip()
