@@ -268,6 +268,9 @@ class Compressor(Part):
                 the tensor is done. Such payloads must be summable (with any communicator).
       may_overflow: a finite input may come out of the exchange as Inf (fp16's ±65504):
                 Grace then copies the state a step changes, so a skipped step restores it.
+      biased:   E[D(C(x))] ≠ x, by design (sparsifiers, sign methods, low rank): such a method
+                is meant to run with error feedback, and error feedback feeding an optimizer
+                with per-coordinate moments (Adam …) is known to fail (Grace warns once).
       prerounds: the method agrees on something with the other ranks before it compresses
                 (THC's global scale: one small collective per fusion group), in
                 :meth:`preround`. Such a method runs under the exchange communicators
@@ -288,6 +291,7 @@ class Compressor(Part):
     sends_all = False
     may_overflow = False
     prerounds = False
+    biased = False
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         raise NotImplementedError
@@ -391,11 +395,14 @@ class Memory(Part):
 
     ``identity = True`` declares that ``compensate`` returns its input and ``update`` does
     nothing (the ``none`` memory): Grace may then reduce payloads in place.
+    ``error_feedback = True`` declares that what a compressor did not send is fed back into
+    later gradients (residual, DGC's momentum correction, EF-SignSGD's).
     """
 
     registered_name: ClassVar[str]  # set by the registry's decorator
 
     identity = False
+    error_feedback = False
 
     def compensate(self, tensor: Tensor, name: str) -> Tensor:
         return tensor

@@ -394,3 +394,53 @@ def test_registered_by_name_with_aliases():
         "momentum_mask",
         "fusion_bytes",
     ]
+
+
+# -- the warning where error feedback meets Adam --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "compressor, memory, optimizer, warned",
+    [
+        ("topk", "residual", torch.optim.AdamW, True),
+        ("dgc", "momentum", torch.optim.Adam, True),  # DGC's accumulation (momentum=0) under Adam
+        ("efsignsgd", "efsignsgd", torch.optim.RMSprop, True),
+        ("randomk", "residual", torch.optim.Adagrad, True),
+        ("powersgd", "powersgd", torch.optim.AdamW, True),
+        ("topk", "none", torch.optim.AdamW, False),  # no error feedback: not the composition
+        ("qsgd", "residual", torch.optim.AdamW, False),  # unbiased: not the composition
+        ("fp16", "residual", torch.optim.AdamW, False),
+        ("topk", "residual", torch.optim.SGD, False),  # SGD has no per-coordinate moments
+        ("topk", "ef21", torch.optim.AdamW, False),  # EF21 is not classic error feedback: not measured
+    ],
+)
+def test_error_feedback_under_adam_is_warned_once_and_only_there(caplog, compressor, memory, optimizer, warned):
+    from grace_dgc import grace as grace_module
+
+    grace_module._warned_compositions.clear()
+    params = {"momentum": 0.0} if memory == "momentum" else {}
+    communicator = "allgather"
+    for _ in range(2):  # once, however often it is wrapped
+        model = Tiny()
+        grace = grace_dgc.build(compressor, memory, communicator, engine="local", **params)
+        with caplog.at_level("WARNING", logger="grace_dgc"):
+            grace_dgc.DistributedOptimizer(optimizer(model.parameters(), lr=0.1), grace, model.named_parameters())
+    lines = [r.getMessage() for r in caplog.records if "error-feedback memory" in r.getMessage()]
+    assert len(lines) == (1 if warned else 0), lines
+    if warned:
+        assert compressor in lines[0] and optimizer.__name__ in lines[0] and "onebit_adam" in lines[0]
+
+
+def test_a_plugin_adam_is_recognised_by_its_defaults_and_the_ddp_hook_warns_too(caplog):
+    from grace_dgc import grace as grace_module
+
+    class PluginAdam(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-8})
+
+    grace_module._warned_compositions.clear()
+    model = Tiny()
+    grace = grace_dgc.build("topk", "residual", "allgather", engine="local")
+    with caplog.at_level("WARNING", logger="grace_dgc"):
+        grace_dgc.ddp_comm_hook(grace, model, PluginAdam(model.parameters()))
+    assert any("PluginAdam" in r.getMessage() for r in caplog.records)

@@ -88,6 +88,8 @@ class DemoCompressor(Compressor):
     Use plain SGD (momentum 0): the memory is the momentum.
     """
 
+    biased = True  # E[D(C(x))] ≠ x: meant for error feedback
+
     SETTINGS = ("chunk", "topk", "sign")
     RANK_LOCAL = {
         **Compressor.RANK_LOCAL,

@@ -39,6 +39,8 @@ class EFSignSGDCompressor(PackedCompressor):
     ``test_efsignsgd_memory_error_feedback``.
     """
 
+    biased = True  # E[D(C(x))] ≠ x: meant for error feedback
+
     chunkable = True
     sends_all = True  # a sign (or a mean) for every element, even one that decodes to 0
     SETTINGS = ("scale",)

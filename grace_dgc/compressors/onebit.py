@@ -44,6 +44,8 @@ class OneBitCompressor(PackedCompressor):
     ``test_onebit_wire_and_means`` (hypothesis), the hand-made cases in ``test_exact_hand_values``.
     """
 
+    biased = True  # E[D(C(x))] ≠ x: meant for error feedback
+
     chunkable = True
     sends_all = True  # a sign (or a mean) for every element, even one that decodes to 0
 

@@ -71,6 +71,8 @@ class PowerSGDCompressor(Compressor):
     so all ranks draw the same Q without touching the global RNG; ``warm_start=False`` draws a fresh Q every step.
     """
 
+    biased = True  # E[D(C(x))] ≠ x: meant for error feedback
+
     summable = True
     rounds = 2
 

@@ -147,6 +147,8 @@ class RandomKCompressor(Compressor):
     while the step goes on (:class:`_DrawAhead`): the same bits, off the step's path.
     """
 
+    biased = True  # E[D(C(x))] ≠ x: meant for error feedback
+
     summable = True
 
     SETTINGS = ("compress_ratio", "seed")

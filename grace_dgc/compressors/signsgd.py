@@ -47,6 +47,8 @@ class SignSGDCompressor(PackedCompressor):
     (hypothesis) and ``test_majority_vote_by_hand``.
     """
 
+    biased = True  # E[D(C(x))] ≠ x: meant for error feedback
+
     average = False
     chunkable = True
     sends_all = True  # a sign (or a mean) for every element, even one that decodes to 0

@@ -149,6 +149,8 @@ class SparseCompressor(Compressor):
     payloads can be summed index by index (``sparse_allreduce``), not chunk by chunk (the
     selection spans the whole tensor)."""
 
+    biased = True  # E[D(C(x))] ≠ x: meant for error feedback
+
     sparse = True
 
     def decompress(self, payload: Payload, ctx: SparseCtx) -> Tensor:

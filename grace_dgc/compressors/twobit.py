@@ -36,6 +36,8 @@ class TwoBitCompressor(PackedCompressor):
     itself against ``reference_pack`` (see :func:`grace_dgc.wire.pack_bits`).
     """
 
+    biased = True  # E[D(C(x))] ≠ x: meant for error feedback
+
     chunkable = True
     SETTINGS = ("threshold",)
 

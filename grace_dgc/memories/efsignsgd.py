@@ -34,6 +34,8 @@ class EFSignSGDMemory(Memory):
     this averages, and GRACE skips the lr on the first step).
     """
 
+    error_feedback = True
+
     SETTINGS = ("lr",)
     STATE = ("lr", "residuals")
     RESUME_MAY_DIFFER = {"lr": "the checkpoint carries the lr the schedule had reached"}

@@ -46,6 +46,8 @@ class MomentumMemory(Memory):
     gradient accumulation with factor masking), and the optimizer's moments do the rest.
     """
 
+    error_feedback = True
+
     SETTINGS = ("momentum", "nesterov", "weight_decay", "gradient_clipping", "momentum_masking")
     STATE = ("momentums", "velocities")
     RANK_LOCAL = {

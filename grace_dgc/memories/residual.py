@@ -22,6 +22,8 @@ class ResidualMemory(Memory):
     ``state_dict`` hands out copies.
     """
 
+    error_feedback = True
+
     SETTINGS = ("beta", "gamma")
     STATE = ("residuals",)
 
