@@ -186,8 +186,8 @@ class AdamSchedule(WrappingOptimizer):
 
     def stats(self) -> dict[str, Any]:
         """The compressed Grace's stats plus the dense exchanges' bytes and times (added),
-        and: steps, skipped_steps, dense_bytes_sent (the warm-up's and variance steps' share),
-        phase (this method's, now)."""
+        and: steps, skipped_steps, dense_bytes_sent (the warm-up's and variance steps' share);
+        :meth:`phase` says which phase the method is in."""
         out = self.grace.stats()
         dense = self.dense.stats()
         for key in ("bytes_sent", "bytes_received", "tensors", "groups", "skipped", "wait_seconds"):
@@ -200,7 +200,6 @@ class AdamSchedule(WrappingOptimizer):
             skipped_steps=self._stat_skipped,
             dense_bytes_sent=dense["bytes_sent"],
             dense_bytes=4 * sum(p.numel() for p in self._names) * self._stat_steps,
-            phase=self.phase(),
         )
         out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
         out["bytes_per_step"] = out["bytes_sent"] / self._stat_steps if self._stat_steps else 0.0
@@ -208,6 +207,11 @@ class AdamSchedule(WrappingOptimizer):
 
     def phase(self) -> str:
         raise NotImplementedError
+
+    def synchronize_now(self) -> bool:
+        """Bring every rank onto the same parameters now (before evaluating or saving): a
+        no-op (False) where they already are, i.e. except inside 0/1 Adam's local steps."""
+        return False
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -424,7 +428,15 @@ class ZeroOneAdam(AdamSchedule):
         "momentum_mask",
         "fusion_bytes",
     )
-    COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter", "lrs", "frozen")
+    COUNTERS = (
+        "var_interval",
+        "var_counter",
+        "local_step_interval",
+        "local_step_counter",
+        "lrs",
+        "frozen",
+        "since_sync",
+    )
 
     def __init__(
         self,
@@ -447,6 +459,7 @@ class ZeroOneAdam(AdamSchedule):
         self.local_step_interval, self.local_step_counter = 1, 0
         self.lrs = [0.0] * len(optimizer.param_groups)  # Σ lr over the round's local steps, per param group
         self.frozen = False
+        self.since_sync = 0  # local steps since the last synchronization
         self.round_starts: dict[str, Tensor] = {}  # p₀: the parameters the round started from, per name
         super().__init__(optimizer, grace, named_parameters, fusion_bytes)
 
@@ -519,12 +532,22 @@ class ZeroOneAdam(AdamSchedule):
                 p.add_(update, alpha=-lr)
             for index, group in enumerate(self.optimizer.param_groups):
                 self.lrs[index] += float(group["lr"])
+        self.since_sync += 1
         if t % self.local_step_interval == 0:
             self._synchronize(params)
         self.local_step_counter += 1  # the local-step policy: H doubles, up to the clipper
         if self.local_step_counter == self.local_step_scaler:
             self.local_step_counter = 0
             self.local_step_interval = min(self.local_step_clipper, self.local_step_interval * 2)
+        return True
+
+    def synchronize_now(self) -> bool:
+        """End the round of local steps now (every rank at the same point): the momentum
+        sums so far are exchanged as at a scheduled synchronization; False where there is
+        nothing to exchange (before the freeze, or right after a synchronization)."""
+        if not (self.frozen and self.since_sync):
+            return False
+        self._synchronize(list(self._names))
         return True
 
     def _round_start(self, p: torch.nn.Parameter) -> Tensor:
@@ -552,5 +575,6 @@ class ZeroOneAdam(AdamSchedule):
                     torch.add(start, average / v.sqrt().add_(self._hyper(p)[3]), out=p)
                     start.copy_(p)
         self.lrs = [0.0] * len(self.lrs)
+        self.since_sync = 0
         if averages is None:
             self._skip()

@@ -214,7 +214,7 @@ def ranks_job(rank: int, world: int, engine: str = "torch") -> dict:
     model, opt = build("zero_one_adam", engine, **ZERO_ONE)
     train(model, opt, rank, 1, STEPS)
     out["zero_one"] = flat(dict(model.named_parameters())).detach()
-    out["zero_one_stats"] = {k: opt.stats()[k] for k in ("bytes_sent", "dense_bytes_sent", "phase")}
+    out["zero_one_stats"] = dict({k: opt.stats()[k] for k in ("bytes_sent", "dense_bytes_sent")}, phase=opt.phase())
     return out
 
 
@@ -358,7 +358,7 @@ def test_the_momentum_mask_keeps_never_used_elements_still(mask):
     # unmasked, the sign's error lands on those elements and is divided by √0 + ε
     assert torch.equal(model.w.detach()[:, 5], before) == mask
     assert (torch.count_nonzero(opt.exp_avg["w"][:, 5]) == 0) == mask
-    assert opt.stats()["phase"] == "compressed"
+    assert opt.phase() == "compressed"
 
 
 def test_refusals_name_what_is_accepted():
@@ -444,3 +444,101 @@ def test_a_plugin_adam_is_recognised_by_its_defaults_and_the_ddp_hook_warns_too(
     with caplog.at_level("WARNING", logger="grace_dgc"):
         grace_dgc.ddp_comm_hook(grace, model, PluginAdam(model.parameters()))
     assert any("PluginAdam" in r.getMessage() for r in caplog.records)
+
+
+# -- the survey: AdamW workloads, the lr schedule, the Adam schedules by name, the loss gap ---------------
+
+
+def test_the_lr_schedule_is_nanogpts_warm_up_and_cosine():
+    import math
+
+    from grace_dgc.survey.train import lr_at
+    from grace_dgc.survey.workloads import Workload
+
+    def workload(**hyper):
+        return Workload(
+            train=(torch.zeros(1), torch.zeros(1)), test=(torch.zeros(1), torch.zeros(1)), make_model=Tiny, **hyper
+        )
+
+    cosine = workload(lr_schedule="cosine", warmup_steps=10)
+    total, lr = 110, 1e-3
+    assert [lr_at(cosine, lr, 0, s, total) for s in (0, 4, 9)] == [lr * 1 / 11, lr * 5 / 11, lr * 10 / 11]
+    assert lr_at(cosine, lr, 0, 10, total) == lr  # the peak, then cosine down to lr / 10
+    assert math.isclose(lr_at(cosine, lr, 0, 60, total), lr / 10 + 0.5 * (lr - lr / 10))
+    assert math.isclose(lr_at(cosine, lr, 0, 110, total), lr / 10)
+    steps = workload(lr_milestones=(2,), lr_gamma=0.5)  # the default: milestones, unchanged
+    assert [lr_at(steps, 0.1, e, 0, 10) for e in (0, 1, 2)] == [0.1, 0.1, 0.05]
+
+
+def test_pydoc_gpt_trains_with_adamw_and_bad_values_are_refused():
+    from grace_dgc.survey.train import make_optimizer
+    from grace_dgc.survey.workloads import get_workload
+
+    gpt = get_workload("pydoc-gpt", train_chars=1000, d_model=16, n_layer=1, n_head=2)
+    assert (gpt.optimizer, gpt.lr, gpt.betas, gpt.weight_decay) == ("adamw", 1e-3, (0.9, 0.99), 0.1)
+    assert (gpt.lr_schedule, gpt.warmup_steps, gpt.grad_clip) == ("cosine", 100, 1.0)
+    adamw = make_optimizer(gpt, gpt.make_model(), gpt.lr)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["betas"] == (0.9, 0.99)
+    sgd = get_workload("pydoc-gpt", train_chars=1000, d_model=16, n_layer=1, n_head=2, optimizer="sgd")
+    assert isinstance(make_optimizer(sgd, sgd.make_model(), 0.1), torch.optim.SGD)
+    for bad, match in (
+        ({"optimizer": "lion"}, "optimizer='lion'; accepted: sgd, adamw"),
+        ({"lr_schedule": "linear"}, "accepted: step, cosine"),
+        ({"betas": [0.9]}, "two numbers"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+    ):
+        with pytest.raises(GraceConfigError, match=match):
+            get_workload("pydoc-gpt", train_chars=1000, **bad)
+
+
+def test_the_adam_schedules_by_name_in_a_survey_config():
+    from grace_dgc.survey.config import SurveyConfig
+
+    method = {
+        "label": "1-bit adam",
+        "compressor": "efsignsgd",
+        "memory": "residual",
+        "communicator": "reduce_scatter",
+        "params": {"scale": "rms"},
+    }
+    raw = {
+        "name": "t",
+        "workload": "mnist1d-mlp",
+        "optimizer": "adamw",
+        "lr_schedule": "cosine",
+        "warmup_steps": 5,
+        "methods": [dict(method, schedule={"name": "onebit_adam", "freeze_step": 20})],
+    }
+    config = SurveyConfig(raw)
+    assert config.methods[0]["schedule"] == {"name": "onebit_adam", "params": {"freeze_step": 20}}
+    assert config.hyper["optimizer"] == "adamw"
+    bad = dict(raw, methods=[dict(method, schedule={"name": "zero_one_adam", "freeze_step": 20})])
+    with pytest.raises(GraceConfigError, match="freeze_step"):  # 0/1 Adam's is var_freeze_step
+        SurveyConfig(bad)
+
+
+def test_the_report_shows_the_loss_gap_to_dense_in_nats():
+    import statistics
+
+    from grace_dgc.survey.report import Group, general_table, loss_gap
+
+    def group(label, compressor, losses):
+        g = Group(label, 2, "local")
+        measured = {"peak_rss_mb": 500.0, "compression_ratio": 1.0, "bytes_per_step": 4.0}
+        g.runs = [
+            {"compressor": compressor, "final_test_loss": v, "loss": "lm", "final_test_accuracy": 0.5, **measured}
+            for v in losses
+        ]
+        return g
+
+    dense, adam, ef = (
+        group("dense", "none", [1.2, 1.25, 1.22]),
+        group("1-bit", "efsignsgd", [1.24, 1.27, 1.25]),
+        group("topk", "topk", [2.1]),
+    )
+    groups = [dense, adam, ef]
+    gap = statistics.mean([1.24, 1.27, 1.25]) - statistics.mean([1.2, 1.25, 1.22])
+    assert loss_gap(adam, groups).startswith(f"{gap:+.3f} [")
+    assert loss_gap(dense, groups) == "(baseline)"
+    assert loss_gap(ef, groups).startswith(f"{2.1 - statistics.mean([1.2, 1.25, 1.22]):+.3f} (too few seeds")
+    assert "Loss gap to baseline (nats)" in general_table(groups)

@@ -428,7 +428,10 @@ def _schedule(raw: object, spec: Mapping[str, Any], where: str) -> dict[str, Any
             spec["compressor"], spec["memory"], spec["communicator"], engine=PlanEngine(1), **spec["params"]
         )
         weight = torch.nn.Parameter(torch.zeros(1))
-        schedules.create(name, torch.optim.SGD([weight], lr=0.1), grace, [("w", weight)], **params)
+        optimizer_class = (
+            torch.optim.AdamW if getattr(schedules.SCHEDULES.get(name), "needs_adam", False) else torch.optim.SGD
+        )
+        schedules.create(name, optimizer_class([weight], lr=0.1), grace, [("w", weight)], **params)
     except GraceConfigError as err:
         raise GraceConfigError(f"{where}: schedule: {err}") from None
     return {"name": name, "params": params}

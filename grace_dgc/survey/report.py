@@ -615,10 +615,10 @@ def general_table(groups: Sequence[Group]) -> str:
     lm = any(is_language_model(r) for g in groups for r in g.runs)
     lines = [
         "| Method | Workers | Network | Seeds | Test acc (mean ± std) | Test loss | "
-        + ("Perplexity | " if lm else "")
+        + ("Loss gap to baseline (nats) | Perplexity | " if lm else "")
         + "Bytes/step/worker | Compression ratio | Compute ms | Compress ms | Communicate ms | Decompress ms | "
         "Step ms | Samples/s | Peak RSS |",
-        "|---|---|---|---|---|---|" + ("---|" if lm else "") + "---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|" + ("---|---|" if lm else "") + "---|---|---|---|---|---|---|---|---|",
     ]
     for g in groups:
         rss = g.mean("peak_rss_mb")
@@ -626,7 +626,7 @@ def general_table(groups: Sequence[Group]) -> str:
         memory = f"{rss:.0f} MB" + (f" (GPU {gpu:.0f} MB)" if gpu else "")
         perplexity = ""
         if lm:
-            perplexity = f"{_perplexity(g)} | "
+            perplexity = f"{loss_gap(g, groups)} | {_perplexity(g)} | "
         lines.append(
             f"| {g.label} | {g.workers} | {g.network} | {len(g.runs)} | {g.mean_std('final_test_accuracy')} | "
             f"{g.mean_std('final_test_loss')} | {perplexity}{human_bytes(g.mean('bytes_per_step'))} | "
@@ -635,6 +635,23 @@ def general_table(groups: Sequence[Group]) -> str:
             f"{_rate(g.mean('samples_per_s'))} | {memory} |"
         )
     return "\n".join(lines)
+
+
+def loss_gap(group: Group, groups: Sequence[Group]) -> str:
+    """Mean final test loss minus the baseline's (same workers and network), in nats, with
+    the 95% CI of the difference (Welch) where both ran enough seeds: how far above dense a
+    language model ends, the figure an accuracy hides."""
+    base = _baseline(group, groups)
+    if base is group:
+        return "(baseline)"
+    values, reference = group.values("final_test_loss"), base.values("final_test_loss")
+    if not values or not reference:
+        return "—"
+    gap = statistics.mean(values) - statistics.mean(reference)
+    if min(len(values), len(reference)) < MIN_SEEDS_FOR_INTERVAL:
+        return f"{gap:+.3f} ({too_few(min(len(values), len(reference)))})"
+    interval = _difference_interval(values, reference)
+    return f"{gap:+.3f}" + ("" if interval is None else f" [{interval[0]:+.3f}, {interval[1]:+.3f}]")
 
 
 def _perplexity(group: Group) -> str:
@@ -951,7 +968,11 @@ def write_report(out_dir: str, report_dir: str | None = None, target: float | No
         parts.append("")
     definitions = DEFINITIONS
     if any(is_language_model(r) for g in groups for r in g.runs):
-        definitions += "\n- **Perplexity** (language models): exp(final test loss) per seed, mean ± std over seeds."
+        definitions += (
+            "\n- **Loss gap to baseline** (language models): mean final test loss minus the baseline's (the `none` "
+            "compressor of the same workers and network), in nats, with the 95% CI of the difference (Welch)."
+            "\n- **Perplexity** (language models): exp(final test loss) per seed, mean ± std over seeds."
+        )
     parts += ["## Definitions", "", definitions, ""]
     path = os.path.join(report_dir, "report.md")
     with open(path, "w") as f:
@@ -993,9 +1014,17 @@ def _setup_text(first: Record) -> str:
     if first.get("script"):
         batch = f", global batch {first['global_batch']}" if first.get("global_batch") else ""
         return f"{text}{batch}); batch size, lr and optimizer are the script's; time is {first.get('timing', 'n/a')}"
+    if first.get("optimizer") == "adamw":
+        optimizer = f"AdamW betas {tuple(first['betas'])}, weight decay {first['weight_decay']:g}"
+    else:
+        optimizer = f"momentum {first['momentum']:g}"
+    schedule = ""
+    if first.get("lr_schedule") == "cosine" or first.get("warmup_steps"):
+        warmup = f"{first['warmup_steps']} warm-up steps, " if first.get("warmup_steps") else ""
+        schedule = f" ({warmup}{'cosine decay to lr/10' if first.get('lr_schedule') == 'cosine' else 'milestones'})"
     return (
         f"{text}, global batch {first['global_batch']} = {first['batch_size']} per worker × workers); "
-        f"lr {first['lr']:g} unless tuned; momentum {first['momentum']:g}"
+        f"lr {first['lr']:g}{schedule} unless tuned; {optimizer}"
     )
 
 

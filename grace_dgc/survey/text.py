@@ -278,9 +278,16 @@ def build_workload(
         description=f"Python {info['python_version']} help text (pydoc_data topics, {len(text):,} characters, "
         f"sha256 {digest}, {vocab_size}-character vocabulary, 90/5/5 contiguous split, windows of {context}); "
         f"GPT-style decoder ({n_layer} pre-LN blocks, d_model {d_model}, {n_head} heads, untied head)",
+        # trained the way nanoGPT trains its character-level GPT (shakespeare_char): AdamW,
+        # lr 1e-3 warmed up over 100 steps then cosine-decayed to 1e-4, betas (0.9, 0.99),
+        # weight decay 0.1, global-norm clip 1.0
         batch_size=16,
-        lr=0.15,
-        momentum=0.9,
+        optimizer="adamw",
+        lr=1e-3,
+        betas=(0.9, 0.99),
+        weight_decay=0.1,
+        lr_schedule="cosine",
+        warmup_steps=100,
         epochs=6,
         target_accuracy=0.55,
         grad_clip=1.0,

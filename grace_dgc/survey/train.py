@@ -4,6 +4,7 @@ loop, evaluation. See :mod:`grace_dgc.survey.runner` for what each measurement m
 from __future__ import annotations
 
 import hashlib
+import math
 import resource
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 
 import grace_dgc
 
+from ..adam import AdamSchedule
 from ..errors import GraceConfigError
 from ..schedules import OuterSync
 from ..schedules import create as create_schedule
@@ -158,6 +160,29 @@ def _peak_memory(ctx: Context) -> tuple[float, float]:
     return peak_rss_mb(), gpu_mb
 
 
+def make_optimizer(workload: Workload, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The workload's optimizer: SGD with its momentum and weight decay, or AdamW with its
+    betas and (decoupled) weight decay, as nanoGPT trains."""
+    if workload.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, betas=workload.betas, weight_decay=workload.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=workload.momentum, weight_decay=workload.weight_decay)
+
+
+def lr_at(workload: Workload, lr: float, epoch: int, step: int, total_steps: int) -> float:
+    """The learning rate of global step ``step`` (from 0) of ``total_steps``, in ``epoch``:
+    ``lr_schedule = "step"`` multiplies lr by lr_gamma at each milestone epoch; ``"cosine"``
+    decays it from lr to lr/10 over the steps after the warm-up (nanoGPT's ``get_lr``). A
+    warm-up of ``warmup_steps`` ramps it linearly first: lr·(step + 1)/(warmup_steps + 1)."""
+    warmup = workload.warmup_steps
+    if step < warmup:
+        return lr * (step + 1) / (warmup + 1)
+    if workload.lr_schedule == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        floor = lr / 10
+        return floor + 0.5 * (1 + math.cos(math.pi * progress)) * (lr - floor)
+    return lr * workload.lr_gamma ** sum(epoch >= m for m in workload.lr_milestones)
+
+
 def train(
     ctx: Context,
     cell: Cell,
@@ -190,18 +215,18 @@ def train(
     grace = grace_dgc.build(
         method["compressor"], method["memory"], method["communicator"], engine=ctx.engine_kind, **params
     )
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=lr, momentum=workload.momentum, weight_decay=workload.weight_decay
-    )
+    optimizer = make_optimizer(workload, model, lr)
     fusion = {"fusion_bytes": method["fusion_bytes"]} if "fusion_bytes" in method else {}
     schedule = method.get("schedule")
-    dist_opt: grace_dgc.DistributedOptimizer | OuterSync
+    dist_opt: grace_dgc.DistributedOptimizer | OuterSync | AdamSchedule
     if schedule is None:
         dist_opt = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters(), **fusion)
     else:  # the workload's optimizer steps locally; the Grace carries the outer gradient
         dist_opt = create_schedule(
             schedule["name"], optimizer, grace, model.named_parameters(), **fusion, **schedule["params"]
         )
+    # whose stats a step records: the Adam schedules add their dense exchanges (a second Grace)
+    measured: Any = dist_opt if isinstance(dist_opt, AdamSchedule) else grace
     # what a step-by-step fp32 allreduce would send: a schedule's ratio is against it, not per sync
     dense_per_step = 4 * sum(p.numel() for p in model.parameters())
 
@@ -239,9 +264,7 @@ def train(
     elapsed, global_step = 0.0, 0
     try:
         for epoch in range(epochs):
-            epoch_lr = lr * workload.lr_gamma ** sum(epoch >= m for m in workload.lr_milestones)
-            for group in optimizer.param_groups:
-                group["lr"] = epoch_lr
+            epoch_lr = lr_at(workload, lr, epoch, global_step, epochs * steps)
             grace.set_epoch(epoch)
             order = torch.randperm(examples, generator=torch.Generator().manual_seed(_mix(seed, epoch)))
             augment_rng = torch.Generator().manual_seed(_mix(seed, epoch, "augment", ctx.rank))
@@ -257,6 +280,8 @@ def train(
             ctx.sync()
             epoch_start = time.perf_counter()
             for _ in range(steps):
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(workload, lr, epoch, global_step, epochs * steps)
                 x, y = next(loader)
                 if workload.augment is not None:
                     x = workload.augment(x, augment_rng)
@@ -278,8 +303,8 @@ def train(
                     dist_opt.step()
                 ctx.sync()
                 t2 = time.perf_counter()
-                stats = grace.stats()
-                grace.reset_stats()
+                stats = measured.stats()
+                measured.reset_stats()
                 totals.loss += loss.item() * count
                 totals.hits += hits.item()
                 totals.count += count
@@ -311,9 +336,9 @@ def train(
                 bar.update()
             # a schedule ends the epoch with a synchronization: the evaluated model is the ranks'
             # common one (its bytes and time count as the epoch's)
-            if isinstance(dist_opt, OuterSync) and dist_opt.synchronize_now():
-                stats = grace.stats()
-                grace.reset_stats()
+            if isinstance(dist_opt, (OuterSync, AdamSchedule)) and dist_opt.synchronize_now():
+                stats = measured.stats()
+                measured.reset_stats()
                 totals.bytes_sent += stats["bytes_sent"]
                 totals.exchanges += stats["tensors"]
                 totals.groups += stats["groups"]

@@ -86,8 +86,10 @@ class Workload:
     metric: MetricFn | None = None
     metric_name: str = ""  # default: "accuracy", "next-token accuracy" for "lm"
     batch_size: int = 32  # per worker
-    lr: float = 0.05  # SGD learning rate
-    momentum: float = 0.9
+    lr: float = 0.05  # the peak learning rate
+    optimizer: str = "sgd"  # "sgd" (momentum, weight_decay) or "adamw" (betas, weight_decay decoupled)
+    momentum: float = 0.9  # SGD's
+    betas: tuple = (0.9, 0.999)  # AdamW's
     epochs: int = 10
     target_accuracy: float | None = None  # for time/epochs-to-target
     name: str = ""  # set to the name it was asked for
@@ -97,6 +99,8 @@ class Workload:
     weight_decay: float = 0.0
     lr_milestones: tuple = ()  # epochs after which lr *= lr_gamma (MultiStepLR)
     lr_gamma: float = 0.1
+    lr_schedule: str = "step"  # "step": the milestones above; "cosine": cosine decay to lr/10 over the run
+    warmup_steps: int = 0  # linear warm-up from 0 over the first steps (either schedule)
     grad_clip: float | None = None  # clip the gradient's global norm to this (LSTM)
     loader_workers: int = 0  # DataLoader worker processes per rank for Dataset splits
     parameters: int = 0  # trainable parameters of make_model() (measured)
@@ -107,10 +111,16 @@ class Workload:
             self.metric_name = "next-token accuracy" if self.loss == "lm" else "accuracy"
 
 
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("step", "cosine")
 HYPER_PARAMETERS = (
     "batch_size",
     "lr",
+    "optimizer",
     "momentum",
+    "betas",
+    "lr_schedule",
+    "warmup_steps",
     "epochs",
     "target_accuracy",
     "weight_decay",
@@ -368,6 +378,17 @@ def _checked(hyper: Mapping[str, Any], where: str = "") -> dict[str, Any]:
             out[key] = check_range(prefix + key, value, low, high, low_open=low_open, kind=kind)
         elif key == "grad_clip":
             out[key] = None if value is None else check_range(prefix + key, value, 0, None, low_open=True)
+        elif key in ("optimizer", "lr_schedule"):
+            accepted = OPTIMIZERS if key == "optimizer" else LR_SCHEDULES
+            if value not in accepted:
+                raise GraceConfigError(f"{prefix}{key}={value!r}; accepted: {', '.join(accepted)}")
+            out[key] = value
+        elif key == "warmup_steps":
+            out[key] = check_range(prefix + key, value, 0, None, kind=int)
+        elif key == "betas":
+            if not (isinstance(value, (list, tuple)) and len(value) == 2):
+                raise GraceConfigError(f"{prefix}betas={value!r} must be two numbers in [0, 1), e.g. [0.9, 0.99]")
+            out[key] = tuple(check_range(f"{prefix}betas[{i}]", b, 0, 1, high_open=True) for i, b in enumerate(value))
         else:  # lr_milestones
             if not (
                 isinstance(value, (list, tuple))
