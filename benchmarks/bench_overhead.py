@@ -13,6 +13,17 @@ the same random batches with SGD, in one of these modes:
   hook       DDP with ``grace_dgc.ddp_comm_hook`` and ``none`` + ``allreduce``;
   torch-hook DDP with torch's own ``allreduce_hook`` (a reference: what any Python comm hook costs).
 
+``--adam`` runs the Adam schedules (issue 40) against DDP with AdamW instead, every mode on
+``torch.optim.AdamW``:
+
+  ddp-adamw  DistributedDataParallel with AdamW (the reference);
+  1bit-warm  ``onebit_adam`` in its dense warm-up (an fp32 allreduce, then its own Adam step);
+  1bit       ``onebit_adam`` after the freeze: the momentum through efsignsgd(rms) + residual +
+             reduce_scatter (the papers' compressed allreduce), every step;
+  01adam     ``zero_one_adam`` after the variance freeze, synchronizing every step (H = 1: its
+             most expensive steps; later ones are local and send nothing).
+The first 3 steps (untimed) are the warm-up of ``1bit`` and the variance steps of ``01adam``.
+
 Per run: the median step time (zero_grad, forward, backward, exchange, step) over ``--steps``
 steps after 3 warm-up steps, and the peak resident memory (``ru_maxrss``) of the process; the
 slowest rank counts. Modes run in fresh processes, interleaved (ddp, optimizer, hook, ddp, …)
@@ -49,6 +60,8 @@ from grace_dgc.launch import run_local
 
 WIDTHS = (1024, 4096, 4096, 1024, 10)
 MODES = ("ddp", "optimizer", "hook", "torch-hook")
+ADAM_MODES = ("ddp-adamw", "1bit-warm", "1bit", "01adam")
+ONE_BIT = ("efsignsgd", "residual", "reduce_scatter")
 MEMORY_METHODS = (
     ("allreduce", None),
     ("none", ("none", "none", "allreduce", {})),
@@ -79,7 +92,19 @@ def train_job(rank, world_size, mode, steps, batch, widths=WIDTHS):
     device = device_of(rank)
     model = mlp(widths).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    if mode == "optimizer":
+    if mode in ADAM_MODES:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if mode in ("1bit-warm", "1bit", "01adam"):
+        grace = grace_dgc.build(*ONE_BIT, scale="rms")
+        name, settings = {
+            "1bit-warm": ("onebit_adam", {"freeze_step": 10**9}),
+            "1bit": ("onebit_adam", {"freeze_step": 3}),
+            "01adam": ("zero_one_adam", {"var_freeze_step": 3, "local_step_scaler": 10**9}),
+        }[mode]
+        optimizer = grace_dgc.schedules.create(name, optimizer, grace, model.named_parameters(), **settings)
+    elif mode == "ddp-adamw":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif mode == "optimizer":
         grace = grace_dgc.build("none", "none", "allreduce")
         optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
     else:
@@ -141,6 +166,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--memory-case", action="store_true")
+    parser.add_argument("--adam", action="store_true", help="the Adam schedules against DDP with AdamW")
     parser.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS), help="the MLP's layer widths")
     parser.add_argument("--readme", metavar="PATH", help="also write the figures into PATH's block for this script")
     args = parser.parse_args(argv)
@@ -154,19 +180,20 @@ def main(argv=None):
         f"({sum(p.numel() for p in mlp(widths).parameters()) / 1e6:.1f}M parameters), batch {args.batch}, "
         f"{args.steps} steps per run, {args.repeats} interleaved repeats"
     )
-    runs = {mode: [] for mode in MODES}
+    modes = ADAM_MODES if args.adam else MODES
+    runs = {mode: [] for mode in modes}
     for repeat in range(args.repeats):  # --repeats 0: the memory case only
-        for mode in MODES:
+        for mode in modes:
             job = (mode, args.steps, args.batch, widths)
             per_rank = run_local(train_job, args.ranks, job, backend=args.backend)
             seconds, memory = max(r[0] for r in per_rank), max(r[1] for r in per_rank)
             runs[mode].append((seconds, memory))
             report(f"  repeat {repeat + 1} {mode:<10} {seconds * 1e3:7.1f} ms/step  {memory:7.0f} {unit}", flush=True)
     if args.repeats:
-        base_time = min(t for t, _ in runs["ddp"])
-        base_memory = min(m for _, m in runs["ddp"])
+        base_time = min(t for t, _ in runs[modes[0]])
+        base_memory = min(m for _, m in runs[modes[0]])
         report(f"\n{'mode':<11} {'ms/step':>8} {'x ddp':>6} {unit:>12} {'x ddp':>6}   (minimum over repeats)")
-        for mode in MODES:
+        for mode in modes:
             seconds, memory = min(t for t, _ in runs[mode]), min(m for _, m in runs[mode])
             report(
                 f"{mode:<11} {seconds * 1e3:>8.1f} {seconds / base_time:>6.3f} {memory:>12.0f} "

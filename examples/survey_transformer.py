@@ -1,4 +1,5 @@
-r"""Your own language-model script under the survey (script mode): a small GPT trained with AdamW.
+r"""Your own language-model script under the survey (script mode): a small GPT trained with AdamW,
+warmed up and cosine-decayed as nanoGPT trains its character-level GPT.
 
     grace-dgc survey --script examples/survey_transformer.py --config examples/survey_script.toml \
         --out runs/my-gpt --script-args --epochs 2 --train-chars 100000
@@ -48,12 +49,21 @@ def evaluate(model, inputs, targets, rank, world_size):
     return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
 
 
+def get_lr(step, total, peak, warmup):
+    """nanoGPT's schedule: linear warm-up over ``warmup`` steps, then cosine decay to peak / 10."""
+    if step < warmup:
+        return peak * (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak / 10 + 0.5 * (1 + math.cos(math.pi * progress)) * (peak - peak / 10)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32, help="windows per rank and step")
     parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--train-chars", type=int, default=0, help="use the first N characters of train (0: all)")
     args = parser.parse_args()
 
@@ -72,15 +82,21 @@ def main():
     model = CharTransformer(len(vocab), args.context, d_model=128, n_layer=4, n_head=4)
     grace = survey.cell_grace("none")  # run alone: dense allreduce
     optimizer = grace_dgc.DistributedOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01), grace, model.named_parameters()
+        torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1),
+        grace,
+        model.named_parameters(),
     )
     global_batch = args.batch * world_size
+    total, step = args.epochs * (len(x) // global_batch), 0
     for epoch in range(args.epochs):
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
         losses = []
         started = time.perf_counter()
         for start in range(0, len(x) - global_batch + 1, global_batch):
             mine = order[start + rank * args.batch : start + (rank + 1) * args.batch]
+            for group in optimizer.param_groups:
+                group["lr"] = get_lr(step, total, args.lr, args.warmup_steps)
+            step += 1
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x[mine]).flatten(0, 1), y[mine].flatten())
             loss.backward()
