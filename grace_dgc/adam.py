@@ -160,7 +160,7 @@ class AdamSchedule(WrappingOptimizer):
         with torch.no_grad():
             for group, _, views in filled:
                 names = [self._names[p] for p in group]
-                pending.append((group, grace.step_group_async(views, names, inplace=True)))
+                pending.append((group, grace.step_group_async(views, names, inplace=True, finite=True)))
             waiting = time.perf_counter()
             averages = {p: average for group, future in pending for p, average in zip(group, future.result())}
             grace.add_wait(time.perf_counter() - waiting)
@@ -217,7 +217,9 @@ class AdamSchedule(WrappingOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """The moments, the step and policy counters, the wrapped optimizer's param groups
         and the Grace's state (worker and server errors): every rank's file resumes bit for
-        bit; m and v are equal on every rank, the Grace's state is each rank's own."""
+        bit. v is equal on every rank, and so is m except inside 0/1 Adam's local steps; the
+        Grace's state is each rank's own. A rank-0-only checkpoint (``gather_state(schedule)``
+        carries every rank's Grace state) is whole right after ``synchronize_now()``."""
         return {
             "format": STATE_FORMAT,
             "schedule": self.name,

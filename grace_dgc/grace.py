@@ -174,7 +174,7 @@ class Grace:
         return single
 
     def step_group_async(
-        self, tensors: Sequence[Tensor], names: Sequence[str], inplace: bool = False
+        self, tensors: Sequence[Tensor], names: Sequence[str], inplace: bool = False, finite: bool = False
     ) -> Future[list[Tensor]]:
         """Exchange a fusion group: each tensor is compressed (and remembered) on its own,
         their payloads travel together (one size exchange and one data collective per round).
@@ -187,12 +187,15 @@ class Grace:
 
         Groups run one at a time in submission order, so ranks that submit the same groups
         in the same order issue matching collectives.
+
+        ``finite=True``: the caller has asked :meth:`nonfinite_ranks` for these tensors (every
+        rank alike) and none holds a NaN/Inf, so the group's own flag exchange is left out.
         """
         ready = None
         if any(t.is_cuda for t in tensors):  # the gradients are produced on the caller's stream
             ready = torch.cuda.Event()
             ready.record()
-        return self.run_in_order(partial(self._exchange_or_fail, list(tensors), list(names), inplace, ready))
+        return self.run_in_order(partial(self._exchange_or_fail, list(tensors), list(names), inplace, ready, finite))
 
     def run_in_order(self, fn: Any) -> Future[Any]:
         """Run ``fn()`` on the communication thread after the groups submitted before it:
@@ -202,13 +205,15 @@ class Grace:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grace-comm")
         return self._worker.submit(fn)
 
-    def _exchange_or_fail(self, tensors: list[Tensor], names: list[str], inplace: bool, ready: Any) -> list[Tensor]:
+    def _exchange_or_fail(
+        self, tensors: list[Tensor], names: list[str], inplace: bool, ready: Any, finite: bool = False
+    ) -> list[Tensor]:
         """:meth:`_exchange`; an error that this rank alone meets (a bug, a bad view, a
         collective that failed) is handed to the engine, which tells the other ranks and
         wakes them from the collective they wait in: every rank gets a named error now,
         instead of one error here and a timeout there."""
         try:
-            averages = self._exchange(tensors, names, inplace, ready)
+            averages = self._exchange(tensors, names, inplace, ready, finite)
             if ready is not None:
                 # the averages (a NaN fill of a skip, a copy back into a non-contiguous input
                 # included) are complete before the Future is: its consumer may read them on
@@ -222,7 +227,7 @@ class Grace:
             raise
 
     def _exchange(
-        self, tensors: list[Tensor], names: list[str], inplace: bool = False, ready: Any = None
+        self, tensors: list[Tensor], names: list[str], inplace: bool = False, ready: Any = None, finite: bool = False
     ) -> list[Tensor]:
         """The data path of one fusion group (module docstring). The averages land in the
         inputs when they are handed over (a non-contiguous one through a temporary), else in
@@ -235,7 +240,7 @@ class Grace:
             t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             for t in tensors
         ]
-        if not self._rides:  # ranks learn of a NaN/Inf before any state changes (one allgather)
+        if not (self._rides or finite):  # ranks learn of a NaN/Inf before any state changes (one allgather)
             bad = self._nonfinite_ranks(tensors)
             if bad:
                 return self._skip(tensors, outputs, names, inplace, bad)

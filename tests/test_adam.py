@@ -542,3 +542,17 @@ def test_the_report_shows_the_loss_gap_to_dense_in_nats():
     assert loss_gap(dense, groups) == "(baseline)"
     assert loss_gap(ef, groups).startswith(f"{2.1 - statistics.mean([1.2, 1.25, 1.22]):+.3f} (too few seeds")
     assert "Loss gap to baseline (nats)" in general_table(groups)
+
+
+def disagreeing_job(rank: int, world: int) -> str:
+    model, opt = build("onebit_adam", "torch", freeze_step=3 + rank)  # the ranks disagree on the freeze
+    try:
+        train(model, opt, rank, 1, 2)
+    except GraceConfigError as error:
+        return str(error)
+    return "trained"
+
+
+def test_ranks_with_other_settings_are_refused_at_the_first_exchange():
+    for message in run_local(disagreeing_job, 2):
+        assert "freeze_step" in message, message
