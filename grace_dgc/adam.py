@@ -60,6 +60,7 @@ class AdamSchedule(WrappingOptimizer):
         grace: Grace,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
         fusion_bytes: int,
+        max_grad_norm: float | None = None,
     ) -> None:
         from .grace import build  # grace imports schedules' neighbours; built here, at run time
 
@@ -79,6 +80,9 @@ class AdamSchedule(WrappingOptimizer):
                 "per schedule, since its memory and counters are kept per parameter name"
             )
         self.fusion_bytes = check_range("fusion_bytes", fusion_bytes, 0, kind=int)
+        self.max_grad_norm = (
+            None if max_grad_norm is None else check_range("max_grad_norm", max_grad_norm, 0, low_open=True)
+        )
         self.optimizer, self.grace = optimizer, grace
         self._names = self._name_parameters(optimizer, named_parameters)
         if not self._names:
@@ -120,11 +124,30 @@ class AdamSchedule(WrappingOptimizer):
         return float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], decoupled
 
     def _grad(self, p: torch.nn.Parameter) -> Tensor:
-        """This rank's gradient (zeros where backward made none: every rank exchanges alike),
-        with Adam's coupled L2 term (torch.optim.Adam's weight_decay) added."""
-        grad = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+        """This rank's gradient (zeros where backward made none: every rank exchanges alike)."""
+        return torch.zeros_like(p) if p.grad is None else p.grad.detach()
+
+    def _decayed(self, p: torch.nn.Parameter, grad: Tensor) -> Tensor:
+        """``grad`` with Adam's coupled L2 term (torch.optim.Adam's weight_decay: g + λ·p) where
+        the optimizer is Adam; AdamW's decay is decoupled and applied with the update."""
         _, _, _, _, decay, decoupled = self._hyper(p)
         return grad.add(p.detach(), alpha=decay) if decay and not decoupled else grad
+
+    def _clip(self, tensors: list[Tensor]) -> None:
+        """Scale ``tensors`` in place so that their global L2 norm is at most ``max_grad_norm``
+        (torch's ``clip_grad_norm_`` on them, bit for bit). As DeepSpeed's engine does, the
+        gradient the method uses is clipped: the dense average where the ranks average the
+        gradient, each rank's own where it steps on its own."""
+        if self.max_grad_norm is None or not tensors:
+            return
+        norm = torch.nn.utils.get_total_norm(tensors)
+        coefficient = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        for tensor in tensors:
+            tensor.mul_(coefficient)
+
+    def _clip_local(self) -> None:
+        """Clip this rank's own gradients (``p.grad``) before it uses them."""
+        self._clip([p.grad for p in self._names if p.grad is not None])
 
     def _moments(self, p: torch.nn.Parameter) -> tuple[Tensor, Tensor]:
         name = self._names[p]
@@ -320,7 +343,7 @@ class OneBitAdam(AdamSchedule):
     and server errors are the Grace's.
     """
 
-    SETTINGS = ("freeze_step", "bias_correction", "momentum_mask", "fusion_bytes")
+    SETTINGS = ("freeze_step", "bias_correction", "momentum_mask", "max_grad_norm", "fusion_bytes")
 
     def __init__(
         self,
@@ -330,12 +353,13 @@ class OneBitAdam(AdamSchedule):
         freeze_step: int = 1000,
         bias_correction: bool = True,
         momentum_mask: bool = True,
+        max_grad_norm: float | None = None,
         fusion_bytes: int = 4 * 2**20,
     ) -> None:
         self.freeze_step = check_range("freeze_step", freeze_step, 1, kind=int)
         self.bias_correction = check_bool("bias_correction", bias_correction)
         self.momentum_mask = check_bool("momentum_mask", momentum_mask)
-        super().__init__(optimizer, grace, named_parameters, fusion_bytes)
+        super().__init__(optimizer, grace, named_parameters, fusion_bytes, max_grad_norm)
 
     def phase(self) -> str:
         return "warm-up" if self.steps < self.freeze_step else "compressed"
@@ -352,18 +376,21 @@ class OneBitAdam(AdamSchedule):
             if averages is None:
                 self._skip()
                 return loss
+            self._clip([averages[p] for p in params])
             with torch.no_grad():
                 for p in params:
                     _, beta1, beta2, *_ = self._hyper(p)
                     m, v = self._moments(p)
-                    m.lerp_(averages[p], 1 - beta1)
-                    v.mul_(beta2).addcmul_(averages[p], averages[p], value=1 - beta2)
+                    g = self._decayed(p, averages[p])
+                    m.lerp_(g, 1 - beta1)
+                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         else:  # 2. the momentum through the Grace
 
             def momentum(p: torch.nn.Parameter, out: Tensor) -> None:
                 m, _ = self._moments(p)
-                torch.lerp(m, self._grad(p), 1 - self._hyper(p)[1], out=out)
+                torch.lerp(m, self._decayed(p, self._grad(p)), 1 - self._hyper(p)[1], out=out)
 
+            self._clip_local()
             averages = self._average(self.grace, momentum)
             if averages is None:
                 self._skip()
@@ -428,6 +455,7 @@ class ZeroOneAdam(AdamSchedule):
         "local_step_scaler",
         "local_step_clipper",
         "momentum_mask",
+        "max_grad_norm",
         "fusion_bytes",
     )
     COUNTERS = (
@@ -450,6 +478,7 @@ class ZeroOneAdam(AdamSchedule):
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
         momentum_mask: bool = True,
+        max_grad_norm: float | None = None,
         fusion_bytes: int = 4 * 2**20,
     ) -> None:
         self.var_freeze_step = check_range("var_freeze_step", var_freeze_step, 0, kind=int)
@@ -463,7 +492,7 @@ class ZeroOneAdam(AdamSchedule):
         self.frozen = False
         self.since_sync = 0  # local steps since the last synchronization
         self.round_starts: dict[str, Tensor] = {}  # p₀: the parameters the round started from, per name
-        super().__init__(optimizer, grace, named_parameters, fusion_bytes)
+        super().__init__(optimizer, grace, named_parameters, fusion_bytes, max_grad_norm)
 
     def _tensor_state(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "round_starts")
@@ -493,19 +522,24 @@ class ZeroOneAdam(AdamSchedule):
     def _variance_step(self, t: int) -> bool:
         params = list(self._names)
         dense = t % self.var_interval == 0
+        if not dense:
+            self._clip_local()
         averages = self._average(self.dense if dense else self.grace, lambda p, out: out.copy_(self._grad(p)))
         if averages is None:
             self._skip()
             return False
+        if dense:
+            self._clip([averages[p] for p in params])
         with torch.no_grad():
             for p in params:
                 lr, beta1, beta2, eps, decay, decoupled = self._hyper(p)
                 m, v = self._moments(p)
                 if dense:  # 1a.
-                    m.lerp_(averages[p], 1 - beta1)
-                    v.mul_(beta2).addcmul_(averages[p], averages[p], value=1 - beta2)
+                    g = self._decayed(p, averages[p])
+                    m.lerp_(g, 1 - beta1)
+                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 else:  # 1b.
-                    m.lerp_(self._masked(averages[p], v), 1 - beta1)
+                    m.lerp_(self._decayed(p, self._masked(averages[p], v)), 1 - beta1)
                 update = m / v.sqrt().add_(eps)
                 if decay and decoupled:
                     update.add_(p, alpha=decay)
@@ -518,7 +552,8 @@ class ZeroOneAdam(AdamSchedule):
 
     def _frozen_step(self, t: int) -> bool:
         params = list(self._names)
-        grads = {p: self._grad(p) for p in params}
+        self._clip_local()
+        grads = {p: self._decayed(p, self._grad(p)) for p in params}
         if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
             self._skip()  # a local step: this rank's alone, nothing to agree on
             return False

@@ -19,6 +19,7 @@ import grace_dgc
 from ..adam import AdamSchedule
 from ..errors import GraceConfigError
 from ..schedules import OuterSync
+from ..schedules import accepted_params as accepted_schedule_params
 from ..schedules import create as create_schedule
 from ..stats import GRACE_KEYS
 from . import data
@@ -222,9 +223,11 @@ def train(
     if schedule is None:
         dist_opt = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters(), **fusion)
     else:  # the workload's optimizer steps locally; the Grace carries the outer gradient
-        dist_opt = create_schedule(
-            schedule["name"], optimizer, grace, model.named_parameters(), **fusion, **schedule["params"]
-        )
+        settings = dict(schedule["params"])
+        if workload.grad_clip and "max_grad_norm" in accepted_schedule_params(schedule["name"]):
+            # the Adam schedules clip the gradient they use (the dense average where they average it)
+            settings.setdefault("max_grad_norm", workload.grad_clip)
+        dist_opt = create_schedule(schedule["name"], optimizer, grace, model.named_parameters(), **fusion, **settings)
     # whose stats a step records: the Adam schedules add their dense exchanges (a second Grace)
     measured: Any = dist_opt if isinstance(dist_opt, AdamSchedule) else grace
     # what a step-by-step fp32 allreduce would send: a schedule's ratio is against it, not per sync
@@ -298,7 +301,8 @@ def train(
                     torch.nn.utils.clip_grad_norm_(model.parameters(), workload.grad_clip)
                     optimizer.step()
                 else:
-                    if workload.grad_clip:  # a schedule: the local gradient, before the local step
+                    if workload.grad_clip and not isinstance(dist_opt, AdamSchedule):
+                        # DiLoCo, local SGD: the local gradient, before the local step
                         torch.nn.utils.clip_grad_norm_(model.parameters(), workload.grad_clip)
                     dist_opt.step()
                 ctx.sync()
