@@ -99,7 +99,17 @@ def adamw_update(p, m, v, lr, t_m, t_v, bias_correction=True):
     return p.addcdiv((m), (v.sqrt() / second**0.5).add(EPS), value=-lr / first)
 
 
-def reference_onebit_adam(world: int, steps: int, freeze: int, poison: tuple | None = None) -> dict:
+def clip(grads: dict, max_norm: float | None) -> dict:
+    """torch's clip_grad_norm_ arithmetic on a dict of tensors: the global L2 norm, one factor."""
+    if max_norm is None:
+        return grads
+    factor = torch.clamp(max_norm / (torch.nn.utils.get_total_norm(list(grads.values())) + 1e-6), max=1.0)
+    return {n: g * factor for n, g in grads.items()}
+
+
+def reference_onebit_adam(
+    world: int, steps: int, freeze: int, poison: tuple | None = None, max_norm: float | None = None
+) -> dict:
     params = {n: p.detach().clone() for n, p in Tiny().named_parameters()}
     m = {n: torch.zeros_like(p) for n, p in params.items()}
     v = {n: torch.zeros_like(p) for n, p in params.items()}
@@ -109,9 +119,13 @@ def reference_onebit_adam(world: int, steps: int, freeze: int, poison: tuple | N
         if any(not torch.isfinite(g).all() for gs in grads for g in gs.values()):
             continue  # skipped alike on every rank: nothing changes
         t += 1
+        if t <= freeze:  # the dense average is clipped, else each rank's own gradient
+            average = clip({n: dense_mean([gs[n] for gs in grads]) for n in params}, max_norm)
+        else:
+            grads = [clip(gs, max_norm) for gs in grads]
         for n in params:
             if t <= freeze:
-                g = dense_mean([gs[n] for gs in grads])
+                g = average[n]
                 m[n] = torch.lerp(m[n], g, 1 - BETAS[0])
                 v[n] = torch.addcmul(v[n] * BETAS[1], g, g, value=1 - BETAS[1])
             else:
@@ -200,7 +214,7 @@ def flat(params: dict) -> torch.Tensor:
     return torch.cat([params[n].reshape(-1) for n in ("w", "b")])
 
 
-ONEBIT = {"freeze_step": 3}
+ONEBIT = {"freeze_step": 3, "max_grad_norm": 1.2}  # clips some steps: the batches' gradient norms are 0.7-1.8
 ZERO_ONE = {"var_freeze_step": 9, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 4}
 STEPS = 16  # 0/1 Adam: synchronizes at 10, 11, 12 (H = 2), then 16 (H = 4): ranks agree at the end
 
@@ -220,7 +234,7 @@ def ranks_job(rank: int, world: int, engine: str = "torch") -> dict:
 
 def reference_results(world: int) -> dict:
     return {
-        "onebit": flat(reference_onebit_adam(world, STEPS, ONEBIT["freeze_step"], poison=(world - 1, 5))),
+        "onebit": flat(reference_onebit_adam(world, STEPS, 3, poison=(world - 1, 5), max_norm=ONEBIT["max_grad_norm"])),
         "zero_one": [
             flat(p)
             for p in reference_zero_one_adam(
@@ -255,7 +269,21 @@ def test_ranks_agree_bitwise_and_equal_the_reference_loops(world):
     assert stats["phase"] == "local steps" and 0 < stats["bytes_sent"] - stats["dense_bytes_sent"]
 
 
-def test_the_warm_up_is_torch_adamw_and_adam_bit_for_bit():
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_the_warm_up_is_torch_adamw_and_adam_bit_for_bit(clip):
+    """Also with clipping: clip_grad_norm_ on the (averaged) gradient, then torch's step."""
+
+    def clipped(optimizer, model):
+        class Clipped:
+            def zero_grad(self):
+                optimizer.zero_grad()
+
+            def step(self):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+
+        return Clipped() if clip else optimizer
+
     for kind in (torch.optim.AdamW, torch.optim.Adam):
         model, twin = Tiny(), Tiny()
         grace = grace_dgc.build(*SIGN[:3], engine="local", **SIGN[3])
@@ -265,8 +293,9 @@ def test_the_warm_up_is_torch_adamw_and_adam_bit_for_bit():
             grace,
             model.named_parameters(),
             freeze_step=6,
+            max_grad_norm=clip,
         )
-        plain = kind(twin.parameters(), lr=LR, weight_decay=DECAY)
+        plain = clipped(kind(twin.parameters(), lr=LR, weight_decay=DECAY), twin)
         for t in range(1, 7):
             train(model, opt, 0, t, t)
             train(twin, plain, 0, t, t)
@@ -392,6 +421,7 @@ def test_registered_by_name_with_aliases():
         "freeze_step",
         "bias_correction",
         "momentum_mask",
+        "max_grad_norm",
         "fusion_bytes",
     ]
 
