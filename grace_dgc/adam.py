@@ -87,7 +87,7 @@ class AdamSchedule(WrappingOptimizer):
         self._names = self._name_parameters(optimizer, named_parameters)
         if not self._names:
             raise GraceConfigError("the optimizer has no trainable parameters (requires_grad=True)")
-        self._group_of = {p: group for group in optimizer.param_groups for p in group["params"]}
+        # param groups by index: optimizer.load_state_dict replaces the group dicts
         self._index_of = {p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self._groups = self._fusion_groups(list(self._names), self.fusion_bytes)
         # the dense exchanges: fp32 allreduce on the same engine (never in flight with grace's)
@@ -118,7 +118,7 @@ class AdamSchedule(WrappingOptimizer):
     # -- the pieces of a step -----------------------------------------------------------
     def _hyper(self, p: torch.nn.Parameter) -> tuple[float, float, float, float, float, bool]:
         """lr, β1, β2, eps, weight decay and whether it is decoupled (AdamW) for ``p``, now."""
-        group = self._group_of[p]
+        group = self.optimizer.param_groups[self._index_of[p]]
         beta1, beta2 = group["betas"]
         decoupled = isinstance(self.optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
         return float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], decoupled
@@ -140,7 +140,7 @@ class AdamSchedule(WrappingOptimizer):
         gradient, each rank's own where it steps on its own."""
         if self.max_grad_norm is None or not tensors:
             return
-        norm = torch.nn.utils.get_total_norm(tensors)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
         coefficient = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         for tensor in tensors:
             tensor.mul_(coefficient)
@@ -156,16 +156,12 @@ class AdamSchedule(WrappingOptimizer):
             self.exp_avg_sq[name] = torch.zeros_like(p, memory_format=torch.preserve_format).detach()
         return self.exp_avg[name], self.exp_avg_sq[name]
 
-    def _average(self, grace: Grace, fill: Fill, params: list[torch.nn.Parameter] | None = None) -> dict | None:
+    def _average(self, grace: Grace, fill: Fill) -> dict | None:
         """Every rank's ``fill`` averaged through ``grace``, per parameter (None: the exchange
         was skipped alike on every rank for a NaN/Inf; nothing was changed)."""
-        chosen = None if params is None else set(params)
         filled = []
         with torch.no_grad():
             for group in self._groups:
-                group = [p for p in group if chosen is None or p in chosen]
-                if not group:
-                    continue
                 flat = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
                 views = [view.view_as(p) for p, view in zip(group, flat.split([p.numel() for p in group]))]
                 for p, view in zip(group, views):
@@ -173,8 +169,10 @@ class AdamSchedule(WrappingOptimizer):
                 filled.append((group, flat, views))
         # one question for the whole step: a NaN/Inf anywhere skips every group alike, before
         # any of them changes the Grace's state (a group skipped alone would leave the others'
-        # errors counting a step that never happened)
-        if grace.nonfinite_ranks([flat for _, flat, _ in filled]):
+        # errors counting a step that never happened). A Grace that keeps no state and sums
+        # on the wire (the dense one) needs no question: a NaN rides the sum to every rank.
+        agreed = not (grace.memory.identity and grace.communicator.propagates_nonfinite)
+        if agreed and grace.nonfinite_ranks([flat for _, flat, _ in filled]):
             if grace.nonfinite == "raise":
                 raise on_every_rank(GraceNonFiniteError(f"{self.name}: a gradient is not finite (NaN or Inf)"))
             return None
@@ -183,7 +181,7 @@ class AdamSchedule(WrappingOptimizer):
         with torch.no_grad():
             for group, _, views in filled:
                 names = [self._names[p] for p in group]
-                pending.append((group, grace.step_group_async(views, names, inplace=True, finite=True)))
+                pending.append((group, grace.step_group_async(views, names, inplace=True, finite=agreed)))
             waiting = time.perf_counter()
             averages = {p: average for group, future in pending for p, average in zip(group, future.result())}
             grace.add_wait(time.perf_counter() - waiting)
@@ -336,9 +334,18 @@ class OneBitAdam(AdamSchedule):
        b2 = 1 − β2^min(t, T_w) when ``bias_correction`` (default, torch's Adam), else 1 (DeepSpeed's
        code). In the warm-up this is torch's AdamW step on ḡ, bit for bit on one rank.
 
-    Deviations, deliberate: the scale of the sign is per owner chunk (``reduce_scatter`` cuts
-    each tensor into N chunks and compresses each), where DeepSpeed computes one worker scale
-    per padded tensor; and the mask is found from v = 0 instead of asked of the user.
+    Deviations from DeepSpeed's code, deliberate: the scale of the sign is per owner chunk
+    (``reduce_scatter`` cuts each tensor into N chunks and compresses each), where DeepSpeed pads
+    each tensor to a multiple of 8·N and computes one worker scale over the padded tensor; the
+    mask is found from v = 0 instead of asked of the user (an element with no gradient in the
+    whole warm-up, e.g. the embedding of a token not seen by then, then stays where it is: set
+    ``momentum_mask=False`` to train it, at the risk the mask exists for); DeepSpeed's first
+    ``step()`` only allocates its buffers, so it takes ``freeze_step`` − 1 dense steps where this
+    takes ``freeze_step``; DeepSpeed does not compress on one rank; the gradient that is clipped
+    (``max_grad_norm``) is the dense average in the warm-up and each rank's own after it, as
+    DeepSpeed's engine clips what it hands the optimizer. A parameter without a gradient counts
+    as a zero gradient (every rank exchanges the same tensors), where torch's Adam skips it.
+    ``benchmarks/compare_deepspeed_adam.py`` runs both on DeepSpeed's own reference problem.
     State (checkpointed; a skipped step changes none of it): m, v, the step count; the worker
     and server errors are the Grace's.
     """
@@ -422,31 +429,41 @@ class ZeroOneAdam(AdamSchedule):
     Two policies replace 1-bit Adam's single freeze: the variance is updated only at steps
     in T_v (adaptive freezing), and after the last of them the ranks take local steps and
     synchronize the accumulated momentum every H steps (1-bit sync with local steps).
-    With t the step, κ = ``var_update_scaler``, and no bias correction (as the paper):
+    With t the step, κ = ``var_update_scaler``, k the variance updates so far, λ the weight
+    decay and, with ``bias_correction`` (default; False: the paper's and DeepSpeed's
+    arithmetic), the step size γ = lr/(1 − β1^t) and v̂ = v/(1 − β2^k) (else γ = lr, v̂ = v):
 
     1. Before the freeze, t ≤ ``var_freeze_step``:
        a. t ∈ T_v (t divisible by the variance interval, which starts at 1 and doubles after
           every κ variance updates): ḡ through the dense allreduce,
               m ← β1·m + (1−β1)·ḡ,   v ← β2·v + (1−β2)·ḡ²;
-       b. otherwise the *gradient* through the Grace (worker and server error): ĝ ← C-mean_i g_i,
-          ĝ ← ĝ ⊙ [v ≠ 0], m ← β1·m + (1−β1)·ĝ.
-       Update: u = m/(√v + ε) + λ·p (AdamW; Adam adds λ·p to g), p ← p − lr·u.
+       b. otherwise the *gradient* through the Grace (worker and server error, DeepSpeed's
+          code): ĝ ← C-mean_i g_i, ĝ ← ĝ ⊙ [v ≠ 0], m ← β1·m + (1−β1)·ĝ.
+       Update: p ← p·(1 − lr·λ) (AdamW; Adam adds λ·p to g), p ← p − γ·m/(√v̂ + ε).
     2. From t = ``var_freeze_step`` + 1 (the Grace's error state is reset once: it held
-       gradient errors, it will hold momentum errors), on each rank apart:
-          m ← β1·m + (1−β1)·g_i,   u = m/(√v + ε) + λ·p,   p ← p − lr·u,   Σlr ← Σlr + lr
+       gradient errors, it will hold momentum sums), on each rank apart:
+          m ← β1·m + (1−β1)·g_i,   p ← p·(1 − lr·λ) − γ·m/(√v̂ + ε),   Σγ ← Σγ + γ,  D ← D·(1 − lr·λ)
        and when t is divisible by the local-step interval H (it starts at 1 and doubles after
        every ``local_step_scaler`` frozen steps, up to ``local_step_clipper``), with p₀ the
-       parameters the round started from and a = p − p₀ the local steps' sum:
-          â ← C-mean_i (a_i ⊙ (√v + ε)) ⊙ [v ≠ 0],   m ← −â / Σlr,
-          p ← p₀ + â / (√v + ε),   p₀ ← p,   Σlr ← 0.
+       parameters the round started from and a = p − D·p₀ the local steps' momentum sum:
+          â ← C-mean_i (a_i ⊙ (√v̂ + ε)) ⊙ [v ≠ 0],   m ← −â / Σγ,
+          p ← D·p₀ + â / (√v̂ + ε),   p₀ ← p,   Σγ ← 0,  D ← 1.
 
-    Deviations, deliberate: the freeze starts at var_freeze_step + 1 (DeepSpeed flips it at the
-    end of step var_freeze_step + 1, one step later); DeepSpeed sums a = Σ −lr·u in a buffer of
-    its own and lands on p − a + â/(√v+ε), which rounds differently on each rank: keeping p₀
-    instead (the same one buffer) gives a = p − p₀ and puts every rank on p₀ + â/(√v+ε), bitwise
-    alike; the sign's scale is per owner chunk, as in ``onebit_adam``; a local step whose own
-    gradient is not finite is skipped on that rank (nothing to agree on), and a synchronization
-    that is not finite on some rank drops the round alike on every rank (p ← p₀, m ← 0).
+    Deviations from DeepSpeed's code, deliberate: (i) the weight decay stays out of the
+    synchronized sum: DeepSpeed's ``comm_buffer`` holds Σ −lr·(m/(√v+ε) + λ·p), so the rebuilt
+    momentum carries λ·p·(√v+ε) and the decay acts again through m (2-10× the nominal decay for
+    H = 16 … 1); here the decay is the factor D, applied to p₀ alike on every rank. (ii)
+    DeepSpeed lands a synchronization on p − a + â/(√v+ε) with a summed in a buffer of its own,
+    which rounds differently on each rank: keeping p₀ instead (the same one buffer) puts every
+    rank on D·p₀ + â/(√v̂+ε), bitwise alike. (iii) DeepSpeed's first ``step()`` only allocates
+    its buffers yet counts as step 1, so its variance and synchronization tests fall on
+    (t + 1) of this t; its freeze follows update ``var_freeze_step`` as here. (iv) the sign's
+    scale is per owner chunk, as in ``onebit_adam``; DeepSpeed does not compress on one rank.
+    (v) a local step whose own gradient is not finite is only the decay on that rank, and still
+    counts (the ranks' schedules and Σγ, D stay alike); a synchronization that is not finite on some
+    rank drops the round alike on every rank (p ← D·p₀, m ← 0). (vi) A parameter without a
+    gradient counts as a zero gradient (every rank exchanges the same tensors), where torch's
+    Adam skips it.
     """
 
     SETTINGS = (
@@ -454,6 +471,7 @@ class ZeroOneAdam(AdamSchedule):
         "var_update_scaler",
         "local_step_scaler",
         "local_step_clipper",
+        "bias_correction",
         "momentum_mask",
         "max_grad_norm",
         "fusion_bytes",
@@ -461,9 +479,11 @@ class ZeroOneAdam(AdamSchedule):
     COUNTERS = (
         "var_interval",
         "var_counter",
+        "var_updates",
         "local_step_interval",
         "local_step_counter",
         "lrs",
+        "decays",
         "frozen",
         "since_sync",
     )
@@ -475,20 +495,23 @@ class ZeroOneAdam(AdamSchedule):
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
         var_freeze_step: int = 100_000,
         var_update_scaler: int = 16,
-        local_step_scaler: int = 32678,
+        local_step_scaler: int = 32768,
         local_step_clipper: int = 16,
+        bias_correction: bool = True,
         momentum_mask: bool = True,
         max_grad_norm: float | None = None,
         fusion_bytes: int = 4 * 2**20,
     ) -> None:
-        self.var_freeze_step = check_range("var_freeze_step", var_freeze_step, 0, kind=int)
+        self.var_freeze_step = check_range("var_freeze_step", var_freeze_step, 1, kind=int)
         self.var_update_scaler = check_range("var_update_scaler", var_update_scaler, 1, kind=int)
         self.local_step_scaler = check_range("local_step_scaler", local_step_scaler, 1, kind=int)
         self.local_step_clipper = check_range("local_step_clipper", local_step_clipper, 1, kind=int)
+        self.bias_correction = check_bool("bias_correction", bias_correction)
         self.momentum_mask = check_bool("momentum_mask", momentum_mask)
-        self.var_interval, self.var_counter = 1, 0
+        self.var_interval, self.var_counter, self.var_updates = 1, 0, 0
         self.local_step_interval, self.local_step_counter = 1, 0
-        self.lrs = [0.0] * len(optimizer.param_groups)  # Σ lr over the round's local steps, per param group
+        self.lrs = [0.0] * len(optimizer.param_groups)  # Σγ over the round's local steps, per param group
+        self.decays = [1.0] * len(optimizer.param_groups)  # D, per param group
         self.frozen = False
         self.since_sync = 0  # local steps since the last synchronization
         self.round_starts: dict[str, Tensor] = {}  # p₀: the parameters the round started from, per name
@@ -502,6 +525,25 @@ class ZeroOneAdam(AdamSchedule):
 
     def _masked(self, average: Tensor, v: Tensor) -> Tensor:
         return self._mask(average, v) if self.momentum_mask else average
+
+    def _step_size(self, group: dict[str, Any], t: int) -> float:
+        """γ: the group's lr over 1 − β1^t (with bias correction)."""
+        return float(group["lr"]) / (1 - group["betas"][0] ** t if self.bias_correction else 1.0)
+
+    def _group_decay(self, group: dict[str, Any]) -> float:
+        """The factor AdamW's decoupled weight decay applies to the group this step (1 for Adam)."""
+        decoupled = isinstance(self.optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+        return 1 - float(group["lr"]) * group["weight_decay"] if group["weight_decay"] and decoupled else 1.0
+
+    def _rates(self, p: torch.nn.Parameter, t: int) -> tuple[float, Tensor]:
+        """γ (the step size) and √v̂ + ε for ``p`` at step ``t``."""
+        group = self.optimizer.param_groups[self._index_of[p]]
+        _, v = self._moments(p)
+        second = 1 - group["betas"][1] ** max(self.var_updates, 1) if self.bias_correction else 1.0
+        return self._step_size(group, t), (v.sqrt() / second**0.5).add_(group["eps"])
+
+    def _decay(self, p: torch.nn.Parameter) -> float:
+        return self._group_decay(self.optimizer.param_groups[self._index_of[p]])
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -530,9 +572,10 @@ class ZeroOneAdam(AdamSchedule):
             return False
         if dense:
             self._clip([averages[p] for p in params])
+            self.var_updates += 1
         with torch.no_grad():
             for p in params:
-                lr, beta1, beta2, eps, decay, decoupled = self._hyper(p)
+                _, beta1, beta2, *_ = self._hyper(p)
                 m, v = self._moments(p)
                 if dense:  # 1a.
                     g = self._decayed(p, averages[p])
@@ -540,10 +583,9 @@ class ZeroOneAdam(AdamSchedule):
                     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 else:  # 1b.
                     m.lerp_(self._decayed(p, self._masked(averages[p], v)), 1 - beta1)
-                update = m / v.sqrt().add_(eps)
-                if decay and decoupled:
-                    update.add_(p, alpha=decay)
-                p.add_(update, alpha=-lr)
+                step_size, denom = self._rates(p, t)
+                p.mul_(self._decay(p))
+                p.addcdiv_(m, denom, value=-step_size)
         if dense:  # the variance policy: the interval doubles after κ updates
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:
@@ -554,24 +596,26 @@ class ZeroOneAdam(AdamSchedule):
         params = list(self._names)
         self._clip_local()
         grads = {p: self._decayed(p, self._grad(p)) for p in params}
-        if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
-            self._skip()  # a local step: this rank's alone, nothing to agree on
-            return False
+        finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
         with torch.no_grad():
             for p in params:  # 2. the local step
                 self._round_start(p)
-                lr, beta1, _, eps, decay, decoupled = self._hyper(p)
-                m, v = self._moments(p)
-                m.lerp_(grads[p], 1 - beta1)
-                update = m / v.sqrt().add_(eps)
-                if decay and decoupled:
-                    update.add_(p, alpha=decay)
-                p.add_(update, alpha=-lr)
-            for index, group in enumerate(self.optimizer.param_groups):
-                self.lrs[index] += float(group["lr"])
+                p.mul_(self._decay(p))
+                if finite:
+                    m, _ = self._moments(p)
+                    m.lerp_(grads[p], 1 - self._hyper(p)[1])
+                    step_size, denom = self._rates(p, t)
+                    p.addcdiv_(m, denom, value=-step_size)
+        # the round's Σγ and D are the schedule's, alike on every rank: a rank whose own gradient
+        # was not finite takes only the decay (its momentum sum lacks this step), and counts it
+        for index, group in enumerate(self.optimizer.param_groups):
+            self.lrs[index] += self._step_size(group, t)
+            self.decays[index] *= self._group_decay(group)
+        if not finite:
+            self._skip()
         self.since_sync += 1
         if t % self.local_step_interval == 0:
-            self._synchronize(params)
+            self._synchronize(params, t)
         self.local_step_counter += 1  # the local-step policy: H doubles, up to the clipper
         if self.local_step_counter == self.local_step_scaler:
             self.local_step_counter = 0
@@ -584,7 +628,7 @@ class ZeroOneAdam(AdamSchedule):
         nothing to exchange (before the freeze, or right after a synchronization)."""
         if not (self.frozen and self.since_sync):
             return False
-        self._synchronize(list(self._names))
+        self._synchronize(list(self._names), self.steps)
         return True
 
     def _round_start(self, p: torch.nn.Parameter) -> Tensor:
@@ -593,25 +637,28 @@ class ZeroOneAdam(AdamSchedule):
             self.round_starts[name] = p.detach().clone()
         return self.round_starts[name]
 
-    def _synchronize(self, params: list[torch.nn.Parameter]) -> None:
-        def scaled(p: torch.nn.Parameter, out: Tensor) -> None:
-            _, v = self._moments(p)
-            torch.sub(p, self._round_start(p), out=out).mul_(v.sqrt().add_(self._hyper(p)[3]))
+    def _synchronize(self, params: list[torch.nn.Parameter], t: int) -> None:
+        def scaled(p: torch.nn.Parameter, out: Tensor) -> None:  # a ⊙ (√v̂ + ε), a = p − D·p₀
+            decay = self.decays[self._index_of[p]]
+            torch.sub(p, self._round_start(p), alpha=decay, out=out).mul_(self._rates(p, t)[1])
 
         averages = self._average(self.grace, scaled)
         with torch.no_grad():
             for p in params:
                 m, v = self._moments(p)
-                start = self._round_start(p)
-                if averages is None:
-                    p.copy_(start)  # the round is dropped alike on every rank
+                start, index = self._round_start(p), self._index_of[p]
+                if averages is None:  # the round is dropped alike on every rank
+                    torch.mul(start, self.decays[index], out=p)
+                    start.copy_(p)
                     m.zero_()
                 else:
                     average = self._masked(averages[p], v)
-                    torch.div(average, -self.lrs[self._index_of[p]], out=m)
-                    torch.add(start, average / v.sqrt().add_(self._hyper(p)[3]), out=p)
+                    if self.lrs[index]:  # Σγ = 0 (lr 0 all round): nothing moved, m stays
+                        torch.div(average, -self.lrs[index], out=m)
+                    torch.add(start.mul_(self.decays[index]), average / self._rates(p, t)[1], out=p)
                     start.copy_(p)
         self.lrs = [0.0] * len(self.lrs)
+        self.decays = [1.0] * len(self.decays)
         self.since_sync = 0
         if averages is None:
             self._skip()

@@ -6,6 +6,7 @@ step too); the compressor and communicator as choices; refusals."""
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -50,9 +51,14 @@ def gradient(params: dict[str, torch.Tensor], rank: int, t: int, poison: tuple |
 # -- the reference: written out, a loop over ranks -----------------------------------------------------
 
 
+def lr_of(t: int) -> float:
+    """The lr of step t: it changes every step (an LR schedule), so Σγ and a resume's group dicts count."""
+    return LR * (1 + 0.25 * (t % 3))
+
+
 def rms_sign(x: torch.Tensor) -> torch.Tensor:
-    """(‖x‖₂/√d)·sign(x), with sign(0) = +1, in fp32."""
-    scale = torch.sqrt(x.pow(2).sum(dtype=torch.float32) / max(x.numel(), 1))
+    """(‖x‖₂/√d)·sign(x), with sign(0) = +1, in fp32 (DeepSpeed's norm / √numel)."""
+    scale = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(max(x.numel(), 1))
     return torch.where(x >= 0, scale, -scale)
 
 
@@ -103,7 +109,8 @@ def clip(grads: dict, max_norm: float | None) -> dict:
     """torch's clip_grad_norm_ arithmetic on a dict of tensors: the global L2 norm, one factor."""
     if max_norm is None:
         return grads
-    factor = torch.clamp(max_norm / (torch.nn.utils.get_total_norm(list(grads.values())) + 1e-6), max=1.0)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return {n: g * factor for n, g in grads.items()}
 
 
@@ -131,23 +138,35 @@ def reference_onebit_adam(
             else:
                 mine = [torch.lerp(m[n], gs[n], 1 - BETAS[0]) for gs in grads]
                 m[n] = allreduce(n, mine).masked_fill(v[n] == 0, 0)
-            params[n] = adamw_update(params[n], m[n], v[n], LR, t, min(t, freeze))
+            params[n] = adamw_update(params[n], m[n], v[n], lr_of(step), t, min(t, freeze))
     return params
 
 
-def reference_zero_one_adam(world: int, steps: int, freeze: int, kappa: int, scaler: int, clipper: int) -> list[dict]:
-    """Every rank's parameters after ``steps`` (they differ between synchronizations)."""
+def reference_zero_one_adam(
+    world: int, steps: int, freeze: int, kappa: int, scaler: int, clipper: int, poison: tuple | None = None
+) -> list[dict]:
+    """Every rank's parameters after ``steps`` (they differ between synchronizations): 0/1 Adam
+    with bias correction, AdamW's decay as the factor D outside the synchronized sum, and a
+    rank whose local gradient is not finite taking the decay only."""
     start = {n: p.detach().clone() for n, p in Tiny().named_parameters()}
     params = [{n: p.clone() for n, p in start.items()} for _ in range(world)]
     m = [{n: torch.zeros_like(p) for n, p in start.items()} for _ in range(world)]
     v = {n: torch.zeros_like(p) for n, p in start.items()}
     starts: list[dict] = []  # p₀, the parameters each rank's round of local steps started from
     allreduce = CompressedAllreduce(world)
-    var_interval, var_counter, local_interval, local_counter, lrs = 1, 0, 1, 0, 0.0
+    var_interval, var_counter, var_updates, local_interval, local_counter = 1, 0, 0, 1, 0
+    lrs, decay = 0.0, 1.0  # Σγ and D of the round
+
+    def denominator(n):  # √v̂ + ε
+        return (v[n].sqrt() / (1 - BETAS[1] ** max(var_updates, 1)) ** 0.5).add(EPS)
+
     for t in range(1, steps + 1):
-        grads = [gradient(params[r], r, t) for r in range(world)]
+        lr = lr_of(t)
+        step_size, factor = lr / (1 - BETAS[0] ** t), 1 - lr * DECAY
+        grads = [gradient(params[r], r, t, poison) for r in range(world)]
         if t <= freeze:
             dense = t % var_interval == 0
+            var_updates += dense
             for n in start:
                 if dense:
                     g = dense_mean([gs[n] for gs in grads])
@@ -156,8 +175,7 @@ def reference_zero_one_adam(world: int, steps: int, freeze: int, kappa: int, sca
                     g = allreduce(n, [gs[n] for gs in grads]).masked_fill(v[n] == 0, 0)
                 for r in range(world):
                     m[r][n] = torch.lerp(m[r][n], g, 1 - BETAS[0])
-                    update = torch.add(m[r][n] / (v[n].sqrt() + EPS), params[r][n], alpha=DECAY)
-                    params[r][n] = torch.add(params[r][n], update, alpha=-LR)
+                    params[r][n] = torch.addcdiv(params[r][n] * factor, m[r][n], denominator(n), value=-step_size)
             if dense:
                 var_counter += 1
                 if var_counter == kappa:
@@ -167,21 +185,24 @@ def reference_zero_one_adam(world: int, steps: int, freeze: int, kappa: int, sca
             allreduce = CompressedAllreduce(world)  # the errors start again for the momentum sums
             starts = [{n: p.clone() for n, p in params[r].items()} for r in range(world)]
         for r in range(world):
+            finite = all(torch.isfinite(g).all() for g in grads[r].values())
             for n in start:
-                m[r][n] = torch.lerp(m[r][n], grads[r][n], 1 - BETAS[0])
-                update = torch.add(m[r][n] / (v[n].sqrt() + EPS), params[r][n], alpha=DECAY)
-                params[r][n] = torch.add(params[r][n], update, alpha=-LR)
-        lrs += LR
+                if finite:
+                    m[r][n] = torch.lerp(m[r][n], grads[r][n], 1 - BETAS[0])
+                    params[r][n] = torch.addcdiv(params[r][n] * factor, m[r][n], denominator(n), value=-step_size)
+                else:  # its own gradient is not finite: the decay only
+                    params[r][n] = params[r][n] * factor
+        lrs, decay = lrs + step_size, decay * factor
         if t % local_interval == 0:
             for n in start:
-                denom = v[n].sqrt() + EPS
-                sums = [(params[r][n] - starts[r][n]) * denom for r in range(world)]  # a_i ⊙ (√v + ε)
+                d = denominator(n)
+                sums = [torch.sub(params[r][n], starts[r][n], alpha=decay) * d for r in range(world)]
                 average = allreduce(n, sums).masked_fill(v[n] == 0, 0)
                 for r in range(world):
-                    params[r][n] = starts[r][n] + average / denom
+                    params[r][n] = torch.add(starts[r][n] * decay, average / d)
                     starts[r][n] = params[r][n].clone()
                     m[r][n] = average / -lrs
-            lrs = 0.0
+            lrs, decay = 0.0, 1.0
         local_counter += 1
         if local_counter == scaler:
             local_counter, local_interval = 0, min(clipper, local_interval * 2)
@@ -201,6 +222,8 @@ def build(schedule: str, engine: str, parts=SIGN, **settings):
 
 def train(model, opt, rank: int, first: int, last: int, poison: tuple | None = None) -> None:
     for t in range(first, last + 1):
+        for group in opt.param_groups:
+            group["lr"] = lr_of(t)
         opt.zero_grad()
         x, y = batch(rank, t)
         F.mse_loss(model(x), y).backward()
@@ -226,7 +249,7 @@ def ranks_job(rank: int, world: int, engine: str = "torch") -> dict:
     out["onebit"] = flat(dict(model.named_parameters())).detach()
     out["onebit_skipped"] = opt.stats()["skipped_steps"]
     model, opt = build("zero_one_adam", engine, **ZERO_ONE)
-    train(model, opt, rank, 1, STEPS)
+    train(model, opt, rank, 1, STEPS, poison=(world - 1, 13))  # a local step of the last rank's is skipped
     out["zero_one"] = flat(dict(model.named_parameters())).detach()
     out["zero_one_stats"] = dict({k: opt.stats()[k] for k in ("bytes_sent", "dense_bytes_sent")}, phase=opt.phase())
     return out
@@ -238,7 +261,7 @@ def reference_results(world: int) -> dict:
         "zero_one": [
             flat(p)
             for p in reference_zero_one_adam(
-                world, STEPS, ZERO_ONE["var_freeze_step"], 2, ZERO_ONE["local_step_scaler"], 4
+                world, STEPS, ZERO_ONE["var_freeze_step"], 2, ZERO_ONE["local_step_scaler"], 4, poison=(world - 1, 13)
             )
         ],
     }
@@ -275,6 +298,8 @@ def test_the_warm_up_is_torch_adamw_and_adam_bit_for_bit(clip):
 
     def clipped(optimizer, model):
         class Clipped:
+            param_groups = optimizer.param_groups
+
             def zero_grad(self):
                 optimizer.zero_grad()
 
@@ -550,27 +575,34 @@ def test_the_adam_schedules_by_name_in_a_survey_config():
 def test_the_report_shows_the_loss_gap_to_dense_in_nats():
     import statistics
 
+    from scipy import stats
+
     from grace_dgc.survey.report import Group, general_table, loss_gap
 
-    def group(label, compressor, losses):
+    def group(label, compressor, losses, seeds=(0, 1, 2)):
         g = Group(label, 2, "local")
         measured = {"peak_rss_mb": 500.0, "compression_ratio": 1.0, "bytes_per_step": 4.0}
         g.runs = [
-            {"compressor": compressor, "final_test_loss": v, "loss": "lm", "final_test_accuracy": 0.5, **measured}
-            for v in losses
+            {"compressor": compressor, "seed": seed, "final_test_loss": v, "loss": "lm", "final_test_accuracy": 0.5}
+            | measured
+            for seed, v in zip(seeds, losses)
         ]
         return g
 
-    dense, adam, ef = (
-        group("dense", "none", [1.2, 1.25, 1.22]),
-        group("1-bit", "efsignsgd", [1.24, 1.27, 1.25]),
-        group("topk", "topk", [2.1]),
-    )
-    groups = [dense, adam, ef]
-    gap = statistics.mean([1.24, 1.27, 1.25]) - statistics.mean([1.2, 1.25, 1.22])
-    assert loss_gap(adam, groups).startswith(f"{gap:+.3f} [")
+    base, mine = [1.2, 1.25, 1.22], [1.24, 1.27, 1.25]
+    dense, adam, ef = group("dense", "none", base), group("1-bit", "efsignsgd", mine), group("topk", "topk", [2.1])
+    other_seeds = group("qsgd", "qsgd", mine, seeds=(3, 4, 5))
+    groups = [dense, adam, ef, other_seeds]
+    gap = statistics.mean(mine) - statistics.mean(base)
+    # the same seeds: the paired interval, t on the per-seed differences (written out here)
+    differences = [a - b for a, b in zip(mine, base)]
+    half = stats.t.ppf(0.975, 2) * statistics.stdev(differences) / math.sqrt(3)
+    assert loss_gap(adam, groups) == f"{gap:+.3f} [{gap - half:+.3f}, {gap + half:+.3f}] paired"
+    # other seeds: Welch's interval
+    welch = stats.ttest_ind(mine, base, equal_var=False).confidence_interval(0.95)
+    assert loss_gap(other_seeds, groups) == f"{gap:+.3f} [{welch.low:+.3f}, {welch.high:+.3f}]"
     assert loss_gap(dense, groups) == "(baseline)"
-    assert loss_gap(ef, groups).startswith(f"{2.1 - statistics.mean([1.2, 1.25, 1.22]):+.3f} (too few seeds")
+    assert loss_gap(ef, groups).startswith(f"{2.1 - statistics.mean(base):+.3f} (too few seeds")
     assert "Loss gap to baseline (nats)" in general_table(groups)
 
 
@@ -586,3 +618,12 @@ def disagreeing_job(rank: int, world: int) -> str:
 def test_ranks_with_other_settings_are_refused_at_the_first_exchange():
     for message in run_local(disagreeing_job, 2):
         assert "freeze_step" in message, message
+
+
+def test_the_rms_scale_squares_in_fp32_whatever_the_gradient_dtype():
+    compressor = grace_dgc.build("efsignsgd", "none", "allgather", engine="local", scale="rms").compressor
+    for value in (1e-4, 300.0):  # fp16 squares would underflow to 0 and overflow to inf
+        tensor = torch.full((10,), value, dtype=torch.float16)
+        (_, scale), _ = compressor.compress(tensor, "w")
+        expected = torch.linalg.vector_norm(tensor.float()) / math.sqrt(10)
+        assert torch.equal(scale, expected.reshape(1))

@@ -1,3 +1,5 @@
+import math
+
 import torch
 from torch import Tensor
 
@@ -56,14 +58,17 @@ class EFSignSGDCompressor(PackedCompressor):
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         numel = tensor.numel()
         # fp32 accumulation: the scale is one fp32 on the wire whatever the gradient dtype
-        magnitude = torch.abs(tensor, out=self.workspace.like("abs", tensor))
-        if self.scale == "rms":
-            magnitude.mul_(magnitude)  # |p|² (in place: the workspace is this call's)
-        total = magnitude.sum(dtype=torch.float32)
-        if not bool(torch.isfinite(total)):  # fp32 overflowed on finite values: sum in fp64
-            total = magnitude.sum(dtype=torch.float64)
-        mean = total / max(numel, 1)
-        scale = (mean.sqrt() if self.scale == "rms" else mean).float()
+        if self.scale == "rms":  # ‖p‖₂/√d as DeepSpeed computes it, the squares in fp32 (not fp16's)
+            norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
+            if not bool(torch.isfinite(norm)):  # fp32 overflowed on finite values: in fp64
+                norm = torch.linalg.vector_norm(tensor, dtype=torch.float64)
+            scale = (norm / math.sqrt(max(numel, 1))).float()
+        else:
+            magnitude = torch.abs(tensor, out=self.workspace.like("abs", tensor))
+            total = magnitude.sum(dtype=torch.float32)
+            if not bool(torch.isfinite(total)):  # fp32 overflowed on finite values: sum in fp64
+                total = magnitude.sum(dtype=torch.float64)
+            scale = (total / max(numel, 1)).float()
         return [wire.pack_signs(tensor, self.workspace), scale.reshape(1)], (tensor.shape, tensor.dtype)
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:

@@ -639,18 +639,27 @@ def general_table(groups: Sequence[Group]) -> str:
 
 def loss_gap(group: Group, groups: Sequence[Group]) -> str:
     """Mean final test loss minus the baseline's (same workers and network), in nats, with
-    the 95% CI of the difference (Welch) where both ran enough seeds: how far above dense a
-    language model ends, the figure an accuracy hides."""
+    the 95% CI of the difference where both ran enough seeds: how far above dense a language
+    model ends, the figure an accuracy hides. Runs of one seed start from the same weights and
+    see the same batches, so where both ran the same seeds the interval is the paired one
+    (Student t on the per-seed differences), else Welch's."""
     base = _baseline(group, groups)
     if base is group:
         return "(baseline)"
-    values, reference = group.values("final_test_loss"), base.values("final_test_loss")
-    if not values or not reference:
+    mine = {r.get("seed"): r["final_test_loss"] for r in group.runs if r.get("final_test_loss") is not None}
+    theirs = {r.get("seed"): r["final_test_loss"] for r in base.runs if r.get("final_test_loss") is not None}
+    if not mine or not theirs:
         return "—"
-    gap = statistics.mean(values) - statistics.mean(reference)
-    if min(len(values), len(reference)) < MIN_SEEDS_FOR_INTERVAL:
-        return f"{gap:+.3f} ({too_few(min(len(values), len(reference)))})"
-    interval = _difference_interval(values, reference)
+    gap = statistics.mean(mine.values()) - statistics.mean(theirs.values())
+    if min(len(mine), len(theirs)) < MIN_SEEDS_FOR_INTERVAL:
+        return f"{gap:+.3f} ({too_few(min(len(mine), len(theirs)))})"
+    if set(mine) == set(theirs) and None not in mine:
+        differences = np.asarray([mine[seed] - theirs[seed] for seed in mine], dtype=np.float64)
+        half = float(_stats().t.ppf(1 - ALPHA / 2, len(differences) - 1)) * float(
+            differences.std(ddof=1) / np.sqrt(len(differences))
+        )
+        return f"{gap:+.3f} [{gap - half:+.3f}, {gap + half:+.3f}] paired"
+    interval = _difference_interval(list(mine.values()), list(theirs.values()))
     return f"{gap:+.3f}" + ("" if interval is None else f" [{interval[0]:+.3f}, {interval[1]:+.3f}]")
 
 
@@ -970,7 +979,8 @@ def write_report(out_dir: str, report_dir: str | None = None, target: float | No
     if any(is_language_model(r) for g in groups for r in g.runs):
         definitions += (
             "\n- **Loss gap to baseline** (language models): mean final test loss minus the baseline's (the `none` "
-            "compressor of the same workers and network), in nats, with the 95% CI of the difference (Welch)."
+            "compressor of the same workers and network), in nats, with the 95% CI of the difference: paired over "
+            "seeds where both ran the same seeds (same initial weights and batches), else Welch's."
             "\n- **Perplexity** (language models): exp(final test loss) per seed, mean ± std over seeds."
         )
     parts += ["## Definitions", "", definitions, ""]

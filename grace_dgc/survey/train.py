@@ -299,7 +299,7 @@ def train(
                 if workload.grad_clip and isinstance(dist_opt, grace_dgc.DistributedOptimizer):
                     dist_opt.synchronize()  # clip the averaged gradient, then update once
                     torch.nn.utils.clip_grad_norm_(model.parameters(), workload.grad_clip)
-                    optimizer.step()
+                    dist_opt.step()  # after synchronize(): no second exchange; a NaN step is skipped
                 else:
                     if workload.grad_clip and not isinstance(dist_opt, AdamSchedule):
                         # DiLoCo, local SGD: the local gradient, before the local step
