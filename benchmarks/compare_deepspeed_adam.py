@@ -16,10 +16,14 @@ ranks) with DeepSpeed's conventions where they are settings:
 * 1-bit Adam ``freeze_step`` 5 on both sides (dense at steps 2-5); 0/1 Adam ``var_freeze_step``
   7 here for DeepSpeed's 6 (DeepSpeed freezes at the end of the step after ``var_freeze_step``).
 
-What still differs is the compressed allreduce's granularity (README, "Adam"): DeepSpeed pads each
-tensor to a multiple of 16 and takes one worker scale per padded tensor, grace_dgc one scale
-per owner chunk, unpadded. The printout gives both sides' losses per step and the largest
-parameter difference at the end; the warm-up steps agree to fp32 rounding.
+Two runs per method. ``grace_dgc`` is the papers' composition as grace_dgc builds it
+(efsignsgd(rms) + residual + reduce_scatter), which differs from DeepSpeed in the compressed
+allreduce's granularity (README, "Adam"): DeepSpeed pads each tensor to a multiple of 16 and takes
+one worker scale per padded tensor, grace_dgc one per owner chunk. ``+ DeepSpeed's allreduce``
+runs the same schedule with DeepSpeed's compressed allreduce written here as a plugin
+communicator (``none`` compressor, ``none`` memory: the communicator keeps the worker and server
+errors, as DeepSpeed's backend does): what remains is the schedules' own arithmetic. The
+printout gives the losses per step and the largest parameter difference at the end.
 """
 
 import json
@@ -27,9 +31,11 @@ import os
 import struct
 import sys
 
+import numpy as np
 import torch
 
 import grace_dgc
+from grace_dgc.interfaces import Communicator
 from grace_dgc.launch import run_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,14 +55,63 @@ SETTINGS = {
     },
 }
 STEPS = 12
+COMPOSITIONS = {
+    "grace_dgc": ("efsignsgd", "residual", "reduce_scatter", {"scale": "rms"}),
+    "+ DeepSpeed's allreduce": ("none", "none", "deepspeed_compressed", {}),
+}
 
 
-def grace_job(rank, world, schedule):
+def _sign(x):
+    """DeepSpeed's sign for the errors: +1 where x ≥ 0 (both zeros), else −1."""
+    return x.sign().add_(1).bool().float().add_(-0.5).mul_(2.0)
+
+
+@grace_dgc.register_communicator("deepspeed_compressed")
+class DeepSpeedCompressed(Communicator):
+    """DeepSpeed 0.19.6's ``CompressedBackend.compressed_allreduce``, its arithmetic step by step
+    (signs travel as ±1 floats here: bytes do not matter for the comparison)."""
+
+    STATE = ("worker_errors", "server_errors")
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.worker_errors, self.server_errors = {}, {}
+
+    def aggregate_into(self, comp, payloads, ctxs, names, outs, consume=False):
+        n, me = self.engine.size, self.engine.rank
+        divider = int(n * 8 / np.gcd(n, 8))
+        for payload, name, out in zip(payloads, names, outs):
+            flat = payload[0].reshape(-1).float()
+            size = flat.numel() + (-flat.numel()) % (n * divider)
+            buffer = torch.cat([flat, torch.zeros(size - flat.numel())])
+            buffer.add_(self.worker_errors.setdefault(name, torch.zeros(size)))
+            worker_scale = torch.linalg.norm(buffer) / np.sqrt(torch.numel(buffer))
+            self.worker_errors[name] = buffer - worker_scale * _sign(buffer.clone())
+            signs = torch.where(torch.signbit(buffer), -1.0, 1.0)  # packbits: bit = !signbit
+            chunk = size // n
+            received = torch.stack([s[me * chunk : (me + 1) * chunk] for s in self.engine.allgather(signs)])
+            scales = torch.stack(self.engine.allgather(worker_scale.reshape(1)))
+            server = received.mul_(scales.mul_(1 / n)).sum(0)
+            server.add_(self.server_errors.setdefault(name, torch.zeros(chunk)))
+            server_scale = torch.linalg.norm(server) / np.sqrt(server.numel())
+            self.server_errors[name] = server - server_scale * _sign(server.clone())
+            server_signs = torch.where(torch.signbit(server), -1.0, 1.0)
+            gathered = torch.stack(self.engine.allgather(server_signs))
+            result = gathered.mul_(torch.stack(self.engine.allgather(server_scale.reshape(1)))).flatten()
+            out.copy_(result[: flat.numel()].view(out.shape)).mul_(n)  # Grace divides by n (exact for 2)
+        return payloads, ctxs
+
+
+def grace_job(rank, world, schedule, composition):
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 8)
-    grace = grace_dgc.build("efsignsgd", "residual", "reduce_scatter", scale="rms")
+    compressor, memory, communicator, params = COMPOSITIONS[composition]
+    grace = grace_dgc.build(compressor, memory, communicator, **params)
     adam = torch.optim.Adam(model.parameters(), lr=1e-2)
-    opt = grace_dgc.schedules.create(schedule, adam, grace, model.named_parameters(), **SETTINGS[schedule])
+    # fusion_bytes=0: DeepSpeed compresses parameter by parameter (a fused bucket would share one scale)
+    opt = grace_dgc.schedules.create(
+        schedule, adam, grace, model.named_parameters(), fusion_bytes=0, **SETTINGS[schedule]
+    )
     opt.steps = 1  # DeepSpeed's first step() allocates and counts, but does not update
     losses = []
     for step in range(1, STEPS + 1):
@@ -77,26 +132,33 @@ def from_hex(words):
     return torch.tensor([struct.unpack(">f", bytes.fromhex(w))[0] for w in words])
 
 
-def main():
+def main(argv=None):
+    """``--check``: exit 1 unless 1-bit Adam with DeepSpeed's allreduce is DeepSpeed bit for bit
+    and 0/1 Adam (whose deviations change its rounding) within 1e-6 of it (a test runs this)."""
+    check = "--check" in (sys.argv[1:] if argv is None else argv)
+    failures = []
     for schedule, path in DATA.items():
         with open(path) as f:
             reference = json.load(f)
-        ours = run_local(grace_job, 2, (schedule,))
+        runs = {name: run_local(grace_job, 2, (schedule, name)) for name in COMPOSITIONS}
         print(f"\n{schedule} vs DeepSpeed {reference['deepspeed_version']} ({reference['optimizer']}), 2 gloo ranks")
-        print("step  DeepSpeed loss r0/r1        grace_dgc loss r0/r1        |Δ| r0")
+        print("step  DeepSpeed loss (rank 0)  " + "  ".join(f"{name:>24} |Δ|" for name in runs))
         for step in range(STEPS):
-            theirs = [reference["ranks"][str(r)]["losses"][step] for r in range(2)]
-            mine = [ours[r][0][step] for r in range(2)]
-            print(
-                f"{step + 1:>4}  {theirs[0]:.6f} / {theirs[1]:.6f}     {mine[0]:.6f} / {mine[1]:.6f}     "
-                f"{abs(theirs[0] - mine[0]):.2e}"
-            )
+            theirs = reference["ranks"]["0"]["losses"][step]
+            row = "  ".join(f"{ours[0][0][step]:>24.6f} {abs(theirs - ours[0][0][step]):.0e}" for ours in runs.values())
+            print(f"{step + 1:>4}  {theirs:>23.6f}  {row}")
         theirs = from_hex(reference["ranks"]["0"]["final_params_hex"])
-        mine = ours[0][1]
-        print(
-            f"final parameters: max |Δ| {float((theirs - mine).abs().max()):.3g} of max |p| "
-            f"{float(theirs.abs().max()):.3g}; grace's ranks bitwise equal: {torch.equal(ours[0][1], ours[1][1])}"
-        )
+        for name, ours in runs.items():
+            print(
+                f"{name}: final parameters max |Δ| {float((theirs - ours[0][1]).abs().max()):.3g} "
+                f"(max |p| {float(theirs.abs().max()):.3g}); ranks bitwise equal: {torch.equal(ours[0][1], ours[1][1])}"
+            )
+        exact = runs["+ DeepSpeed's allreduce"][0][1]
+        if not (torch.equal(exact, theirs) if schedule == "onebit_adam" else torch.allclose(exact, theirs, atol=1e-6)):
+            failures.append(schedule)
+    if check and failures:
+        print(f"FAILED: {', '.join(failures)} with DeepSpeed's allreduce does not match DeepSpeed")
+        return 1
     return 0
 
 

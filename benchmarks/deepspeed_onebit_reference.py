@@ -95,7 +95,6 @@ class _CpuPacker:
 
 
 class _CpuPackbitsBuilder:
-
     def load(self):
         return _CpuPacker()
 
@@ -119,43 +118,56 @@ class _GlooDistProxy:
 
 def _install_shim():
     import deepspeed.runtime.comm.compressed as compressed
+
     compressed.PackbitsBuilder = _CpuPackbitsBuilder
     compressed.dist = _GlooDistProxy(compressed.dist)
 
 
 def _hex(t):
-    return [struct.pack('>f', v).hex() for v in t.tolist()]
+    return [struct.pack(">f", v).hex() for v in t.tolist()]
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument('--opt', choices=['onebit', 'zoadam'], default='onebit')
-    ap.add_argument('--steps', type=int, default=12)
-    ap.add_argument('--per-step-params', action='store_true')
+    ap.add_argument("--opt", choices=["onebit", "zoadam"], default="onebit")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--per-step-params", action="store_true")
     args = ap.parse_args()
 
-    os.environ.setdefault('DS_ACCELERATOR', 'cpu')
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import deepspeed.comm as dist
+
     _install_shim()
-    deepspeed.init_distributed(dist_backend='gloo')
+    deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 8)
-    if args.opt == 'onebit':
-        opt_cfg = {"type": "OneBitAdam",
-                   "params": {"lr": 1e-2, "freeze_step": 5, "comm_backend_name": "compressed"}}
+    if args.opt == "onebit":
+        opt_cfg = {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": 5, "comm_backend_name": "compressed"}}
     else:
-        opt_cfg = {"type": "ZeroOneAdam",
-                   "params": {"lr": 1e-2, "var_freeze_step": 6, "var_update_scaler": 2,
-                              "local_step_scaler": 4, "local_step_clipper": 4,
-                              "comm_backend_name": "compressed"}}
-    cfg = {"train_batch_size": 16 * world, "train_micro_batch_size_per_gpu": 16,
-           "gradient_accumulation_steps": 1, "optimizer": opt_cfg,
-           # DeepSpeed 0.19.6 defaults gradient_clipping to 1.0; the reference problem has none.
-           "gradient_clipping": 0.0,
-           "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        opt_cfg = {
+            "type": "ZeroOneAdam",
+            "params": {
+                "lr": 1e-2,
+                "var_freeze_step": 6,
+                "var_update_scaler": 2,
+                "local_step_scaler": 4,
+                "local_step_clipper": 4,
+                "comm_backend_name": "compressed",
+            },
+        }
+    cfg = {
+        "train_batch_size": 16 * world,
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": 1,
+        "optimizer": opt_cfg,
+        # DeepSpeed 0.19.6 defaults gradient_clipping to 1.0; the reference problem has none.
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     losses, flags, per_step = [], [], []
@@ -172,21 +184,26 @@ def main():
             per_step.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    mine = {"losses": losses, "allreduce_flags": flags, "final_params": flat.tolist(),
-            "final_params_hex": _hex(flat)}
+    mine = {"losses": losses, "allreduce_flags": flags, "final_params": flat.tolist(), "final_params_hex": _hex(flat)}
     if args.per_step_params:
         mine["per_step_params"] = per_step
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, mine)
     if rank == 0:
         import deepspeed as _ds
-        out = {"deepspeed_version": _ds.__version__, "torch_version": torch.__version__,
-               "optimizer": args.opt, "comm_backend_name": "compressed(+cpu packbits shim)",
-               "world_size": world, "steps": args.steps,
-               "ranks": {str(r): gathered[r] for r in range(world)}}
+
+        out = {
+            "deepspeed_version": _ds.__version__,
+            "torch_version": torch.__version__,
+            "optimizer": args.opt,
+            "comm_backend_name": "compressed(+cpu packbits shim)",
+            "world_size": world,
+            "steps": args.steps,
+            "ranks": {str(r): gathered[r] for r in range(world)},
+        }
         print("RESULT_JSON " + json.dumps(out), flush=True)
     dist.barrier()
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

@@ -332,7 +332,8 @@ class OneBitAdam(AdamSchedule):
     3. Update (both phases, as torch's Adam/AdamW): p ← p·(1 − lr·λ) for AdamW (Adam adds
        λ·p to g_i instead), then p ← p − lr/b1 · m / (√v / √b2 + ε), with b1 = 1 − β1^t and
        b2 = 1 − β2^min(t, T_w) when ``bias_correction`` (default, torch's Adam), else 1 (DeepSpeed's
-       code). In the warm-up this is torch's AdamW step on ḡ, bit for bit on one rank.
+       code). With bias correction the warm-up is torch's AdamW step on ḡ, bit for bit; without,
+       each step is DeepSpeed's arithmetic op for op (m·β1 + (1−β1)·g; p − lr·(m/(√v+ε) + λ·p)).
 
     Deviations from DeepSpeed's code, deliberate: the scale of the sign is per owner chunk
     (``reduce_scatter`` cuts each tensor into N chunks and compresses each), where DeepSpeed pads
@@ -389,13 +390,13 @@ class OneBitAdam(AdamSchedule):
                     _, beta1, beta2, *_ = self._hyper(p)
                     m, v = self._moments(p)
                     g = self._decayed(p, averages[p])
-                    m.lerp_(g, 1 - beta1)
+                    self._momentum(m, g, beta1, m)
                     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         else:  # 2. the momentum through the Grace
 
             def momentum(p: torch.nn.Parameter, out: Tensor) -> None:
                 m, _ = self._moments(p)
-                torch.lerp(m, self._decayed(p, self._grad(p)), 1 - self._hyper(p)[1], out=out)
+                self._momentum(m, self._decayed(p, self._grad(p)), self._hyper(p)[1], out)
 
             self._clip_local()
             averages = self._average(self.grace, momentum)
@@ -410,15 +411,27 @@ class OneBitAdam(AdamSchedule):
             for p in params:
                 lr, beta1, beta2, eps, decay, decoupled = self._hyper(p)
                 m, v = self._moments(p)
-                first = 1 - beta1**t if self.bias_correction else 1.0
-                second = 1 - beta2 ** min(t, self.freeze_step) if self.bias_correction else 1.0
-                if decay and decoupled:
+                if not self.bias_correction:  # DeepSpeed's arithmetic, op for op
+                    update = m / (v.sqrt() + eps)
+                    if decay and decoupled:
+                        update += decay * p
+                    p.add_(-lr * update)
+                    continue
+                first, second = 1 - beta1**t, 1 - beta2 ** min(t, self.freeze_step)
+                if decay and decoupled:  # torch's AdamW, op for op
                     p.mul_(1 - lr * decay)
-                denom = (v.sqrt() / second**0.5).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / first)
+                p.addcdiv_(m, (v.sqrt() / second**0.5).add_(eps), value=-lr / first)
         self.steps = t
         self._stat_steps += 1
         return loss
+
+    def _momentum(self, m: Tensor, g: Tensor, beta1: float, out: Tensor) -> None:
+        """out = β1·m + (1 − β1)·g: as torch's Adam computes it (lerp) with bias correction, as
+        DeepSpeed's code does without (so that either is matched bit for bit)."""
+        if self.bias_correction:
+            torch.lerp(m, g, 1 - beta1, out=out)
+        else:
+            torch.mul(m, beta1, out=out).add_(g, alpha=1 - beta1)
 
 
 @register_schedule("zero_one_adam", aliases=("01adam", "zeroone_adam", "0/1_adam"))
