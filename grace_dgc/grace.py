@@ -661,7 +661,8 @@ def _apart(output: Tensor, compensated: Tensor, memory: Memory) -> Tensor:
 
 
 def _name_of(part: Any) -> str:
-    return getattr(type(part), "registered_name", type(part).__name__)
+    """The part's registered name (a chain of compressors names itself: "topk>qsgd")."""
+    return getattr(part, "registered_name", type(part).__name__)
 
 
 def _describe(methods: dict[str, str]) -> str:

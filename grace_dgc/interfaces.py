@@ -171,7 +171,7 @@ def _keeps(value: Any) -> bool:
 
 
 def _name(part: Any) -> str:
-    return getattr(type(part), "registered_name", type(part).__name__)
+    return getattr(part, "registered_name", type(part).__name__)
 
 
 def _saved(value: Any) -> Any:

@@ -30,6 +30,9 @@ class Registry:
         self._aliases: dict[str, str] = {}  # alias -> canonical name
         self._plugins_loaded = False
         self.broken: dict[str, str] = {}  # plugin name -> why it failed to load
+        # builds a composite from registered classes, for a name joined by ">" (compressors:
+        # chains, grace_dgc.compressors.chain); None: such names are unknown
+        self.compose: Callable[[list[Any]], Any] | None = None
 
     def register(self, name: str, aliases: Sequence[str] = ()) -> Callable[[type[T]], type[T]]:
         """Class decorator: ``@registry.register("twobit", aliases=("2bit",))``."""
@@ -80,6 +83,10 @@ class Registry:
     def canonical(self, name: str) -> str:
         if not isinstance(name, str):
             raise GraceConfigError(f"{self.kind} must be given by name (a str), got {name!r}")
+        if self.compose is not None and ">" in name:  # a composite: each stage by its own name
+            stages = [self.canonical(stage.strip()) for stage in name.split(">")]
+            self.compose([self._classes[stage] for stage in stages])  # refuses what cannot be composed
+            return ">".join(stages)
         key = name.lower()
         if key not in self._aliases:
             self.load_plugins()
@@ -93,11 +100,18 @@ class Registry:
         return self._aliases[key]
 
     def get(self, name: str) -> Any:
-        return self._classes[self.canonical(name)]
+        canonical = self.canonical(name)
+        if ">" in canonical and self.compose is not None:
+            return self.compose([self._classes[stage] for stage in canonical.split(">")])
+        return self._classes[canonical]
 
     def accepted_params(self, name: str) -> list[str]:
-        """Keyword parameters the class's constructor accepts (``engine`` is wired by build)."""
-        sig = inspect.signature(self.get(name).__init__)
+        """Keyword parameters the class's constructor accepts (``engine`` is wired by build);
+        a composite's: those of any of its stages."""
+        target: Any = self.get(name)
+        if not isinstance(target, type):
+            return list(target.params())
+        sig = inspect.signature(target.__init__)  # type: ignore[misc]
         return [
             p.name
             for p in list(sig.parameters.values())[1:]

@@ -79,6 +79,8 @@ class TopKCompressor(SparseCompressor):
     candidates); of elements tied at the k-th magnitude, the lowest indices are sent.
     """
 
+    fixed_count = True  # k = ⌊ratio·n⌋ on every rank: a chain may quantize the values (topk>qsgd)
+
     SETTINGS = ("compress_ratio",)
 
     def __init__(self, compress_ratio: float = 0.01) -> None:
