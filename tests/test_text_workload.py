@@ -214,4 +214,7 @@ def test_the_transformer_survey_config_loads():
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs", "transformer.toml")
     conf = cfg.load_config(path)
     assert conf.workload == "pydoc-gpt"
-    assert [m["compressor"] for m in conf.methods] == ["none", "powersgd", "dgc", "topk", "thc"]
+    assert [m["compressor"] for m in conf.methods] == ["none", "efsignsgd", "efsignsgd", "efsignsgd", "topk", "dgc"]
+    schedules = [m.get("schedule", {}).get("name") for m in conf.methods]
+    assert schedules == [None, "onebit_adam", "onebit_adam", "zero_one_adam", None, None]
+    assert conf.methods[-1]["params"]["momentum"] == 0.0  # DGC's memory under AdamW: no momentum of its own
