@@ -33,12 +33,11 @@ from torch import Tensor
 
 from .errors import GraceConfigError, GraceNonFiniteError, check_bool, check_range, on_every_rank
 from .optimizer import WrappingOptimizer
-from .schedules import register_schedule
+from .schedules import STATE_FORMAT, refuse_other_state, register_schedule
 
 if TYPE_CHECKING:
     from .grace import Grace
 
-STATE_FORMAT = 1
 Fill = Callable[[torch.nn.Parameter, Tensor], object]  # writes what a parameter sends into a buffer
 
 
@@ -61,6 +60,8 @@ class AdamSchedule(WrappingOptimizer):
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
         fusion_bytes: int,
         max_grad_norm: float | None = None,
+        bias_correction: bool = True,
+        momentum_mask: bool = True,
     ) -> None:
         from .grace import build  # grace imports schedules' neighbours; built here, at run time
 
@@ -80,6 +81,8 @@ class AdamSchedule(WrappingOptimizer):
                 "per schedule, since its memory and counters are kept per parameter name"
             )
         self.fusion_bytes = check_range("fusion_bytes", fusion_bytes, 0, kind=int)
+        self.bias_correction = check_bool("bias_correction", bias_correction)
+        self.momentum_mask = check_bool("momentum_mask", momentum_mask)
         self.max_grad_norm = (
             None if max_grad_norm is None else check_range("max_grad_norm", max_grad_norm, 0, low_open=True)
         )
@@ -261,27 +264,7 @@ class AdamSchedule(WrappingOptimizer):
         parameters are refused by name before anything is loaded."""
         state = state_dict
         keys = ("format", "schedule", "settings", "steps", "counters", "tensors", "optimizer", "grace")
-        if not isinstance(state, dict) or any(key not in state for key in keys):
-            got = f"keys {sorted(state)[:8]}" if isinstance(state, dict) else type(state).__name__
-            raise GraceConfigError(
-                f"load_state_dict needs a {self.name} state_dict() (with {', '.join(keys)}); got {got}"
-            )
-        if state["format"] != STATE_FORMAT or state["schedule"] != self.name:
-            raise GraceConfigError(
-                f"the state was saved by schedule {state['schedule']!r} (format {state['format']!r}); this one is "
-                f"{self.name!r} (format {STATE_FORMAT}): build the same schedule to resume"
-            )
-        mine, saved = self.settings(), state["settings"]
-        differing = [
-            f"{key}: saved {saved.get(key, '(not set)')!r}, this run {mine.get(key, '(not set)')!r}"
-            for key in sorted(set(saved) | set(mine))
-            if saved.get(key, "(not set)") != mine.get(key, "(not set)") and key not in self.RESUME_MAY_DIFFER
-        ]
-        if differing:
-            raise GraceConfigError(
-                f"the state was saved with other settings of schedule {self.name!r}: {'; '.join(differing)}. "
-                "Build with the saved settings to resume"
-            )
+        refuse_other_state(state, keys, self.name, self.settings(), self.RESUME_MAY_DIFFER)
         shapes = {name: p.shape for p, name in self._names.items()}
         problems = [
             f"{key}[{name!r}]: "
@@ -365,9 +348,9 @@ class OneBitAdam(AdamSchedule):
         fusion_bytes: int = 4 * 2**20,
     ) -> None:
         self.freeze_step = check_range("freeze_step", freeze_step, 1, kind=int)
-        self.bias_correction = check_bool("bias_correction", bias_correction)
-        self.momentum_mask = check_bool("momentum_mask", momentum_mask)
-        super().__init__(optimizer, grace, named_parameters, fusion_bytes, max_grad_norm)
+        super().__init__(
+            optimizer, grace, named_parameters, fusion_bytes, max_grad_norm, bias_correction, momentum_mask
+        )
 
     def phase(self) -> str:
         return "warm-up" if self.steps < self.freeze_step else "compressed"
@@ -519,8 +502,6 @@ class ZeroOneAdam(AdamSchedule):
         self.var_update_scaler = check_range("var_update_scaler", var_update_scaler, 1, kind=int)
         self.local_step_scaler = check_range("local_step_scaler", local_step_scaler, 1, kind=int)
         self.local_step_clipper = check_range("local_step_clipper", local_step_clipper, 1, kind=int)
-        self.bias_correction = check_bool("bias_correction", bias_correction)
-        self.momentum_mask = check_bool("momentum_mask", momentum_mask)
         self.var_interval, self.var_counter, self.var_updates = 1, 0, 0
         self.local_step_interval, self.local_step_counter = 1, 0
         self.lrs = [0.0] * len(optimizer.param_groups)  # Σγ over the round's local steps, per param group
@@ -528,7 +509,9 @@ class ZeroOneAdam(AdamSchedule):
         self.frozen = False
         self.since_sync = 0  # local steps since the last synchronization
         self.round_starts: dict[str, Tensor] = {}  # p₀: the parameters the round started from, per name
-        super().__init__(optimizer, grace, named_parameters, fusion_bytes, max_grad_norm)
+        super().__init__(
+            optimizer, grace, named_parameters, fusion_bytes, max_grad_norm, bias_correction, momentum_mask
+        )
 
     def _tensor_state(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq", "round_starts")

@@ -58,6 +58,35 @@ def list_schedules(pattern: str = "*") -> list[str]:
 _WIRED = ("optimizer", "grace", "named_parameters")
 
 
+def refuse_other_state(
+    state: Any, keys: tuple[str, ...], name: str, mine: dict[str, Any], may_differ: dict[str, str]
+) -> None:
+    """What every schedule's ``load_state_dict`` checks first, before anything is loaded: a
+    dict with ``keys``, of this format, saved by schedule ``name`` with settings equal to
+    ``mine`` (except those in ``may_differ``); else a :class:`GraceConfigError` naming what differs."""
+    if not isinstance(state, dict) or any(key not in state for key in keys):
+        got = f"keys {sorted(state)[:8]}" if isinstance(state, dict) else type(state).__name__
+        raise GraceConfigError(f"load_state_dict needs a schedule's state_dict() (with {', '.join(keys)}); got {got}")
+    if state["format"] != STATE_FORMAT:
+        raise GraceConfigError(f"schedule state format {state['format']!r} is not supported; accepted: {STATE_FORMAT}")
+    if state["schedule"] != name:
+        raise GraceConfigError(
+            f"the state was saved by schedule {state['schedule']!r}; this one is {name!r}: "
+            "build the same schedule to resume"
+        )
+    saved = state["settings"]
+    differing = [
+        f"{key}: saved {saved.get(key, '(not set)')!r}, this run {mine.get(key, '(not set)')!r}"
+        for key in sorted(set(saved) | set(mine))
+        if saved.get(key, "(not set)") != mine.get(key, "(not set)") and key not in may_differ
+    ]
+    if differing:
+        raise GraceConfigError(
+            f"the state was saved with other settings of schedule {name!r}: {'; '.join(differing)}. "
+            "Build with the saved settings to resume"
+        )
+
+
 def accepted_params(name: str) -> list[str]:
     """The keyword parameters of schedule ``name`` (its settings)."""
     return [p for p in SCHEDULES.accepted_params(name) if p not in _WIRED]
@@ -337,31 +366,7 @@ class OuterSync(WrappingOptimizer):
         is loaded."""
         state = state_dict
         keys = ("format", "schedule", "settings", "start", "optimizer", "outer_optimizer", "grace")
-        if not isinstance(state, dict) or any(key not in state for key in keys):
-            got = f"keys {sorted(state)[:8]}" if isinstance(state, dict) else type(state).__name__
-            raise GraceConfigError(
-                f"load_state_dict needs a schedule's state_dict() (with {', '.join(keys)}); got {got}"
-            )
-        if state["format"] != STATE_FORMAT:
-            raise GraceConfigError(
-                f"schedule state format {state['format']!r} is not supported; accepted: {STATE_FORMAT}"
-            )
-        if state["schedule"] != self.name:
-            raise GraceConfigError(
-                f"the state was saved by schedule {state['schedule']!r}; this one is {self.name!r}: "
-                "build the same schedule to resume"
-            )
-        mine, saved = self.settings(), state["settings"]
-        differing = [
-            f"{key}: saved {saved.get(key, '(not set)')!r}, this run {mine.get(key, '(not set)')!r}"
-            for key in sorted(set(saved) | set(mine))
-            if saved.get(key, "(not set)") != mine.get(key, "(not set)") and key not in self.RESUME_MAY_DIFFER
-        ]
-        if differing:
-            raise GraceConfigError(
-                f"the state was saved with other settings of schedule {self.name!r}: {'; '.join(differing)}. "
-                "Build with the saved settings to resume"
-            )
+        refuse_other_state(state, keys, self.name, self.settings(), self.RESUME_MAY_DIFFER)
         by_name = {name: p for p, name in self._names.items()}
         start = state["start"]
         problems = [f"{name!r} missing" for name in by_name if name not in start]
