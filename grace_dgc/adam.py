@@ -634,9 +634,11 @@ class ZeroOneAdam(AdamSchedule):
         return self.round_starts[name]
 
     def _synchronize(self, params: list[torch.nn.Parameter], t: int) -> None:
+        denominators = {p: self._rates(p, t)[1] for p in params}  # √v̂ + ε, once per synchronization
+
         def scaled(p: torch.nn.Parameter, out: Tensor) -> None:  # a ⊙ (√v̂ + ε), a = p − D·p₀
             decay = self.decays[self._index_of[p]]
-            torch.sub(p, self._round_start(p), alpha=decay, out=out).mul_(self._rates(p, t)[1])
+            torch.sub(p, self._round_start(p), alpha=decay, out=out).mul_(denominators[p])
 
         averages = self._average(self.grace, scaled)
         with torch.no_grad():
@@ -651,7 +653,7 @@ class ZeroOneAdam(AdamSchedule):
                     average = self._masked(averages[p], v)
                     if self.lrs[index]:  # Σγ = 0 (lr 0 all round): nothing moved, m stays
                         torch.div(average, -self.lrs[index], out=m)
-                    torch.add(start.mul_(self.decays[index]), average / self._rates(p, t)[1], out=p)
+                    torch.add(start.mul_(self.decays[index]), average / denominators[p], out=p)
                     start.copy_(p)
         self.lrs = [0.0] * len(self.lrs)
         self.decays = [1.0] * len(self.decays)
