@@ -22,7 +22,8 @@ from .registry import (
     register_compressor,
     register_memory,
 )
-from .schedules import DiLoCo, LocalSGD, OuterSync, list_schedules, register_schedule
+from .schedules import DiLoCo, LocalSGD, OuterSync, SparseLoCo, list_schedules, register_schedule, sparseloco_grace
+from .streaming import StreamingDiLoCo, streaming_grace
 
 __version__ = "0.1.0"
 
@@ -52,6 +53,10 @@ __all__ = [
     "OuterSync",
     "DiLoCo",
     "LocalSGD",
+    "SparseLoCo",
+    "sparseloco_grace",
+    "StreamingDiLoCo",
+    "streaming_grace",
     "OneBitAdam",
     "ZeroOneAdam",
     "list_schedules",

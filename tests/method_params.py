@@ -7,4 +7,5 @@ PARAMS = {
     "threshold": {"threshold": 0.8},
     "dgc": {"compress_ratio": 0.3, "min_compress_size": 1},
     "twobit": {"threshold": 0.5},
+    "chunk_topk": {"chunk": 8, "k": 3},
 }

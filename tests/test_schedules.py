@@ -36,7 +36,14 @@ def local_grace(compressor="none", memory="none", communicator="allreduce", **pa
 
 
 def test_two_schedules_are_registered_with_the_papers_defaults():
-    assert schedules.list_schedules() == ["diloco", "local_sgd", "onebit_adam", "zero_one_adam"]
+    assert schedules.list_schedules() == [
+        "diloco",
+        "local_sgd",
+        "onebit_adam",
+        "sparseloco",
+        "streaming_diloco",
+        "zero_one_adam",
+    ]
     model = make_model()
     diloco = schedules.create("diloco", torch.optim.SGD(model.parameters(), lr=0.1), local_grace())
     assert isinstance(diloco, schedules.DiLoCo)

@@ -68,6 +68,8 @@ class SparseAllreduce(Communicator):
     def refusal(cls, compressor: Compressor) -> str | None:
         if not compressor.sparse:
             return "its payloads are not sparse ([values, indices]); sparse_allreduce sums sparse payloads only"
+        if getattr(compressor, "chunk_local", False):
+            return "its indices are chunk-local offsets; sparse_allreduce sums values by their global positions"
         return super().refusal(compressor)
 
     def aggregate_into(

@@ -101,12 +101,12 @@ def refusal(selection: Any, quantizer: Any) -> str | None:
     if not (selection.sparse and getattr(selection, "fixed_count", False)):
         return (
             f"{first!r} is not a selection of a fixed count (the first stage keeps the same k entries on every "
-            "rank, so that the quantized values decode alike: topk)"
+            "rank, so that the quantized values decode alike: topk, chunk_topk)"
         )
     if not issubclass(quantizer, PackedCompressor) or quantizer.sparse or not quantizer.average:
         return (
-            f"{second!r} is not a quantizer of packed codes that averages (accepted second stages: qsgd, twobit, "
-            "terngrad, natural, efsignsgd, onebit)"
+            f"{second!r} is not a quantizer of packed codes that averages (accepted second stages: qsgd, statq, fp4, "
+            "twobit, terngrad, natural, efsignsgd, onebit)"
         )
     if quantizer.rounds > 1 or quantizer.prerounds:
         return f"{second!r} exchanges with the other ranks while it compresses; a chain's stages compress alone"

@@ -1,0 +1,271 @@
+"""Streaming DiLoCo: DiLoCo synchronized fragment by fragment, each exchange overlapping the
+next inner steps (Douillard et al. 2025, arXiv 2501.18512)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from .errors import GraceConfigError, check_range
+from .schedules import OuterSync, register_schedule
+
+if TYPE_CHECKING:
+    from .grace import Grace
+
+log = logging.getLogger("grace_dgc")
+
+PATTERNS = ("strided", "sequential")
+
+
+@dataclass
+class _Exchange:
+    """One fragment's outer gradient on its way: the groups' Futures (or, once resolved or
+    loaded from a checkpoint, the averages by name) and whether a rank's Δ was not finite."""
+
+    due: int
+    pending: list[tuple[list[torch.nn.Parameter], Future[list[Tensor]]]]
+    skipped_before: Future[int] | None = None
+    skipped_after: Future[int] | None = None
+    averages: dict[str, Tensor] | None = None
+    skipped: bool = False
+
+    def resolve(self, names: dict[torch.nn.Parameter, str]) -> dict[str, Tensor]:
+        if self.averages is None:
+            self.averages = {names[p]: avg for group, fut in self.pending for p, avg in zip(group, fut.result())}
+            assert self.skipped_before is not None and self.skipped_after is not None
+            self.skipped = self.skipped_after.result() != self.skipped_before.result()
+            self.pending = []
+        return self.averages
+
+
+@register_schedule("streaming_diloco", aliases=("streaming",))
+class StreamingDiLoCo(OuterSync):
+    """Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512, Algorithm 2): the
+    parameters are split into P = ``fragments`` fragments, fragment p synchronizes every H =
+    ``inner_steps`` steps with its own offset, and its exchange overlaps τ = ``delay`` inner
+    steps.
+
+    1. Fragments: the parameters in the optimizer's order, ``pattern="strided"`` (parameter i
+       in fragment i mod P, the paper's better pattern, there over transformer blocks) or
+       ``"sequential"`` (P consecutive runs of about equal count).
+    2. Staggered schedule: fragment p sends after the inner steps t with
+       t ≡ t_p (mod H), t ≥ t_p, t_p = ⌊(p+1)·H/P⌋, so the fragments' exchanges are spread
+       evenly over a round (peak bandwidth ÷ P) and the last fragment keeps DiLoCo's rhythm.
+    3. Send: Δ_p = θ_start,p − θ_p (start minus end, as DiLoCo) through the Grace on its
+       communication thread (any compressor: ``fp4`` as the paper's E3M0 by
+       :func:`streaming_grace`); the training thread goes on with the next inner steps.
+    4. Apply, τ steps later (after step t + τ): wait for the average Δ̄_p, then
+       θ_global,p = OuterOpt(θ_start,p, Δ̄_p) (Nesterov SGD, lr 0.7, μ 0.9 as DiLoCo; one outer
+       SGD whose momentum buffers are per parameter, stepped on fragment p's only), the
+       fragment's next start θ_start,p ← θ_global,p, and the local parameters, which went on
+       for τ steps, are merged: θ_p ← α·θ_local,p + (1 − α)·θ_global,p (``torch.lerp``) with
+       α = ``mixing`` (0.5 by default, the paper's choice; τ = 0 leaves nothing local to keep
+       and needs α = 0, which is DiLoCo per fragment).
+
+    ``synchronize_now()`` applies what is in flight and then synchronizes every fragment at
+    once with α = 0, so every rank holds the same θ (before evaluating or saving). A fragment
+    whose Δ is not finite on some rank is dropped alike on every rank (θ_p ← θ_start,p).
+    ``state_dict()`` waits for the exchanges in flight and saves their averages, which a
+    resumed run applies at the same step: resume is bit for bit, mid-fragment too.
+    ``stats()["syncs"]`` counts fragment synchronizations.
+
+    Deviations: fragments are over parameters, not transformer blocks (grace_dgc does not
+    know a model's blocks; pass the parameters in block order for the paper's pattern), and
+    the outer gradient's quantization is the Grace's compressor, its aggregation the Grace's
+    communicator (the paper sums FP4 values in FP32; ``fp4`` with allgather does the same).
+    """
+
+    SETTINGS: ClassVar[tuple[str, ...]] = (*OuterSync.SETTINGS, "fragments", "pattern", "delay", "mixing")
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grace: Grace,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        inner_steps: int = 100,
+        fragments: int = 4,
+        pattern: str = "strided",
+        delay: int = 1,
+        mixing: float = 0.5,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        fusion_bytes: int = 4 * 2**20,
+    ) -> None:
+        steps = check_range("inner_steps", inner_steps, 1, kind=int)
+        self.fragments = check_range("fragments", fragments, 1, steps, kind=int)
+        if pattern not in PATTERNS:
+            raise GraceConfigError(f"pattern={pattern!r}; accepted: {', '.join(PATTERNS)}")
+        self.pattern = pattern
+        self.delay = check_range("delay", delay, 0, steps - 1, kind=int)
+        self.mixing = check_range("mixing", mixing, 0, 1)
+        if self.delay == 0 and self.mixing:
+            raise GraceConfigError(
+                f"mixing={mixing} with delay=0: no local steps are taken while a fragment is exchanged, so there is "
+                "nothing local to mix in; accepted: delay ≥ 1, or mixing=0"
+            )
+        super().__init__(optimizer, grace, named_parameters, steps, outer_lr, outer_momentum, nesterov, fusion_bytes)
+        params = list(self._names)
+        if self.fragments > len(params):
+            raise GraceConfigError(f"fragments={fragments} is more than the {len(params)} parameters to split")
+        count = len(params)
+        if self.pattern == "strided":
+            split = [params[p :: self.fragments] for p in range(self.fragments)]
+        else:
+            split = [
+                params[p * count // self.fragments : (p + 1) * count // self.fragments] for p in range(self.fragments)
+            ]
+        self._fragments = split
+        self._fragment_groups = [self._fusion_groups(part, self.fusion_bytes) for part in split]
+        self.offsets = [(p + 1) * steps // self.fragments for p in range(self.fragments)]
+        self._in_flight: dict[int, _Exchange] = {}
+        grace.expect_groups([[(self._names[p], p) for p in g] for groups in self._fragment_groups for g in groups])
+
+    def fragment_names(self) -> list[list[str]]:
+        """The parameter names of each fragment, in order."""
+        return [[self._names[p] for p in part] for part in self._fragments]
+
+    def sends_after(self, step: int, fragment: int) -> bool:
+        """Does ``fragment`` send its outer gradient after inner step ``step`` (1-based)?"""
+        offset = self.offsets[fragment]
+        return step >= offset and (step - offset) % self.inner_steps == 0
+
+    # -- the schedule -----------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One inner step; then the fragments due are applied and those whose turn it is sent."""
+        self._take_start()
+        result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.steps += 1
+        self.since_sync += 1
+        self._stat_steps += 1
+        for fragment in [f for f, exchange in sorted(self._in_flight.items()) if exchange.due == self.steps]:
+            self._apply(fragment, self.mixing)
+        for fragment in range(self.fragments):
+            if self.sends_after(self.steps, fragment):
+                self._send(fragment)
+                if self.delay == 0:
+                    self._apply(fragment, self.mixing)
+        return result
+
+    def synchronize_now(self) -> bool:
+        """Apply the fragments in flight, then synchronize every fragment at once (α = 0):
+        the parameters are then the global θ on every rank. A no-op (False) right after one."""
+        self._take_start()
+        if self.since_sync == 0 and not self._in_flight:
+            return False
+        for fragment in sorted(self._in_flight):
+            self._apply(fragment, self.mixing)
+        for fragment in range(self.fragments):
+            self._send(fragment)
+        for fragment in range(self.fragments):
+            self._apply(fragment, 0.0)
+        self.since_sync = 0
+        return True
+
+    def _send(self, fragment: int) -> None:
+        start = self._start
+        assert start is not None
+        grace = self.grace
+        before = grace.run_in_order(lambda: grace.skipped)
+        pending = []
+        with torch.no_grad():
+            for group in self._fragment_groups[fragment]:
+                flat = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
+                deltas = [
+                    torch.sub(start[p], p.detach(), out=view.view_as(p))
+                    for p, view in zip(group, flat.split([p.numel() for p in group]))
+                ]
+                names = [self._names[p] for p in group]
+                pending.append((group, grace.step_group_async(deltas, names, inplace=True)))
+        after = grace.run_in_order(lambda: grace.skipped)
+        self._in_flight[fragment] = _Exchange(self.steps + self.delay, pending, before, after)
+
+    def _apply(self, fragment: int, mixing: float) -> None:
+        exchange = self._in_flight.pop(fragment)
+        waiting = time.perf_counter()  # the training thread blocks here if the exchange is not done
+        averages = exchange.resolve(self._names)
+        self.grace.add_wait(time.perf_counter() - waiting)
+        start = self._start
+        assert start is not None
+        params = self._fragments[fragment]
+        if exchange.skipped:
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(start[p])
+            self._stat_skipped += 1
+            log.warning(
+                "%s: fragment %d's outer gradient was not finite on some rank; dropped on every rank",
+                self.name,
+                fragment,
+            )
+            return
+        with torch.no_grad():
+            local = {p: p.detach().clone() for p in params} if mixing else {}
+            for p in params:  # θ_p ← θ_start,p, then the outer step on Δ̄_p
+                p.copy_(start[p])
+        members = set(params)
+        saved = {p: p.grad for p in self._names}
+        try:
+            for p in self._names:  # only this fragment's parameters have a gradient: SGD skips the rest
+                p.grad = averages[self._names[p]] if p in members else None
+            self.outer_optimizer.step()
+        finally:
+            for p, grad in saved.items():
+                p.grad = grad
+        with torch.no_grad():
+            for p in params:
+                start[p].copy_(p)  # θ_start,p ← θ_global,p
+                if mixing:
+                    p.lerp_(local[p], mixing)  # θ_p ← θ_global,p + α·(θ_local,p − θ_global,p)
+        self.syncs += 1
+        self._stat_syncs += 1
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`OuterSync.state_dict` and the exchanges in flight (waited for: their
+        averages, due step and whether they were dropped), applied by a resumed run at the
+        same step."""
+        for exchange in self._in_flight.values():
+            exchange.resolve(self._names)
+        state = super().state_dict()
+        state["in_flight"] = {
+            str(fragment): {
+                "due": exchange.due,
+                "skipped": exchange.skipped,
+                "averages": {name: t.clone() for name, t in (exchange.averages or {}).items()},
+            }
+            for fragment, exchange in self._in_flight.items()
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "in_flight" not in state_dict:
+            raise GraceConfigError("load_state_dict needs a streaming_diloco state_dict() (with in_flight)")
+        super().load_state_dict(state_dict)
+        self._in_flight = {
+            int(fragment): _Exchange(
+                int(saved["due"]), [], averages=dict(saved["averages"]), skipped=bool(saved["skipped"])
+            )
+            for fragment, saved in state_dict["in_flight"].items()
+        }
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out["fragments"] = self.fragments
+        return out
+
+
+def streaming_grace(compressor: str = "fp4", **build_params: Any) -> Grace:
+    """Streaming DiLoCo's Grace as the paper runs it: the outer gradients in 4 bits (``fp4``,
+    E3M0), averaged in fp32 after an allgather. Other keywords go to :func:`grace_dgc.build`."""
+    from .grace import build
+
+    build_params.setdefault("communicator", "allgather")
+    return build(compressor, "none", **build_params)
