@@ -406,7 +406,7 @@ def with_overrides(
 
 def _schedule(raw: object, spec: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``{name = "diloco", inner_steps = 10, ...}`` checked by building the schedule on paper
-    (a one-parameter model, the method's Grace on one planned rank): every name and value
+    (a model of one-element parameters, the method's Grace on one planned rank): every name and value
     is refused here, before any rank starts."""
     import torch
 
@@ -427,11 +427,15 @@ def _schedule(raw: object, spec: Mapping[str, Any], where: str) -> dict[str, Any
         grace = grace_dgc.build(
             spec["compressor"], spec["memory"], spec["communicator"], engine=PlanEngine(1), **spec["params"]
         )
-        weight = torch.nn.Parameter(torch.zeros(1))
+        # as many one-element parameters as a fragmenting schedule splits (the model's own count
+        # is checked when the cell builds it)
+        fragments = params.get("fragments")
+        count = fragments if isinstance(fragments, int) and 1 <= fragments <= 10_000 else 1
+        weights = [(f"w{i}", torch.nn.Parameter(torch.zeros(1))) for i in range(count)]
         optimizer_class = (
             torch.optim.AdamW if getattr(schedules.SCHEDULES.get(name), "needs_adam", False) else torch.optim.SGD
         )
-        schedules.create(name, optimizer_class([weight], lr=0.1), grace, [("w", weight)], **params)
+        schedules.create(name, optimizer_class([w for _, w in weights], lr=0.1), grace, weights, **params)
     except GraceConfigError as err:
         raise GraceConfigError(f"{where}: schedule: {err}") from None
     return {"name": name, "params": params}

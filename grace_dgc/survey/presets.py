@@ -148,8 +148,8 @@ def _preset_modern(data_dir: str | None) -> Raw:
     the outer Nesterov): DeMo's SGD runs without momentum, at a sign method's step size."""
     return {
         "name": "modern-methods",
-        "description": "dense vs DGC, PowerSGD, THC, EF21, DeMo, DiLoCo (H = 10, 50) and local SGD (H = 10) on "
-        "MNIST-1D with 2 ranks, 3 seeds: bytes per step (DiLoCo's averaged over its inner steps), time and epochs "
+        "description": "dense vs DGC, PowerSGD, THC, EF21, DeMo, DiLoCo (H = 10, 50), local SGD (H = 10), SparseLoCo, "
+        "Streaming DiLoCo and top-k > 2-bit on MNIST-1D with 2 ranks, 3 seeds: bytes per step (DiLoCo's averaged over its inner steps), time and epochs "
         "to the target",
         "workload": "mnist1d-mlp",
         "workers": 2,
@@ -165,6 +165,25 @@ def _preset_modern(data_dir: str | None) -> Raw:
             _method("diloco H=10", "none", "none", "allreduce", schedule={"name": "diloco", "inner_steps": 10}),
             _method("diloco H=50", "none", "none", "allreduce", schedule={"name": "diloco", "inner_steps": 50}),
             _method("local sgd H=10", "none", "none", "allreduce", schedule={"name": "local_sgd", "inner_steps": 10}),
+            # issue 43: the compositions. SparseLoCo as the paper runs it (k of 4096 per chunk in 2
+            # bits, β = 0.95), at 3 % (k = 128) since this model's tensors are small; Streaming
+            # DiLoCo in 4 bits, 2 fragments, τ = 1; top-k's values in 2 bits, per step
+            _method(
+                "sparseloco H=10",
+                "chunk_topk>statq",
+                "residual",
+                "allgather",
+                params={"chunk": 4096, "k": 128, "bits": 2, "beta": 0.95},
+                schedule={"name": "sparseloco", "inner_steps": 10},
+            ),
+            _method(
+                "streaming diloco H=10",
+                "fp4",
+                "none",
+                "allgather",
+                schedule={"name": "streaming_diloco", "inner_steps": 10, "fragments": 2, "delay": 1},
+            ),
+            _method("topk 1% > 2-bit + EF", "topk>statq", "residual", "allgather", params={"compress_ratio": 0.01}),
         ],
     }
 
