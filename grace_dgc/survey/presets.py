@@ -149,8 +149,8 @@ def _preset_modern(data_dir: str | None) -> Raw:
     return {
         "name": "modern-methods",
         "description": "dense vs DGC, PowerSGD, THC, EF21, DeMo, DiLoCo (H = 10, 50), local SGD (H = 10), SparseLoCo, "
-        "Streaming DiLoCo and top-k > 2-bit on MNIST-1D with 2 ranks, 3 seeds: bytes per step (DiLoCo's averaged over its inner steps), time and epochs "
-        "to the target",
+        "Streaming DiLoCo and top-k > 2-bit on MNIST-1D with 2 ranks, 3 seeds: bytes per step (DiLoCo's averaged "
+        "over its inner steps), time and epochs to the target",
         "workload": "mnist1d-mlp",
         "workers": 2,
         "seeds": [0, 1, 2],
