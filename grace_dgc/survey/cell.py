@@ -71,6 +71,7 @@ class Cell:
             "cell_hash": self.cell_hash,
             "survey": self.survey,
             **{key: self.method[key] for key in ("compressor", "memory", "communicator", "params", "tags")},
+            "schedule": self.method.get("schedule"),  # what `grace-dgc project` models the overlap of
             "bandwidth_bps": self.network["bandwidth_bps"],
             "latency_ms": self.network["latency_ms"],
         }

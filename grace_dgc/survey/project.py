@@ -145,22 +145,68 @@ def communication_time(
     raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
 
 
+# -- overlap ------------------------------------------------------------------------------
+BACKWARD_SHARE = 2 / 3  # backward ≈ 2× forward (its two matrix products per layer to forward's one)
+
+
+def overlapped_step(
+    compute_s: float, exchange_s: float, buckets: float, backward_share: float = BACKWARD_SHARE
+) -> float:
+    """Step time when the exchange overlaps the backward pass bucket by bucket (DDP's comm
+    hook): the backward b = share·c produces B equal buckets, bucket i ready at
+    f + i·b/B (f = c − b the forward), and one channel exchanges them in order, each taking
+    X/B (X: the step's whole exchange, codec included). The last bucket ends at
+
+        T = f + max_i (i·b/B + (B − i + 1)·X/B) = f + max(b/B + X, b + X/B)
+
+    (the max of an affine function of i is at i = 1 or i = B): communication-bound, the
+    channel starts after the first bucket and never idles; compute-bound, only the last
+    bucket's exchange is left after backward. B = 1 is no overlap: T = c + X."""
+    backward = backward_share * compute_s
+    forward = compute_s - backward
+    buckets = max(1.0, buckets)
+    return forward + max(backward / buckets + exchange_s, backward + exchange_s / buckets)
+
+
+def streaming_step(compute_s: float, fragment_s: float, inner_steps: int, fragments: int = 1, delay: int = 0) -> float:
+    """Seconds per inner step of a schedule that exchanges its outer gradient as P =
+    ``fragments`` fragments every H = ``inner_steps`` steps, each exchange (taking
+    ``fragment_s``, codec included) overlapping τ = ``delay`` inner steps:
+
+        T_H = max(H·c + P·max(0, X_f − τ·c),  P·X_f),   per step T_H / H
+
+    The training thread waits at a fragment's due step for what τ steps of compute did not
+    hide; the second term is the channel's own limit (P exchanges per H steps, one at a
+    time). DiLoCo is P = 1, τ = 0: (H·c + X)/H; data parallel is H = 1 as well."""
+    waiting = fragments * max(0.0, fragment_s - delay * compute_s)
+    return max(inner_steps * compute_s + waiting, fragments * fragment_s) / inner_steps
+
+
 def project_step(
     method: Method, nodes: int, alpha: float, beta: float, node: Node | None = None
 ) -> tuple[float, float]:
     """Projected seconds per step of one measured method (a dict of the summary's
     per-step figures: compute_s, compress_s, decompress_s, bytes_per_step,
-    exchanges_per_step, rounds, communicator, workers)."""
-    exchanges = exchanges_per_step(method) * method.get("rounds", 1)
+    exchanges_per_step, rounds, communicator, workers), and the part of it that is not
+    compute. A method run under a schedule (``schedule``: H inner steps, P fragments, delay
+    τ) is projected by :func:`streaming_step` from one fragment's exchange; with
+    ``overlap="backward"`` a per-step method by :func:`overlapped_step` over its buckets."""
+    schedule = method.get("schedule") or {}
+    params = schedule.get("params", {})
+    inner = params.get("inner_steps", 1) if schedule else 1
+    fragments = params.get("fragments", 1) if schedule.get("name") == "streaming_diloco" else 1
+    delay = params.get("delay", 1) if schedule.get("name") == "streaming_diloco" else 0
+    share = inner / fragments  # one fragment's exchange carries this many steps' worth of the averages
+    exchanges = exchanges_per_step(method) * method.get("rounds", 1) * share
     communicator: str = method["communicator"]
     comm = communication_time(
         communicator,
         nodes,
-        method["bytes_per_step"],
+        method["bytes_per_step"] * share,
         exchanges,
         alpha,
         beta,
-        method.get("dense_bytes_per_step", math.inf),
+        method.get("dense_bytes_per_step", math.inf) * share,
         node,
     )
 
@@ -172,7 +218,15 @@ def project_step(
         decompress = decompress / method["workers"]
     if per_rank(communicator):
         decompress = decompress * nodes
-    return method["compute_s"] + method["compress_s"] + decompress + comm, comm
+    exchange = (method["compress_s"] + decompress) * share + comm
+    compute = method["compute_s"]
+    if schedule:
+        step = streaming_step(compute, exchange, inner, fragments, delay)
+    elif method.get("overlap") == "backward":
+        step = overlapped_step(compute, exchange, exchanges_per_step(method))
+    else:
+        step = compute + exchange
+    return step, comm * fragments / inner  # the communication per step, hidden or not
 
 
 def exchanges_per_step(method: Method) -> float:
@@ -183,6 +237,69 @@ def exchanges_per_step(method: Method) -> float:
 
 def dense_step(compute_s: float, dense_bytes: float, exchanges: float, nodes: int, alpha: float, beta: float) -> float:
     return compute_s + ring_allreduce(nodes, dense_bytes, alpha, beta, exchanges)
+
+
+# -- from stated assumptions instead of a survey -------------------------------------------
+def assumed_methods(
+    parameters: float,
+    step_s: float,
+    workers: int,
+    inner_steps: int = 100,
+    fragments: int = 2,
+    delay: int = 1,
+    bits: int = 32,
+    outer_bits: int = 4,
+    buckets: int = 25,
+) -> list[Method]:
+    """The methods of Streaming DiLoCo's bandwidth simulation (its Table 4) as projectable
+    methods built from assumptions, no survey: a model of ``parameters`` parameters whose
+    inner step computes for ``step_s`` on each of ``workers`` workers, every exchange a ring
+    allreduce of ``bits`` per parameter (``outer_bits`` for the quantized row), no codec time:
+
+    - data-parallel: every step, overlapped with the backward pass over ``buckets`` buckets;
+    - DiLoCo: every H = ``inner_steps`` steps, the whole model, blocking;
+    - Streaming DiLoCo: P = ``fragments`` fragments, each every H steps, blocking (τ = 0);
+    - … with overlap: each fragment's exchange overlapping τ = ``delay`` inner steps;
+    - … and ``outer_bits``-bit outer gradients (FP4 in the paper)."""
+    full = parameters * bits / 8
+
+    def method(label: str, nbytes: float, schedule: dict[str, Any] | None, **extra: Any) -> Method:
+        every = schedule["params"]["inner_steps"] if schedule else 1
+        return {
+            "label": label,
+            "compute_s": step_s,
+            "compress_s": 0.0,
+            "decompress_s": 0.0,
+            "bytes_per_step": nbytes / every,
+            "dense_bytes_per_step": full / every,
+            "exchanges_per_step": 1.0 / every,
+            "groups_per_step": (buckets if schedule is None else schedule["params"].get("fragments", 1)) / every,
+            "batch_size": None,
+            "workers": workers,
+            "rounds": 1,
+            "compressor": "none",
+            "communicator": "allreduce",
+            "schedule": schedule,
+            **extra,
+        }
+
+    def streaming(delay: int) -> dict[str, Any]:
+        return {
+            "name": "streaming_diloco",
+            "params": {"inner_steps": inner_steps, "fragments": fragments, "delay": delay},
+        }
+
+    return [
+        method("data-parallel", full, None, overlap="backward"),
+        method(f"diloco H={inner_steps}", full, {"name": "diloco", "params": {"inner_steps": inner_steps}}),
+        method(f"streaming diloco P={fragments}", full, streaming(0)),
+        method(f"streaming diloco P={fragments}, overlap τ={delay}", full, streaming(delay)),
+        method(
+            f"streaming diloco P={fragments}, overlap τ={delay}, {outer_bits}-bit",
+            parameters * outer_bits / 8,
+            streaming(delay),
+        ),
+    ]
 
 
 # -- from a survey directory ---------------------------------------------------------------
@@ -228,6 +345,7 @@ def measured_methods(records: Sequence[dict[str, Any]]) -> list[Method]:
                 workers=workers,
                 rounds=rounds,
                 compressor=rows[0]["compressor"],
+                schedule=rows[0].get("schedule"),
                 communicator=modelled_name(rows[0]["communicator"], rows[0].get("params") or {}),
             )
         )
@@ -333,6 +451,10 @@ def bandwidth_for_utilization(
     any bandwidth does (nothing travels: one node)."""
     node_model = None if node is None else (node[0], 8 / node[1])
     alpha, probe = latency_ms / 1000, 1e-9
+    if method.get("schedule") or method.get("overlap"):  # T(β) is piecewise affine: bisect
+        return _bisect_bandwidth(
+            lambda beta: project_step(method, nodes, alpha, beta, node_model)[0], method["compute_s"], target
+        )
     base = project_step(method, nodes, alpha, 0.0, node_model)[0]
     slope = (project_step(method, nodes, alpha, probe, node_model)[0] - base) / probe
     room = method["compute_s"] / target - base
@@ -341,8 +463,28 @@ def bandwidth_for_utilization(
     return 0.0 if slope <= 0 else 8 * slope / room
 
 
+def _bisect_bandwidth(step: Any, compute_s: float, target: float) -> float:
+    """The least bandwidth (bit/s) with compute_s / step(β) ≥ target, for a step time
+    nondecreasing in β = 8/bandwidth: bisection on log β to a relative 1e-9."""
+    if compute_s / step(0.0) < target:
+        return math.inf
+    low, high = 1e-18, 1e3  # β in s/byte: 8e18 bit/s down to 8 mbit/s … a byte per 1000 s
+    if compute_s / step(high) >= target:
+        return 8 / high
+    for _ in range(200):
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if compute_s / step(middle) >= target else (low, middle)
+        if high / low < 1 + 1e-9:
+            break
+    return 8 / low
+
+
 def utilization_rows(
-    methods: Sequence[Method], nodes_list: Sequence[int], latencies_ms: Sequence[float], node: Node | None = None
+    methods: Sequence[Method],
+    nodes_list: Sequence[int],
+    latencies_ms: Sequence[float],
+    node: Node | None = None,
+    targets: Sequence[float] = UTILIZATION_TARGETS,
 ) -> list[Row]:
     """Per method, node count and latency: the bandwidth each utilization target needs."""
     return [
@@ -354,7 +496,7 @@ def utilization_rows(
                 f"bandwidth_for_{round(target * 100)}pct_bps": bandwidth_for_utilization(
                     method, nodes, latency, target, node
                 )
-                for target in UTILIZATION_TARGETS
+                for target in targets
             },
         }
         for latency in latencies_ms
@@ -367,8 +509,8 @@ def _rate_or_never(bps: float) -> str:
     return "never" if math.isinf(bps) else "any" if bps == 0 else format_rate(float(f"{bps:.3g}"))
 
 
-def format_utilization(rows: Sequence[Mapping[str, Any]]) -> str:
-    targets = [round(t * 100) for t in UTILIZATION_TARGETS]
+def format_utilization(rows: Sequence[Mapping[str, Any]], fractions: Sequence[float] = UTILIZATION_TARGETS) -> str:
+    targets = [round(t * 100) for t in fractions]
     lines = [
         "| Method | Nodes | Latency | " + " | ".join(f"Bandwidth for {t} % utilization" for t in targets) + " |",
         "|---|---|---|" + "---|" * len(targets),
@@ -421,7 +563,7 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str) -> str:
 
 
 def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("dir", help="a survey output directory (results.jsonl)")
+    parser.add_argument("dir", nargs="?", help="a survey output directory (results.jsonl)")
     parser.add_argument("--nodes", default="8,16,64", help="comma-separated node counts (default 8,16,64)")
     parser.add_argument("--bandwidth", default="1gbit,10gbit", help="comma-separated rates (default 1gbit,10gbit)")
     parser.add_argument(
@@ -446,6 +588,31 @@ def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     parser.add_argument("--group-size", type=int, default=1, help="ranks per node for hierarchical:<outer> (default 1)")
     parser.add_argument("--node-bandwidth", default="100gbit", help="bandwidth inside a node (default 100gbit)")
+    parser.add_argument(
+        "--overlap",
+        choices=("none", "backward"),
+        default="none",
+        help="per-step methods: 'backward' overlaps each exchange with the backward pass bucket by bucket (the DDP "
+        "hook), 'none' (default) adds it after the step's compute (DistributedOptimizer); schedules always overlap "
+        "as they run (streaming_diloco: τ inner steps)",
+    )
+    parser.add_argument(
+        "--utilization",
+        default="90,95",
+        help="compute-utilization targets in %%, comma-separated, for the bandwidth table (default 90,95)",
+    )
+    assume = parser.add_argument_group(
+        "assumptions instead of a survey (Streaming DiLoCo's simulation, its Table 4): data-parallel, DiLoCo and "
+        "Streaming DiLoCo built from a model size and a step time"
+    )
+    assume.add_argument("--assume-params", type=float, help="parameters of the model, e.g. 1e9 (then DIR is not read)")
+    assume.add_argument("--step-time", type=float, default=0.1, help="compute seconds per inner step (default 0.1)")
+    assume.add_argument("--inner-steps", type=int, default=100, help="H (default 100)")
+    assume.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo's P (default 2)")
+    assume.add_argument("--delay", type=int, default=1, help="Streaming DiLoCo's overlap τ in inner steps (default 1)")
+    assume.add_argument("--bits", type=int, default=32, help="bits per parameter exchanged (default 32)")
+    assume.add_argument("--outer-bits", type=int, default=4, help="bits of the quantized outer gradient (default 4)")
+    assume.add_argument("--buckets", type=int, default=25, help="data-parallel's gradient buckets (default 25)")
     parser.add_argument("--out", help="where to write projection.{md,csv,png} (default: DIR)")
     return parser
 
@@ -453,8 +620,9 @@ def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def run_project(args: argparse.Namespace) -> int:
     from .results import read_records
 
-    if not os.path.isdir(args.dir):
-        raise GraceConfigError(f"{args.dir!r} is not a directory")
+    assumed = getattr(args, "assume_params", None)
+    if assumed is None and (args.dir is None or not os.path.isdir(args.dir)):
+        raise GraceConfigError(f"{args.dir!r} is not a directory (give a survey's directory, or --assume-params N)")
     try:
         nodes = [int(n) for n in str(args.nodes).split(",") if n.strip()]
     except ValueError:
@@ -470,7 +638,28 @@ def run_project(args: argparse.Namespace) -> int:
         latencies = [parse_latency(a) for a in str(args.latency).split(",") if a.strip()]
     if not bandwidths or not latencies:
         raise GraceConfigError("--bandwidth and --latency (or --rtt) need at least one value each")
-    methods = measured_methods(read_records(args.dir))
+    try:
+        targets = [float(t) / 100 for t in str(getattr(args, "utilization", "90,95")).split(",") if t.strip()]
+    except ValueError:
+        targets = []
+    if not targets or not all(0 < t < 1 for t in targets):
+        raise GraceConfigError(f"--utilization {args.utilization!r}: percentages in (0, 100), e.g. 50,90")
+    if assumed is not None:
+        methods = assumed_methods(
+            assumed,
+            args.step_time,
+            max(nodes),
+            args.inner_steps,
+            args.fragments,
+            args.delay,
+            args.bits,
+            args.outer_bits,
+            args.buckets,
+        )
+    else:
+        methods = measured_methods(read_records(args.dir))
+    if getattr(args, "overlap", "none") == "backward":
+        methods = [m if m.get("schedule") else dict(m, overlap="backward") for m in methods]
     extra = [c.strip() for c in str(getattr(args, "communicators", "") or "").split(",") if c.strip()]
     if extra:
         methods = with_communicators(methods, extra)
@@ -479,10 +668,10 @@ def run_project(args: argparse.Namespace) -> int:
         raise GraceConfigError(f"--group-size {group} must be >= 1")
     node = (group, parse_rate(getattr(args, "node_bandwidth", "100gbit")))
     rows = [row for latency in latencies for row in project(methods, nodes, bandwidths, latency, node)]
-    needs = utilization_rows(methods, nodes, latencies, node)
-    out = args.out or args.dir
+    needs = utilization_rows(methods, nodes, latencies, node, targets)
+    out = args.out or args.dir or "."
     os.makedirs(out, exist_ok=True)
-    table = format_table(rows) + "\n\n" + format_utilization(needs)
+    table = format_table(rows) + "\n\n" + format_utilization(needs, targets)
     with open(os.path.join(out, "projection.md"), "w") as f:
         f.write(
             "# Projected step time and speedup over dense allreduce\n\n"
