@@ -168,17 +168,22 @@ def overlapped_step(
     return forward + max(backward / buckets + exchange_s, backward + exchange_s / buckets)
 
 
-def streaming_step(compute_s: float, fragment_s: float, inner_steps: int, fragments: int = 1, delay: int = 0) -> float:
+def streaming_step(
+    compute_s: float, fragment_s: float, inner_steps: int, fragments: int = 1, delay: int = 0, head_start: float = 0.0
+) -> float:
     """Seconds per inner step of a schedule that exchanges its outer gradient as P =
     ``fragments`` fragments every H = ``inner_steps`` steps, each exchange (taking
     ``fragment_s``, codec included) overlapping τ = ``delay`` inner steps:
 
-        T_H = max(H·c + P·max(0, X_f − τ·c),  P·X_f),   per step T_H / H
+        T_H = max(H·c + P·max(0, X_f − τ·c − h),  P·X_f),   per step T_H / H
 
-    The training thread waits at a fragment's due step for what τ steps of compute did not
-    hide; the second term is the channel's own limit (P exchanges per H steps, one at a
-    time). DiLoCo is P = 1, τ = 0: (H·c + X)/H; data parallel is H = 1 as well."""
-    waiting = fragments * max(0.0, fragment_s - delay * compute_s)
+    The training thread waits at a fragment's due step for what τ steps of compute (and a
+    head start h = ``head_start`` of the send step itself) did not hide; the second term is
+    the channel's own limit (P exchanges per H steps, one at a time). DiLoCo is P = 1,
+    τ = 0: (H·c + X)/H. grace_dgc forms Δ after the optimizer step, so h = 0; a layer-wise
+    implementation (Streaming DiLoCo's simulator) starts a fragment's reduction as its
+    layers finish the backward pass, h = the backward's share of c."""
+    waiting = fragments * max(0.0, fragment_s - delay * compute_s - head_start)
     return max(inner_steps * compute_s + waiting, fragments * fragment_s) / inner_steps
 
 
@@ -221,7 +226,8 @@ def project_step(
     exchange = (method["compress_s"] + decompress) * share + comm
     compute = method["compute_s"]
     if schedule:
-        step = streaming_step(compute, exchange, inner, fragments, delay)
+        head_start = BACKWARD_SHARE * compute if method.get("overlap") == "backward" else 0.0
+        step = streaming_step(compute, exchange, inner, fragments, delay, head_start)
     elif method.get("overlap") == "backward":
         step = overlapped_step(compute, exchange, exchanges_per_step(method))
     else:
@@ -592,9 +598,10 @@ def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--overlap",
         choices=("none", "backward"),
         default="none",
-        help="per-step methods: 'backward' overlaps each exchange with the backward pass bucket by bucket (the DDP "
-        "hook), 'none' (default) adds it after the step's compute (DistributedOptimizer); schedules always overlap "
-        "as they run (streaming_diloco: τ inner steps)",
+        help="'backward': a per-step method's exchange overlaps the backward pass bucket by bucket (the DDP hook), "
+        "and a schedule's starts as the backward produces it (a layer-wise implementation, Streaming DiLoCo's "
+        "simulator); 'none' (default): after the step's compute, as DistributedOptimizer and grace_dgc's schedules "
+        "run (streaming_diloco still hides each exchange behind its τ inner steps)",
     )
     parser.add_argument(
         "--utilization",
@@ -659,7 +666,7 @@ def run_project(args: argparse.Namespace) -> int:
     else:
         methods = measured_methods(read_records(args.dir))
     if getattr(args, "overlap", "none") == "backward":
-        methods = [m if m.get("schedule") else dict(m, overlap="backward") for m in methods]
+        methods = [dict(m, overlap="backward") for m in methods]
     extra = [c.strip() for c in str(getattr(args, "communicators", "") or "").split(",") if c.strip()]
     if extra:
         methods = with_communicators(methods, extra)
