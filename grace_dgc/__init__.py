@@ -11,6 +11,7 @@ from .compat import grace_from_params as from_params  # GRACE's dict and default
 from .ddp import ddp_comm_hook
 from .engines import create_engine
 from .errors import GraceCommError, GraceConfigError
+from .fsdp import FSDPCompression, fsdp_compression
 from .grace import Grace, build
 from .interfaces import Communicator, Compressor, Memory
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
@@ -47,6 +48,8 @@ __all__ = [
     "GraceConfigError",
     "GraceCommError",
     "ddp_comm_hook",
+    "fsdp_compression",
+    "FSDPCompression",
     "gather_state",
     "PerRankState",
     "load_gathered_state",

@@ -1,0 +1,274 @@
+"""grace_dgc inside FSDP2 (torch's ``fully_shard``) and HSDP: compressed gradient reduction
+where sharded models spend their bytes.
+
+    model = build_model()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    compression = grace_dgc.fsdp_compression(model, reduce_scatter=grace_dgc.build("qsgd", "residual",
+                                             "reduce_scatter", quantum_num=127))
+
+Two seams of FSDP2, one Grace each (either may be left out):
+
+1. **reduce_scatter** — each FSDP module's gradient reduce-scatter
+   (``FSDPModule.set_custom_reduce_scatter``). FSDP hands over one flat input of N equal
+   chunks, chunk j for rank j (its shard). The Grace runs its whole data path on it —
+   memory compensation on this rank's gradient, the compressor applied chunk by chunk, chunk
+   j sent to rank j only (one all_to_all), the memory's update — and rank j writes the
+   average of the chunks it received into FSDP's output: a reduce-scatter, (N−1)/N of one
+   compressed gradient out per rank, nothing gathered back. Compressors that compress chunk
+   by chunk and average (fp16, bf16, fp8, qsgd, natural, terngrad, onebit, efsignsgd,
+   twobit, statq, fp4) are accepted; a selection over the whole tensor (top-k), several
+   rounds (PowerSGD) or a pre-round (THC) is refused, naming why. The memory holds this
+   rank's error on its whole unsharded gradient (what it sent of it), as a worker error
+   does under DDP. ``none`` without memory is FSDP's own reduce-scatter (bit for bit), counted.
+2. **replicate** — under HSDP, the all-reduce of each rank's gradient *shard* across the
+   replicas. Shard the model on the shard dimension only (``fully_shard(m, mesh=mesh2d["shard"])``)
+   and pass a Grace over the replicate group (``process_group=mesh2d["replicate"].get_group()``):
+   it runs in FSDP's all-reduce hook (``set_all_reduce_hook``) after the reduce-scatter, in
+   place on the shard, any composition (top-k + residual, DGC, PowerSGD, THC …), and its
+   memory is shard-sized: 1/S of what the same method holds under DDP.
+
+FSDP divides by its shard size (AVG); the Graces average over their groups, so the result
+is the mean over all S·R ranks, as native HSDP's. Mixed precision (``reduce_dtype``),
+``set_requires_gradient_sync(False)`` accumulation (no reduction runs, so nothing is
+exchanged) and ``torch.compile`` of the model act as without grace_dgc.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import wire
+from .communicators.reduce_scatter import ReduceScatter as ReduceScatterCommunicator
+from .errors import GraceConfigError
+from .grace import Grace
+from .interfaces import Compressor, Ctxs, Payloads, Sent, Tensors
+
+__all__ = ["FSDPCompression", "fsdp_compression"]
+
+
+class _ScatterOnly(ReduceScatterCommunicator):
+    """Step 1 of ``reduce_scatter`` and the owner's sum, nothing requantized or gathered:
+    each rank's ``outs`` hold the average on its own chunk only (the rest is left as the
+    compensated input, which FSDP never reads)."""
+
+    def aggregate_into(
+        self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False
+    ) -> Sent:
+        engine, inner, n, me = self.engine, comp.inner, self.engine.size, self.engine.rank  # type: ignore[attr-defined]
+        parts = [comp.split(p, c) for p, c in zip(payloads, ctxs)]  # type: ignore[attr-defined]
+        blocks, heads = zip(*(wire.encode([t for chunks in parts for t in chunks[j]]) for j in range(n)))
+        mine = [t for chunks in parts for t in chunks[me]]
+        got_heads = engine.all_to_all(torch.cat(heads), [h.numel() for h in heads], [len(mine)] * n).view(n, -1)
+        lengths = got_heads.sum(dim=1).tolist()
+        got = engine.all_to_all(torch.cat(blocks), [b.numel() for b in blocks], lengths)
+        received = [wire.decode(b, h, mine) for b, h in zip(got.split(lengths), got_heads)]
+        first = 0
+        for i, out in enumerate(outs):
+            start, stop = ctxs[i].bounds[me], ctxs[i].bounds[me + 1]
+            width = len(parts[i][me])
+            own = [tensors[first : first + width] for tensors in received]
+            inner.decompress_aggregate_into(own, ctxs[i].parts[me], out.view(-1)[start:stop])
+            first += width
+        return payloads, ctxs
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    found = [(name or "<root>", m) for name, m in model.named_modules() if hasattr(m, "set_custom_reduce_scatter")]
+    if not found:
+        raise GraceConfigError(
+            "this model has no fully_shard-ed module: call torch.distributed.fsdp.fully_shard on its blocks and on "
+            "the model first, then fsdp_compression"
+        )
+    return found
+
+
+def _group_of(module: Any) -> tuple[Any, Any]:
+    """(the reduce-scatter group, the all-reduce group or None) of an FSDP module."""
+    state = module._get_fsdp_state()
+    groups = state._fsdp_param_groups
+    if not groups:
+        return None, None
+    info = groups[0].mesh_info
+    shard = getattr(info, "shard_process_group", None)
+    replicate = getattr(info, "replicate_process_group", None)
+    return shard, replicate
+
+
+class _GraceReduceScatter:
+    """FSDP2's ``ReduceScatter`` comm, run through a Grace (see the module docstring)."""
+
+    def __init__(self, owner: FSDPCompression, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
+        return self.owner._reduce_scatter(output_tensor, input_tensor, group, op, self.name)
+
+
+class FSDPCompression:
+    """What :func:`fsdp_compression` installed: its Graces, their stats, and every rank's state
+    for ``torch.distributed.checkpoint`` (a ``Stateful``: put it in the dict you hand to
+    ``dcp.save``/``dcp.load`` beside the model's and the optimizer's state dicts)."""
+
+    def __init__(self, model: torch.nn.Module, reduce_scatter: Grace | None, replicate: Grace | None) -> None:
+        self.model, self.reduce_scatter, self.replicate = model, reduce_scatter, replicate
+        self.modules = _fsdp_modules(model)
+        self.native_bytes = 0  # bytes `none` handed to FSDP's own reduce-scatter
+        self.native_dense = 0
+        groups = [_group_of(module) for _, module in self.modules]
+        shard_group, replicate_group = next((g for g in groups if g[0] is not None), (None, None))
+        if replicate_group is not None:
+            raise GraceConfigError(
+                "this model is sharded with native HSDP (a 2-D mesh): its replicate all-reduce would run before any "
+                "hook. Shard on the shard dimension only, fully_shard(module, mesh=mesh['shard']), and pass "
+                "replicate=grace_dgc.build(..., process_group=mesh['replicate'].get_group())"
+            )
+        self.shard_size = dist.get_world_size(shard_group) if shard_group is not None else 1
+        if reduce_scatter is not None:
+            self._check_reduce_scatter(reduce_scatter, shard_group)
+        if replicate is not None:
+            if replicate.wrapper:
+                raise GraceConfigError(f"the replicate Grace already serves {replicate.wrapper}: build one per seam")
+            replicate.wrapper = {"wrapper": "fsdp", "role": "replicate", "shard_size": self.shard_size}
+        for name, module in self.modules:
+            if reduce_scatter is not None:
+                module.set_custom_reduce_scatter(_GraceReduceScatter(self, f"fsdp:{name}"))
+            if replicate is not None:
+                module.set_all_reduce_hook(self._hook(f"fsdp:{name}"))
+
+    def _check_reduce_scatter(self, grace: Grace, group: Any) -> None:
+        comp, comm = grace.compressor, grace.communicator
+        if comm.registered_name != "reduce_scatter":
+            raise GraceConfigError(
+                f"the reduce_scatter Grace's communicator is {comm.registered_name!r}; FSDP's reduction is a "
+                "reduce-scatter: build it with communicator 'reduce_scatter'"
+            )
+        reasons = [
+            (comp.sparse or not comp.chunkable, "it selects across the whole tensor, not chunk by chunk"),
+            (comp.rounds > 1, f"it exchanges in {comp.rounds} rounds"),
+            (comp.prerounds, "it agrees on a scale over ranks before compressing (a pre-round)"),
+            (not comp.average, "its aggregate is a vote, not an average"),
+        ]
+        why = [text for refused, text in reasons if refused]
+        if why:
+            raise GraceConfigError(
+                f"compressor {comp.registered_name!r} cannot run FSDP's reduce-scatter: {'; '.join(why)}. It can run "
+                "on the replicate dimension under HSDP (replicate=...); accepted here: fp16, bf16, fp8, qsgd, "
+                "natural, terngrad, twobit, onebit, efsignsgd, statq, fp4"
+            )
+        if grace.wrapper:
+            raise GraceConfigError(f"the reduce_scatter Grace already serves {grace.wrapper}: build one per seam")
+        ranks = dist.get_process_group_ranks(group) if group is not None else [0]
+        engine = grace.engine.resolve() if hasattr(grace.engine, "resolve") else grace.engine  # auto: chosen now
+        engine_group = getattr(engine, "group", None)
+        mine = (
+            dist.get_process_group_ranks(engine_group)
+            if engine_group is not None
+            else list(range(dist.get_world_size()))
+        )
+        if mine != ranks:  # chunk j is rank j's shard in both
+            raise GraceConfigError(
+                f"the reduce_scatter Grace runs over ranks {mine}, FSDP shards over ranks {ranks}: build it with "
+                "process_group= the shard group (mesh['shard'].get_group() under HSDP)"
+            )
+        grace.communicator = _ScatterOnly(grace.engine, error_feedback=False)
+        grace.wrapper = {"wrapper": "fsdp", "role": "reduce_scatter", "shard_size": self.shard_size}
+
+    def _native(self, grace: Grace) -> bool:
+        return grace.compressor.registered_name == "none" and grace.memory.identity
+
+    def _reduce_scatter(self, output: Tensor, input_: Tensor, group: Any, op: Any, name: str) -> Any:
+        grace = self.reduce_scatter
+        assert grace is not None
+        n = dist.get_world_size(group)
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise GraceConfigError(
+                f"FSDP asked for reduce op {op}; grace_dgc reduces with AVG or SUM (a custom gradient divide factor "
+                "is not supported)"
+            )
+        if self._native(grace):
+            self.native_bytes += input_.numel() * input_.element_size() * (n - 1) // n
+            self.native_dense += input_.numel() * 4 * (n - 1) // n
+            return dist.reduce_scatter_tensor(output, input_, op=op, group=group)
+        average = grace.step_group_async([input_], [name], inplace=True).result()[0]
+        me = dist.get_rank(group)
+        output.copy_(average.view(-1)[me * output.numel() : (me + 1) * output.numel()])
+        if op == dist.ReduceOp.SUM:
+            output.mul_(n)
+        return None
+
+    def _hook(self, name: str) -> Any:
+        def all_reduce(reduce_output: Tensor) -> None:
+            grace = self.replicate
+            assert grace is not None
+            grace.step_group_async([reduce_output], [name], inplace=True).result()
+
+        return all_reduce
+
+    # -- stats and state ----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Each seam's Grace stats (``reduce_scatter``, ``replicate``); ``none`` on the
+        reduce-scatter counts FSDP's own bytes there."""
+        out: dict[str, Any] = {}
+        if self.reduce_scatter is not None:
+            out["reduce_scatter"] = self.reduce_scatter.stats()
+            if self._native(self.reduce_scatter):
+                out["reduce_scatter"].update(bytes_sent=self.native_bytes, dense_bytes=self.native_dense)
+        if self.replicate is not None:
+            out["replicate"] = self.replicate.stats()
+        return out
+
+    def _key(self) -> str:
+        return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state of both Graces, under a key of its own (DCP would write equal keys
+        once), as bytes: its size grows as tensors are first seen."""
+        state = {
+            role: grace.state_dict()
+            for role, grace in (("reduce_scatter", self.reduce_scatter), ("replicate", self.replicate))
+            if grace is not None
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        return {self._key(): buffer}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = self._key()
+        if key not in state_dict:
+            raise GraceConfigError(
+                f"the checkpoint holds no fsdp_compression state for {key} (it has "
+                f"{', '.join(sorted(state_dict)) or 'none'}): saved on another number of ranks?"
+            )
+        value = state_dict[key]
+        raw = value.getvalue() if isinstance(value, io.BytesIO) else value
+        state = torch.load(io.BytesIO(raw), weights_only=True) if isinstance(raw, (bytes, bytearray)) else raw
+        for role, grace in (("reduce_scatter", self.reduce_scatter), ("replicate", self.replicate)):
+            if (grace is None) != (role not in state):
+                raise GraceConfigError(
+                    f"the checkpoint {'has' if role in state else 'lacks'} a {role} Grace and this run "
+                    f"{'lacks' if grace is None else 'has'} one: install the same seams to resume"
+                )
+            if grace is not None:
+                grace.load_state_dict(state[role])  # refuses other methods, world sizes, settings
+
+
+def fsdp_compression(
+    model: torch.nn.Module, reduce_scatter: Grace | None = None, replicate: Grace | None = None
+) -> FSDPCompression:
+    """Install grace_dgc on a ``fully_shard``-ed model (module docstring): ``reduce_scatter``
+    compresses FSDP's gradient reduce-scatter, ``replicate`` runs the all-reduce of each
+    shard across replicas under HSDP. Call after ``fully_shard``, before the first backward."""
+    if reduce_scatter is None and replicate is None:
+        raise GraceConfigError("fsdp_compression needs a reduce_scatter Grace, a replicate Grace, or both")
+    return FSDPCompression(model, reduce_scatter, replicate)

@@ -1,0 +1,181 @@
+"""grace_dgc inside FSDP2 (issue 42, item 1-2): on real gloo process groups with torch's
+``fully_shard``. With ``none`` every parameter equals plain FSDP2's bit for bit (1-D mesh, 2
+ranks) and native HSDP's (2-D mesh, 4 ranks); a compressed reduce-scatter sends less and keeps
+error feedback on each rank's gradient; a compressed replicate all-reduce keeps the replicas
+bitwise alike with shard-sized memory; the state goes through torch.distributed.checkpoint and
+resumes bit for bit; what cannot run is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import grace_dgc
+from grace_dgc.errors import GraceConfigError
+from grace_dgc.launch import run_local
+
+STEPS = 4
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def shard(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def train(model, rank, steps, opt=None, start=0):
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randn(4, 8, generator=data) for _ in range(steps)]
+    for x in batches[start:]:
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+    return opt
+
+
+def full(model):
+    return [p.full_tensor().clone() for p in model.parameters()]
+
+
+def one_dimension_job(rank, world, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    plain = shard(make_model(), mesh)
+    train(plain, rank, STEPS)
+    none = shard(make_model(), mesh)
+    installed = grace_dgc.fsdp_compression(none, reduce_scatter=grace_dgc.build("none", "none", "reduce_scatter"))
+    train(none, rank, STEPS)
+
+    def qsgd_run(steps, cut=None):
+        model = shard(make_model(), mesh)
+        grace = grace_dgc.build("qsgd", "residual", "reduce_scatter", quantum_num=7)
+        compression = grace_dgc.fsdp_compression(model, reduce_scatter=grace)
+        opt = train(model, rank, cut or steps)
+        if cut:  # save, rebuild everything, load, go on
+            model_state, optim_state = get_state_dict(model, opt)
+            dcp.save({"model": model_state, "optim": optim_state, "grace": compression}, checkpoint_id=directory)
+            model = shard(make_model(), mesh)
+            for p in model.parameters():
+                torch.nn.init.zeros_(p)  # the checkpoint must bring everything back
+            compression = grace_dgc.fsdp_compression(
+                model, reduce_scatter=grace_dgc.build("qsgd", "residual", "reduce_scatter", quantum_num=7)
+            )
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            model_state, optim_state = get_state_dict(model, opt)
+            state = {"model": model_state, "optim": optim_state, "grace": compression}
+            dcp.load(state, checkpoint_id=directory)
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            train(model, rank, steps, opt, start=cut)
+        return model, compression
+
+    qsgd, compression = qsgd_run(STEPS)
+    resumed, _ = qsgd_run(STEPS, cut=2)
+    residuals = compression.reduce_scatter.memory.residuals
+    return {
+        "plain": full(plain),
+        "none": full(none),
+        "none_stats": installed.stats()["reduce_scatter"],
+        "qsgd": full(qsgd),
+        "resumed": full(resumed),
+        "qsgd_stats": compression.stats()["reduce_scatter"],
+        "residual_sizes": sorted(t.numel() for t in residuals.values()),
+    }
+
+
+def test_one_dimension_none_is_fsdp_bit_for_bit_and_a_quantized_reduce_scatter_resumes_through_dcp(tmp_path):
+    results = run_local(one_dimension_job, 2, (str(tmp_path / "checkpoint"),))
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["plain"], r["none"]))
+        assert not all(torch.equal(a, b) for a, b in zip(r["plain"], r["qsgd"]))  # it did compress
+        assert all(torch.equal(a, b) for a, b in zip(r["qsgd"], r["resumed"]))  # resume bit for bit
+        torch.testing.assert_close(r["qsgd"], r["plain"], rtol=0.2, atol=0.05)  # and still trains the same model
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["qsgd"], results[1]["qsgd"]))
+    none, qsgd = results[0]["none_stats"], results[0]["qsgd_stats"]
+    # per step and rank, FSDP's reduce-scatter moves (N−1)/N of the padded gradient: 2 modules of
+    # 8·16 + 16 and 16·4 + 4 elements, padded to even, fp32
+    assert none["bytes_sent"] == STEPS * ((144 + 68) * 4 // 2)
+    assert 0 < qsgd["bytes_sent"] < none["bytes_sent"] / 2 and qsgd["steps"] == STEPS
+    # error feedback on each rank's whole (unsharded, padded) gradient of each FSDP module
+    assert results[0]["residual_sizes"] == [68, 144]
+
+
+def two_dimension_job(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    native = shard(make_model(), mesh)
+    train(native, rank, STEPS)
+    refused = ""
+    try:
+        grace_dgc.fsdp_compression(shard(make_model(), mesh), replicate=grace_dgc.build("none"))
+    except GraceConfigError as error:
+        refused = str(error)
+    replicate_group = mesh["replicate"].get_group()
+    none = shard(make_model(), mesh["shard"])
+    grace_dgc.fsdp_compression(none, replicate=grace_dgc.build("none", process_group=replicate_group))
+    train(none, rank, STEPS)
+    topk = shard(make_model(), mesh["shard"])
+    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.25, process_group=replicate_group)
+    compression = grace_dgc.fsdp_compression(topk, replicate=grace)
+    train(topk, rank, STEPS)
+    return {
+        "native": full(native),
+        "none": full(none),
+        "topk": full(topk),
+        "refused": refused,
+        "residual_sizes": sorted(t.numel() for t in grace.memory.residuals.values()),
+        "stats": compression.stats()["replicate"],
+    }
+
+
+def test_hsdp_none_is_native_hsdp_bit_for_bit_and_a_compressed_replicate_keeps_replicas_alike():
+    results = run_local(two_dimension_job, 4)
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["native"], r["none"]))
+        assert not all(torch.equal(a, b) for a, b in zip(r["native"], r["topk"]))
+        assert "native HSDP" in r["refused"] and "mesh['shard']" in r["refused"]
+        # the memory of the replicate exchange is shard-sized: half of each module's padded gradient
+        assert r["residual_sizes"] == [34, 72]
+        assert r["stats"]["steps"] == STEPS and r["stats"]["compression_ratio"] < 0.6
+    for r in results[1:]:  # replicas (and shards, gathered) agree bitwise
+        assert all(torch.equal(a, b) for a, b in zip(r["topk"], results[0]["topk"]))
+
+
+def refusal_job(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    errors = []
+    for build in (
+        lambda: grace_dgc.build("topk", "residual", "reduce_scatter"),
+        lambda: grace_dgc.build("qsgd", "none", "allgather"),
+    ):
+        try:
+            grace_dgc.fsdp_compression(shard(make_model(), mesh), reduce_scatter=build())
+        except GraceConfigError as error:
+            errors.append(str(error))
+    return errors
+
+
+@pytest.mark.parametrize("world", [2])
+def test_what_cannot_run_is_refused_by_name(world):
+    with pytest.raises(GraceConfigError, match="no fully_shard-ed module"):
+        grace_dgc.fsdp_compression(make_model(), reduce_scatter=grace_dgc.build("none", engine="local"))
+    with pytest.raises(GraceConfigError, match="needs a reduce_scatter Grace, a replicate Grace, or both"):
+        grace_dgc.fsdp_compression(make_model())
+    errors = run_local(refusal_job, world)[0]
+    assert len(errors) == 2
+    assert "cannot run FSDP's reduce-scatter" in errors[0] or "whole tensor" in errors[0]
+    assert "communicator 'reduce_scatter'" in errors[1]
