@@ -18,7 +18,7 @@ Two seams of FSDP2, one Grace each (either may be left out):
    average of the chunks it received into FSDP's output: a reduce-scatter, (N−1)/N of one
    compressed gradient out per rank, nothing gathered back. Compressors that compress chunk
    by chunk and average (fp16, bf16, fp8, qsgd, natural, terngrad, onebit, efsignsgd,
-   twobit, statq, fp4) are accepted; a selection over the whole tensor (top-k), several
+   twobit) are accepted; a selection over the whole tensor (top-k), several
    rounds (PowerSGD) or a pre-round (THC) is refused, naming why. The memory holds this
    rank's error on its whole unsharded gradient (what it sent of it), as a worker error
    does under DDP. ``none`` without memory is FSDP's own reduce-scatter (bit for bit), counted.
@@ -163,7 +163,7 @@ class FSDPCompression:
             raise GraceConfigError(
                 f"compressor {comp.registered_name!r} cannot run FSDP's reduce-scatter: {'; '.join(why)}. It can run "
                 "on the replicate dimension under HSDP (replicate=...); accepted here: fp16, bf16, fp8, qsgd, "
-                "natural, terngrad, twobit, onebit, efsignsgd, statq, fp4"
+                "natural, terngrad, twobit, onebit, efsignsgd"
             )
         if grace.wrapper:
             raise GraceConfigError(f"the reduce_scatter Grace already serves {grace.wrapper}: build one per seam")

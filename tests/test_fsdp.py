@@ -80,6 +80,9 @@ def one_dimension_job(rank, world, directory):
             train(model, rank, steps, opt, start=cut)
         return model, compression
 
+    fp8 = shard(make_model(), mesh)
+    fp8_compression = grace_dgc.fsdp_compression(fp8, reduce_scatter=grace_dgc.build("fp8", "none", "reduce_scatter"))
+    train(fp8, rank, STEPS)
     qsgd, compression = qsgd_run(STEPS)
     resumed, _ = qsgd_run(STEPS, cut=2)
     residuals = compression.reduce_scatter.memory.residuals
@@ -88,6 +91,8 @@ def one_dimension_job(rank, world, directory):
         "none": full(none),
         "none_stats": installed.stats()["reduce_scatter"],
         "qsgd": full(qsgd),
+        "fp8": full(fp8),
+        "fp8_stats": fp8_compression.stats()["reduce_scatter"],
         "resumed": full(resumed),
         "qsgd_stats": compression.stats()["reduce_scatter"],
         "residual_sizes": sorted(t.numel() for t in residuals.values()),
@@ -107,6 +112,12 @@ def test_one_dimension_none_is_fsdp_bit_for_bit_and_a_quantized_reduce_scatter_r
     # 8·16 + 16 and 16·4 + 4 elements, padded to even, fp32
     assert none["bytes_sent"] == STEPS * ((144 + 68) * 4 // 2)
     assert 0 < qsgd["bytes_sent"] < none["bytes_sent"] / 2 and qsgd["steps"] == STEPS
+    # fp8: per module and step, the other rank's chunk (72 and 34 elements) in a byte each, one fp32
+    # scale (a block of 256 covers the chunk) and the size header of its two payload tensors (int64)
+    fp8 = results[0]["fp8_stats"]
+    assert fp8["bytes_sent"] == STEPS * ((72 + 4 + 16) + (34 + 4 + 16)) and fp8["steps"] == STEPS
+    for r in results:
+        torch.testing.assert_close(r["fp8"], r["plain"], rtol=0.05, atol=0.01)
     # error feedback on each rank's whole (unsharded, padded) gradient of each FSDP module
     assert results[0]["residual_sizes"] == [68, 144]
 
