@@ -122,8 +122,6 @@ class FSDPCompression:
     def __init__(self, model: torch.nn.Module, reduce_scatter: Grace | None, replicate: Grace | None) -> None:
         self.model, self.reduce_scatter, self.replicate = model, reduce_scatter, replicate
         self.modules = _fsdp_modules(model)
-        self.native_bytes = 0  # bytes `none` handed to FSDP's own reduce-scatter
-        self.native_dense = 0
         groups = [_group_of(module) for _, module in self.modules]
         shard_group, replicate_group = next((g for g in groups if g[0] is not None), (None, None))
         if replicate_group is not None:
@@ -195,9 +193,9 @@ class FSDPCompression:
                 f"FSDP asked for reduce op {op}; grace_dgc reduces with AVG or SUM (a custom gradient divide factor "
                 "is not supported)"
             )
-        if self._native(grace):
-            self.native_bytes += input_.numel() * input_.element_size() * (n - 1) // n
-            self.native_dense += input_.numel() * 4 * (n - 1) // n
+        if self._native(grace):  # FSDP's own reduce-scatter, counted as grace counts: (N−1)/N out and in
+            moved = input_.numel() * input_.element_size() * (n - 1) // n
+            grace.count_exchange(input_, name, moved, moved)
             return dist.reduce_scatter_tensor(output, input_, op=op, group=group)
         average = grace.step_group_async([input_], [name], inplace=True).result()[0]
         me = dist.get_rank(group)
@@ -221,8 +219,6 @@ class FSDPCompression:
         out: dict[str, Any] = {}
         if self.reduce_scatter is not None:
             out["reduce_scatter"] = self.reduce_scatter.stats()
-            if self._native(self.reduce_scatter):
-                out["reduce_scatter"].update(bytes_sent=self.native_bytes, dense_bytes=self.native_dense)
         if self.replicate is not None:
             out["replicate"] = self.replicate.stats()
         return out

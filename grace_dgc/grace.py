@@ -461,6 +461,16 @@ class Grace:
         self._steps: dict[str, int] = {}
         self._wait_seconds = 0.0
 
+    def count_exchange(self, tensor: Tensor, name: str, sent: int, received: int) -> None:
+        """Count an exchange of ``tensor`` that ran outside this Grace's data path (FSDP2's own
+        reduce-scatter for ``none``): ``sent``/``received`` bytes, one group, one step of ``name``."""
+        self._stats["groups"] += 1
+        self._stats["tensors"] += 1
+        self._stats["dense_bytes"] += tensor.numel() * 4
+        self._stats["bytes_sent"] += sent
+        self._stats["bytes_received"] += received
+        self._steps[name] = self._steps.get(name, 0) + 1
+
     def add_wait(self, seconds: float) -> None:
         """Charge ``seconds`` the training thread spent blocked on this Grace's exchanges
         (the optimizer wrappers call it; reported as ``wait_seconds``)."""

@@ -190,3 +190,35 @@ def test_what_cannot_run_is_refused_by_name(world):
     assert len(errors) == 2
     assert "cannot run FSDP's reduce-scatter" in errors[0] or "whole tensor" in errors[0]
     assert "communicator 'reduce_scatter'" in errors[1]
+
+
+def test_script_mode_runs_the_sharded_example_through_the_report(tmp_path, capsys):
+    """examples/survey_fsdp.py under the survey: the anchor (torch's bf16 reduction) and fp8 on
+    FSDP2's reduce-scatter, bytes per rank and step as FSDP moves them."""
+    import os
+
+    from grace_dgc.survey import cli
+    from grace_dgc.survey.results import read_records
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    conf = tmp_path / "methods.toml"
+    rows = [("anchor", "none", 'tags = {reduce_dtype = "bf16"}\n'), ("fp8", "fp8", "")]
+    conf.write_text(
+        "workers = 2\nseeds = [0]\n"
+        + "".join(
+            f'[[methods]]\nlabel = "{label}"\ncompressor = "{name}"\ncommunicator = "reduce_scatter"\n{extra}'
+            for label, name, extra in rows
+        )
+    )
+    out = str(tmp_path / "out")
+    example = os.path.join(root, "examples", "survey_fsdp.py")
+    code = cli.main(["survey", "--script", example, "--config", str(conf), "--out", out, "--no-progress",
+                     "--script-args", "--steps", "3", "--train-chars", "20000"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    summaries = {r["label"]: r for r in read_records(out) if r["type"] == "summary"}
+    anchor, fp8 = summaries["anchor"], summaries["fp8"]
+    # bf16 halves fp32's (N−1)/N; fp8 is a byte per element plus scales and headers
+    assert anchor["compression_ratio"] == pytest.approx(0.25)
+    assert 0.125 < fp8["compression_ratio"] < 0.14
+    assert fp8["metrics"]["shard_bytes_per_step"] == pytest.approx(fp8["bytes_per_step"])
+    assert "fp8" in open(os.path.join(out, "report.md")).read()

@@ -114,6 +114,13 @@ def cell_seed(default: int = 0) -> int:
     return default if settings is None else int(settings["seed"])
 
 
+def _world_size() -> int:
+    """The whole world's rank count (a process group's subgroup aside)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -127,26 +134,37 @@ def _rank() -> int:
         return int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")))
 
 
-def cell_grace(compressor: str = "none", memory: str = "none", communicator: str = "allreduce", **params: Any) -> Grace:
+def cell_grace(
+    compressor: str = "none",
+    memory: str = "none",
+    communicator: str = "allreduce",
+    process_group: Any = None,
+    **params: Any,
+) -> Grace:
     """The cell's method as a :class:`~grace_dgc.Grace` (built on the engine the script
     initialised: torch.distributed or Horovod). Run alone, the arguments are the method
     (``grace_dgc.build(compressor, memory, communicator, **params)``). Call it once, after
-    initialising the process group and before training: the survey's clock starts here."""
+    initialising the process group and before training: the survey's clock starts here.
+    ``process_group`` (alone and in a cell) puts the Grace on a subgroup, e.g. the replicate
+    dimension of an HSDP mesh; the cell's rank count is then checked against the whole world."""
     global _session
     settings = cell()
     if settings is None:
-        return grace_dgc.build(compressor, memory, communicator, **params)
+        return grace_dgc.build(compressor, memory, communicator, process_group=process_group, **params)
     method = settings["method"]
     params = dict(method["params"])
+    if process_group is not None:
+        params["process_group"] = process_group
     from ..registry import COMPRESSORS
 
     if "seed" in COMPRESSORS.accepted_params(method["compressor"]) and "seed" not in params:
         params["seed"] = settings["seed"]  # a stochastic method's randomness follows the run seed, as built-in
     grace = grace_dgc.build(method["compressor"], method["memory"], method["communicator"], **params)
-    if grace.world_size != settings["workers"]:
+    world = grace.world_size if process_group is None else _world_size()
+    if world != settings["workers"]:
         raise GraceConfigError(
             f"the cell {settings['run_id']!r} wants {settings['workers']} ranks but the script's process group has "
-            f"{grace.world_size}: initialise the process group from the launcher's environment (RANK, WORLD_SIZE)"
+            f"{world}: initialise the process group from the launcher's environment (RANK, WORLD_SIZE)"
         )
     rank = _rank()
     _session = _Session(settings, os.environ[DIR_ENV], rank)
