@@ -122,6 +122,48 @@ def test_one_dimension_none_is_fsdp_bit_for_bit_and_a_quantized_reduce_scatter_r
     assert results[0]["residual_sizes"] == [68, 144]
 
 
+def accumulate(model, rank, steps, micro=2):
+    """Gradient accumulation as FSDP2 does it: no reduction on the first micro-steps."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(200 + rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            model(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
+        opt.step()
+
+
+def precision_job(rank, world):
+    """bf16 reduction (MixedPrecisionPolicy) and accumulation over 2 micro-steps: `none` is still
+    FSDP2 bit for bit, and fp8 reduces once per optimizer step, on bf16 gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def sharded():
+        model = make_model()
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    plain, none, fp8 = sharded(), sharded(), sharded()
+    grace_dgc.fsdp_compression(none, reduce_scatter=grace_dgc.build("none", "none", "reduce_scatter"))
+    compression = grace_dgc.fsdp_compression(fp8, reduce_scatter=grace_dgc.build("fp8", "none", "reduce_scatter"))
+    for model in (plain, none, fp8):
+        accumulate(model, rank, STEPS)
+    return {"plain": full(plain), "none": full(none), "fp8": full(fp8), "stats": compression.stats()["reduce_scatter"]}
+
+
+def test_mixed_precision_and_accumulation_work_as_without_grace():
+    for r in run_local(precision_job, 2):
+        assert all(torch.equal(a, b) for a, b in zip(r["plain"], r["none"]))
+        torch.testing.assert_close(r["fp8"], r["plain"], rtol=0.05, atol=0.01)
+        assert r["stats"]["steps"] == STEPS and r["stats"]["groups"] == 2 * STEPS  # once per optimizer step
+
+
 def two_dimension_job(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
