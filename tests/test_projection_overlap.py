@@ -158,3 +158,21 @@ def test_the_papers_table_4_from_its_assumptions():
         ours = [project.bandwidth_for_utilization(method, 2, 0.0, u) / 1e9 for u in (0.5, 0.8, 0.9, 0.95, 0.99)]
         for got, paper in zip(ours, PAPER_TABLE_4_1B[method["label"]]):
             assert paper / 1.35 < got < paper * 1.35, (method["label"], ours)
+
+
+def test_an_hsdp_mesh_by_hand():
+    """A method measured on FSDP2's reduce-scatter of 2 ranks (r = 1/8 of the fp32 gradient G per
+    step, (N−1)/N of C: C = G/4) projected onto 4 × 8: G = 8 MB, 8 Gbit/s inside a node, 1 Gbit/s
+    and 1 ms across, one exchange per step."""
+    G, intra, inter, alpha = 8e6, 8 / 8e9, 8 / 1e9, 1e-3
+    method = {"label": "m", "compressor": "fp8", "communicator": "reduce_scatter", "workers": 2, "compute_s": 0.1,
+              "compress_s": 0.01, "decompress_s": 0.002, "bytes_per_step": G / 8, "dense_bytes_per_step": G,
+              "exchanges_per_step": 1, "groups_per_step": 1}  # fmt: skip
+    parts = project.project_mesh(method, 4, 8, alpha, inter, intra)
+    assert parts["all_gather"] == pytest.approx(2 * 3 / 4 * G * intra)
+    assert parts["reduce_scatter"] == pytest.approx(3 / 4 * (G / 4) * intra)
+    assert parts["replicate"] == pytest.approx(2 * 7 * alpha + 2 * 7 / 8 * (G / 4) * inter)  # fp32 shard
+    assert parts["step"] == pytest.approx(0.112 + parts["all_gather"] + parts["reduce_scatter"] + parts["replicate"])
+    across = project.project_mesh(method, 4, 8, alpha, inter, intra, seam="replicate")
+    assert across["reduce_scatter"] == pytest.approx(3 / 4 * G * intra)  # FSDP's own fp32
+    assert across["replicate"] == pytest.approx(4 * 7 * alpha + 2 * 7 / 8 * (G / 4 / 4) * inter)  # C/S

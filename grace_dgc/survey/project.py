@@ -245,6 +245,105 @@ def dense_step(compute_s: float, dense_bytes: float, exchanges: float, nodes: in
     return compute_s + ring_allreduce(nodes, dense_bytes, alpha, beta, exchanges)
 
 
+# -- sharded training: an HSDP mesh -------------------------------------------------------------
+def project_mesh(
+    method: Method,
+    shard: int,
+    replicate: int,
+    inter_alpha: float,
+    inter_beta: float,
+    intra_beta: float,
+    seam: str = "shard",
+) -> dict[str, float]:
+    """Seconds per step of a method measured on FSDP2's reduce-scatter (a 1-D run of W ranks,
+    ``examples/survey_fsdp.py``), projected onto an HSDP mesh of S = ``shard`` ranks inside a
+    node (β_intra, latency ignored, as ``hierarchical``) × R = ``replicate`` nodes (α, β):
+
+        G = the fp32 gradient bytes per rank and step (dense_bytes_per_step), r = the measured
+        bytes_sent / G, C = r·G·W/(W−1) one rank's compressed gradient (headers included)
+        all-gather   2 · (S−1)/S · G · β_intra     (FSDP unshards the parameters for forward and backward)
+        reduce-scatter (S−1)/S · C · β_intra       (FSDP's own for ``none``: C = G)
+        replicate    2(R−1)·e·α + 2(R−1)/R · (G/S) · β   (native HSDP: an fp32 ring allreduce of the shard)
+        step         c + s + d + all-gather + reduce-scatter + replicate    (no overlap)
+
+    ``seam="replicate"`` asks what the same compression buys across nodes instead: the
+    reduce-scatter is FSDP's fp32 and the replicate exchange moves the compressed shard, C/S,
+    through ``reduce_scatter``'s ring: 4(R−1)·e·α + 2(R−1)/R · (C/S) · β, the codec time charged there.
+    """
+    workers = method["workers"]
+    dense = method["dense_bytes_per_step"]
+    ratio = method["bytes_per_step"] / dense if dense else 1.0
+    compressed = ratio * dense * workers / (workers - 1) if workers > 1 else dense
+    share = (shard - 1) / shard
+    exchanges = exchanges_per_step(method)
+    if seam == "replicate":
+        moved = 2 * (replicate - 1) / replicate * compressed / shard * inter_beta if replicate > 1 else 0.0
+        across = 4 * (replicate - 1) * exchanges * inter_alpha + moved
+        compressed = dense
+    else:
+        across = ring_allreduce(replicate, dense / shard, inter_alpha, inter_beta, exchanges)
+    parts = {
+        "all_gather": 2 * share * dense * intra_beta,
+        "reduce_scatter": share * compressed * intra_beta,
+        "replicate": across,
+    }
+    parts["step"] = method["compute_s"] + method["compress_s"] + method["decompress_s"] + sum(parts.values())
+    return parts
+
+
+def mesh_rows(
+    methods: Sequence[Method],
+    meshes: Sequence[tuple[int, int]],
+    bandwidths_bps: Sequence[float],
+    latency_ms: float,
+    node_bps: float,
+    seam: str = "shard",
+) -> list[Row]:
+    """:func:`project_mesh` for every reduce-scatter method, mesh and inter-node bandwidth;
+    the speedup is against the ``none`` row on the same mesh."""
+    measured = [m for m in methods if m["communicator"] == "reduce_scatter"]
+    if not measured:
+        raise GraceConfigError(
+            "--mesh projects runs of FSDP2's reduce-scatter (communicator 'reduce_scatter', examples/survey_fsdp.py "
+            "on a 1-D mesh); this survey has none"
+        )
+    rows = []
+    for bandwidth in bandwidths_bps:
+        for shard, replicate in meshes:
+            parts = {
+                m["label"]: project_mesh(m, shard, replicate, latency_ms / 1000, 8 / bandwidth, 8 / node_bps, seam)
+                for m in measured
+            }
+            base = next((parts[m["label"]]["step"] for m in measured if m["compressor"] == "none"), None)
+            for label, part in parts.items():
+                rows.append(
+                    {
+                        "label": label,
+                        "mesh": f"{shard}x{replicate}",
+                        "bandwidth_bps": bandwidth,
+                        **part,
+                        "speedup": base / part["step"] if base else None,
+                    }
+                )
+    return rows
+
+
+def format_mesh(rows: Sequence[Mapping[str, Any]]) -> str:
+    lines = [
+        "| Method | Mesh (shard × replicate) | Inter-node bandwidth | Step | All-gather | Reduce-scatter | Replicate | "
+        "Speedup vs none |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        speedup = "—" if r["speedup"] is None else f"{r['speedup']:.2f}×"
+        lines.append(
+            f"| {r['label']} | {r['mesh']} | {format_rate(r['bandwidth_bps'])} | {r['step'] * 1000:.2f} ms | "
+            f"{r['all_gather'] * 1000:.2f} ms | {r['reduce_scatter'] * 1000:.2f} ms | {r['replicate'] * 1000:.2f} ms "
+            f"| {speedup} |"
+        )
+    return "\n".join(lines)
+
+
 # -- from stated assumptions instead of a survey -------------------------------------------
 def assumed_methods(
     parameters: float,
@@ -620,6 +719,18 @@ def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     assume.add_argument("--bits", type=int, default=32, help="bits per parameter exchanged (default 32)")
     assume.add_argument("--outer-bits", type=int, default=4, help="bits of the quantized outer gradient (default 4)")
     assume.add_argument("--buckets", type=int, default=25, help="data-parallel's gradient buckets (default 25)")
+    parser.add_argument(
+        "--mesh",
+        help="HSDP meshes SHARDxREPLICATE, comma-separated (e.g. 8x4,8x16): project the survey's FSDP2 reduce-scatter "
+        "runs onto them, shard ranks inside a node at --node-bandwidth, replicas across nodes at --bandwidth",
+    )
+    parser.add_argument(
+        "--seam",
+        choices=("shard", "replicate"),
+        default="shard",
+        help="with --mesh: where the measured compression acts, on FSDP's reduce-scatter inside a node (shard, "
+        "as measured) or on the exchange across nodes (replicate)",
+    )
     parser.add_argument("--out", help="where to write projection.{md,csv,png} (default: DIR)")
     return parser
 
@@ -667,6 +778,8 @@ def run_project(args: argparse.Namespace) -> int:
         methods = measured_methods(read_records(args.dir))
     if getattr(args, "overlap", "none") == "backward":
         methods = [dict(m, overlap="backward") for m in methods]
+    if getattr(args, "mesh", None):
+        return _run_mesh(args, methods, bandwidths, latencies)
     extra = [c.strip() for c in str(getattr(args, "communicators", "") or "").split(",") if c.strip()]
     if extra:
         methods = with_communicators(methods, extra)
@@ -694,6 +807,33 @@ def run_project(args: argparse.Namespace) -> int:
     plot(rows, os.path.join(out, "projection.png"))
     print(table)
     print(f"\nwrote {os.path.join(out, 'projection.md')}, projection.csv, projection.png")
+    return 0
+
+
+def _run_mesh(args: argparse.Namespace, methods: list[Method], bandwidths: list[float], latencies: list[float]) -> int:
+    meshes = []
+    for text in str(args.mesh).split(","):
+        try:
+            shard, replicate = (int(v) for v in text.lower().split("x"))
+        except ValueError:
+            raise GraceConfigError(f"--mesh {text!r}: SHARDxREPLICATE, e.g. 8x16") from None
+        if shard < 1 or replicate < 1:
+            raise GraceConfigError(f"--mesh {text!r}: both sizes must be >= 1")
+        meshes.append((shard, replicate))
+    node_bps = parse_rate(getattr(args, "node_bandwidth", "100gbit"))
+    seam = getattr(args, "seam", "shard")
+    rows = [r for latency in latencies for r in mesh_rows(methods, meshes, bandwidths, latency, node_bps, seam)]
+    table = format_mesh(rows)
+    out = args.out or args.dir or "."
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "projection-mesh.md"), "w") as f:
+        f.write(
+            "# Sharded training projected onto HSDP meshes\n\nSee `grace_dgc.survey.project.project_mesh`.\n\n"
+            + table
+            + "\n"
+        )
+    print(table)
+    print(f"\nwrote {os.path.join(out, 'projection-mesh.md')}")
     return 0
 
 
