@@ -24,6 +24,15 @@ the same random batches with SGD, in one of these modes:
              most expensive steps; later ones are local and send nothing).
 The first 3 steps (untimed) are the warm-up of ``1bit`` and the variance steps of ``01adam``.
 
+``--fsdp`` runs FSDP2 (issue 42: every Linear and the model ``fully_shard``-ed over the ranks)
+against plain FSDP2, every mode on SGD:
+
+  fsdp        plain ``fully_shard`` (the reference);
+  fsdp-none   ``fsdp_compression`` with ``none``: FSDP's own reduce-scatter behind grace's hook;
+  torch-bf16  ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``: torch's own bf16 reduction;
+  fsdp-bf16   ``fsdp_compression`` with ``bf16`` on the reduce-scatter;
+  fsdp-fp8    ``fsdp_compression`` with ``fp8`` (e4m3, a scale per 256) on the reduce-scatter.
+
 Per run: the median step time (zero_grad, forward, backward, exchange, step) over ``--steps``
 steps after 3 warm-up steps, and the peak resident memory (``ru_maxrss``) of the process; the
 slowest rank counts. Modes run in fresh processes, interleaved (ddp, optimizer, hook, ddp, …)
@@ -60,6 +69,7 @@ from grace_dgc.launch import run_local
 
 WIDTHS = (1024, 4096, 4096, 1024, 10)
 MODES = ("ddp", "optimizer", "hook", "torch-hook")
+FSDP_MODES = ("fsdp", "fsdp-none", "torch-bf16", "fsdp-bf16", "fsdp-fp8")
 ADAM_MODES = ("ddp-adamw", "1bit-warm", "1bit", "01adam")
 ONE_BIT = ("efsignsgd", "residual", "reduce_scatter")
 MEMORY_METHODS = (
@@ -102,6 +112,9 @@ def train_job(rank, world_size, mode, steps, batch, widths=WIDTHS):
             "01adam": ("zero_one_adam", {"var_freeze_step": 3, "local_step_scaler": 10**9}),
         }[mode]
         optimizer = grace_dgc.schedules.create(name, optimizer, grace, model.named_parameters(), **settings)
+    elif mode in FSDP_MODES:
+        model = sharded(model, mode)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     elif mode == "ddp-adamw":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif mode == "optimizer":
@@ -133,6 +146,23 @@ def train_job(rank, world_size, mode, steps, batch, widths=WIDTHS):
             times.append(time.perf_counter() - start)
     memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak_mb()
     return statistics.median(times), memory
+
+
+def sharded(model, mode):
+    """``model`` under FSDP2 as ``mode`` says (see --fsdp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device_of(0).type, (torch.distributed.get_world_size(),))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if mode == "torch-bf16" else None)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    compressor = {"fsdp-none": "none", "fsdp-bf16": "bf16", "fsdp-fp8": "fp8"}.get(mode)
+    if compressor:
+        grace_dgc.fsdp_compression(model, reduce_scatter=grace_dgc.build(compressor, "none", "reduce_scatter"))
+    return model
 
 
 def memory_job(rank, world_size, method, steps):
@@ -167,6 +197,7 @@ def main(argv=None):
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--memory-case", action="store_true")
     parser.add_argument("--adam", action="store_true", help="the Adam schedules against DDP with AdamW")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 with grace's reduce-scatter against plain FSDP2")
     parser.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS), help="the MLP's layer widths")
     parser.add_argument("--readme", metavar="PATH", help="also write the figures into PATH's block for this script")
     args = parser.parse_args(argv)
@@ -180,7 +211,7 @@ def main(argv=None):
         f"({sum(p.numel() for p in mlp(widths).parameters()) / 1e6:.1f}M parameters), batch {args.batch}, "
         f"{args.steps} steps per run, {args.repeats} interleaved repeats"
     )
-    modes = ADAM_MODES if args.adam else MODES
+    modes = ADAM_MODES if args.adam else FSDP_MODES if args.fsdp else MODES
     runs = {mode: [] for mode in modes}
     for repeat in range(args.repeats):  # --repeats 0: the memory case only
         for mode in modes:
@@ -192,7 +223,8 @@ def main(argv=None):
     if args.repeats:
         base_time = min(t for t, _ in runs[modes[0]])
         base_memory = min(m for _, m in runs[modes[0]])
-        report(f"\n{'mode':<11} {'ms/step':>8} {'x ddp':>6} {unit:>12} {'x ddp':>6}   (minimum over repeats)")
+        ref = f"x {'fsdp' if args.fsdp else 'ddp'}"
+        report(f"\n{'mode':<11} {'ms/step':>8} {ref:>6} {unit:>12} {ref:>6}   (minimum over repeats)")
         for mode in modes:
             seconds, memory = min(t for t, _ in runs[mode]), min(m for _, m in runs[mode])
             report(
