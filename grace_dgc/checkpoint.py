@@ -141,21 +141,33 @@ class PerRankState:
         return f"rank{self.grace.engine.rank}"
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.grace.state_dict()  # binds first: the engine knows this rank
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        buffer.seek(0)
-        return {self._key(): buffer}
+        state = self.grace.state_dict()  # first: binding tells the engine its rank
+        return rank_entry(self._key(), state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        key = self._key()
-        if key not in state_dict:
-            raise GraceConfigError(
-                f"the checkpoint holds no grace state for {key} (it has {', '.join(sorted(state_dict)) or 'none'})"
-            )
-        value = state_dict[key]
-        if isinstance(value, io.BytesIO):  # handed over unread
-            value = torch.load(io.BytesIO(value.getvalue()), weights_only=True)
-        elif isinstance(value, (bytes, bytearray)):
-            value = torch.load(io.BytesIO(value), weights_only=True)
-        self.grace.load_state_dict(value)  # DCP has decoded it: a Grace.state_dict()
+        self.grace.load_state_dict(read_rank_entry(state_dict, self._key(), "grace state"))
+
+
+def rank_entry(key: str, state: Any) -> dict[str, io.BytesIO]:
+    """``{key: state as torch.save bytes}``: a rank's own entry for DCP, which writes equal keys
+    once and cannot preallocate a value whose size grows as tensors are first seen."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return {key: buffer}
+
+
+def read_rank_entry(state_dict: dict[str, Any], key: str, what: str) -> Any:
+    """The state :func:`rank_entry` wrote under ``key`` (as DCP hands it back: bytes, a
+    BytesIO, or already decoded); a missing key is a :class:`GraceConfigError` listing the keys."""
+    if key not in state_dict:
+        raise GraceConfigError(
+            f"the checkpoint holds no {what} for {key} (it has {', '.join(sorted(state_dict)) or 'none'}): "
+            "saved on another number of ranks?"
+        )
+    value = state_dict[key]
+    if isinstance(value, io.BytesIO):  # handed over unread
+        return torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+    if isinstance(value, (bytes, bytearray)):
+        return torch.load(io.BytesIO(value), weights_only=True)
+    return value

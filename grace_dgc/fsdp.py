@@ -37,7 +37,6 @@ exchanged) and ``torch.compile`` of the model act as without grace_dgc.
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import wire
+from .checkpoint import rank_entry, read_rank_entry
 from .communicators.reduce_scatter import ReduceScatter as ReduceScatterCommunicator
 from .errors import GraceConfigError
 from .grace import Grace
@@ -234,21 +234,10 @@ class FSDPCompression:
             for role, grace in (("reduce_scatter", self.reduce_scatter), ("replicate", self.replicate))
             if grace is not None
         }
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        buffer.seek(0)
-        return {self._key(): buffer}
+        return rank_entry(self._key(), state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        key = self._key()
-        if key not in state_dict:
-            raise GraceConfigError(
-                f"the checkpoint holds no fsdp_compression state for {key} (it has "
-                f"{', '.join(sorted(state_dict)) or 'none'}): saved on another number of ranks?"
-            )
-        value = state_dict[key]
-        raw = value.getvalue() if isinstance(value, io.BytesIO) else value
-        state = torch.load(io.BytesIO(raw), weights_only=True) if isinstance(raw, (bytes, bytearray)) else raw
+        state = read_rank_entry(state_dict, self._key(), "fsdp_compression state")
         for role, grace in (("reduce_scatter", self.reduce_scatter), ("replicate", self.replicate)):
             if (grace is None) != (role not in state):
                 raise GraceConfigError(
