@@ -19,7 +19,7 @@ Two seams of FSDP2, one Grace each (either may be left out):
    compressed gradient out per rank, nothing gathered back. Compressors that compress chunk
    by chunk and average (fp16, bf16, fp8, qsgd, natural, terngrad, onebit, efsignsgd,
    twobit) are accepted; a selection over the whole tensor (top-k), several
-   rounds (PowerSGD) or a pre-round (THC) is refused, naming why. The memory holds this
+   rounds (PowerSGD) or a rotation of the whole tensor (THC) is refused, naming why. The memory holds this
    rank's error on its whole unsharded gradient (what it sent of it), as a worker error
    does under DDP. ``none`` without memory is FSDP's own reduce-scatter (bit for bit), counted.
 2. **replicate** — under HSDP, the all-reduce of each rank's gradient *shard* across the
@@ -151,7 +151,11 @@ class FSDPCompression:
                 "reduce-scatter: build it with communicator 'reduce_scatter'"
             )
         reasons = [
-            (comp.sparse or not comp.chunkable, "it selects across the whole tensor, not chunk by chunk"),
+            (comp.sparse, "it selects across the whole tensor"),
+            (
+                not comp.sparse and not comp.chunkable,
+                "it is not compressed chunk by chunk (a rotation or statistic over the whole tensor)",
+            ),
             (comp.rounds > 1, f"it exchanges in {comp.rounds} rounds"),
             (comp.prerounds, "it agrees on a scale over ranks before compressing (a pre-round)"),
             (not comp.average, "its aggregate is a vote, not an average"),
