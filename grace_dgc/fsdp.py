@@ -55,8 +55,8 @@ __all__ = ["FSDPCompression", "fsdp_compression"]
 
 class _ScatterOnly(ReduceScatterCommunicator):
     """Step 1 of ``reduce_scatter`` and the owner's sum, nothing requantized or gathered:
-    each rank's ``outs`` hold the average on its own chunk only (the rest is left as the
-    compensated input, which FSDP never reads)."""
+    each rank's ``outs`` hold the average on its own chunk only (zeros elsewhere, which FSDP
+    never reads)."""
 
     def aggregate_into(
         self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False
@@ -74,7 +74,13 @@ class _ScatterOnly(ReduceScatterCommunicator):
             start, stop = ctxs[i].bounds[me], ctxs[i].bounds[me + 1]
             width = len(parts[i][me])
             own = [tensors[first : first + width] for tensors in received]
-            inner.decompress_aggregate_into(own, ctxs[i].parts[me], out.view(-1)[start:stop])
+            flat = out.view(-1)
+            # the other ranks' chunks are never read, but Grace checks the whole output for a
+            # NaN/Inf: zeros there, not what an empty buffer held (the exchange is over, so no
+            # payload that aliases ``out`` is still in flight)
+            flat[:start].zero_()
+            flat[stop:].zero_()
+            inner.decompress_aggregate_into(own, ctxs[i].parts[me], flat[start:stop])
             first += width
         return payloads, ctxs
 

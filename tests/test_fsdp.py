@@ -112,10 +112,12 @@ def test_one_dimension_none_is_fsdp_bit_for_bit_and_a_quantized_reduce_scatter_r
     # 8·16 + 16 and 16·4 + 4 elements, padded to even, fp32
     assert none["bytes_sent"] == STEPS * ((144 + 68) * 4 // 2)
     assert 0 < qsgd["bytes_sent"] < none["bytes_sent"] / 2 and qsgd["steps"] == STEPS
+    assert qsgd["skipped"] == 0  # no step mistaken for a non-finite one (the other ranks' chunks are zeros)
     # fp8: per module and step, the other rank's chunk (72 and 34 elements) in a byte each, one fp32
     # scale (a block of 256 covers the chunk) and the size header of its two payload tensors (int64)
     fp8 = results[0]["fp8_stats"]
     assert fp8["bytes_sent"] == STEPS * ((72 + 4 + 16) + (34 + 4 + 16)) and fp8["steps"] == STEPS
+    assert fp8["skipped"] == 0
     for r in results:
         torch.testing.assert_close(r["fp8"], r["plain"], rtol=0.05, atol=0.01)
     # error feedback on each rank's whole (unsharded, padded) gradient of each FSDP module

@@ -41,7 +41,7 @@ class StatisticalQuantizer(PackedCompressor):
 
     def __init__(self, bits: int = 2, range_sigmas: float = 6.0) -> None:
         if bits not in BITS or isinstance(bits, bool):
-            raise GraceConfigError(f"bits={bits!r}; accepted: {', '.join(map(str, BITS))}")
+            raise GraceConfigError(f"bits={bits!r} is out of range; accepted: {', '.join(map(str, BITS))}")
         self.bits = int(bits)
         self.range_sigmas = check_range("range_sigmas", range_sigmas, 0, low_open=True)
 
