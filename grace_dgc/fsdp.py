@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import wire
 from .checkpoint import rank_entry, read_rank_entry
+from .communicators.chunked import Chunked
 from .communicators.reduce_scatter import ReduceScatter as ReduceScatterCommunicator
 from .errors import GraceConfigError
 from .grace import Grace
@@ -61,14 +61,9 @@ class _ScatterOnly(ReduceScatterCommunicator):
     def aggregate_into(
         self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False
     ) -> Sent:
-        engine, inner, n, me = self.engine, comp.inner, self.engine.size, self.engine.rank  # type: ignore[attr-defined]
-        parts = [comp.split(p, c) for p, c in zip(payloads, ctxs)]  # type: ignore[attr-defined]
-        blocks, heads = zip(*(wire.encode([t for chunks in parts for t in chunks[j]]) for j in range(n)))
-        mine = [t for chunks in parts for t in chunks[me]]
-        got_heads = engine.all_to_all(torch.cat(heads), [h.numel() for h in heads], [len(mine)] * n).view(n, -1)
-        lengths = got_heads.sum(dim=1).tolist()
-        got = engine.all_to_all(torch.cat(blocks), [b.numel() for b in blocks], lengths)
-        received = [wire.decode(b, h, mine) for b, h in zip(got.split(lengths), got_heads)]
+        assert isinstance(comp, Chunked)
+        inner, me = comp.inner, self.engine.rank
+        parts, received = self.to_owners(comp, payloads, ctxs)
         first = 0
         for i, out in enumerate(outs):
             start, stop = ctxs[i].bounds[me], ctxs[i].bounds[me + 1]

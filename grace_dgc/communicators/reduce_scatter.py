@@ -68,14 +68,7 @@ class ReduceScatter(Communicator):
     ) -> Sent:
         assert isinstance(comp, Chunked)
         engine, inner, n, me = self.engine, comp.inner, self.engine.size, self.engine.rank
-        parts = [comp.split(p, c) for p, c in zip(payloads, ctxs)]  # parts[i][j]: tensor i, chunk j
-        # 1. chunk j of every tensor to rank j: per-tensor byte lengths first, then the bytes
-        blocks, heads = zip(*(wire.encode([t for chunks in parts for t in chunks[j]]) for j in range(n)))
-        mine = [t for chunks in parts for t in chunks[me]]  # the template of what owner me receives
-        got_heads = engine.all_to_all(torch.cat(heads), [h.numel() for h in heads], [len(mine)] * n).view(n, -1)
-        lengths = got_heads.sum(dim=1).tolist()
-        got = engine.all_to_all(torch.cat(blocks), [b.numel() for b in blocks], lengths)
-        received = [wire.decode(b, h, mine) for b, h in zip(got.split(lengths), got_heads)]
+        parts, received = self.to_owners(comp, payloads, ctxs)  # 1. chunk j of every tensor to rank j
         # 2. the owner aggregates its chunk, adds its carried error and requantizes
         requantized = []
         for i, name in enumerate(names):
@@ -110,6 +103,19 @@ class ReduceScatter(Communicator):
                     chunk.mul_(n)
                 first += width
         return payloads, ctxs
+
+    def to_owners(self, comp: Chunked, payloads: Payloads, ctxs: Ctxs) -> tuple[list[list[Any]], list[list[Tensor]]]:
+        """Step 1: chunk j of every tensor to rank j, per-tensor byte lengths first, then the
+        bytes. Returns each tensor's chunk payloads (``parts[i][j]``) and what this rank, the
+        owner, received from every rank (``received[r]``: rank r's payloads of this rank's chunks)."""
+        engine, n, me = self.engine, self.engine.size, self.engine.rank
+        parts = [comp.split(p, c) for p, c in zip(payloads, ctxs)]  # parts[i][j]: tensor i, chunk j
+        blocks, heads = zip(*(wire.encode([t for chunks in parts for t in chunks[j]]) for j in range(n)))
+        mine = [t for chunks in parts for t in chunks[me]]  # the template of what owner me receives
+        got_heads = engine.all_to_all(torch.cat(heads), [h.numel() for h in heads], [len(mine)] * n).view(n, -1)
+        lengths = got_heads.sum(dim=1).tolist()
+        got = engine.all_to_all(torch.cat(blocks), [b.numel() for b in blocks], lengths)
+        return parts, [wire.decode(b, h, mine) for b, h in zip(got.split(lengths), got_heads)]
 
     def state_numels(self, key: str, shape: torch.Size) -> set[int]:
         """An owner's error covers its chunk of the tensor: any owner's size, since a rank-0
