@@ -95,7 +95,12 @@ def environment(device):
 TORCH_OPS_ONLY = {"GRACE_DGC_KERNELS": "torch"}
 # 24 layers 64 wide: arithmetic negligible, so the ratios to DDP are per-tensor and per-group host work
 HOST_BOUND_WIDTHS = ["64"] * 24 + ["10"]
-TESTS = ["tests/test_cuda.py", "tests/test_kernels.py", "tests/test_randomk.py"]
+TESTS = [
+    "tests/test_cuda.py",
+    "tests/test_kernels.py",
+    "tests/test_randomk.py",
+    "tests/test_fsdp.py::test_fsdp_on_cuda_none_is_fsdp_bit_for_bit_and_compressed_runs_stay_in_sync",
+]
 
 
 def steps(device, gpus, scratch):

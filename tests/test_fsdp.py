@@ -266,3 +266,58 @@ def test_script_mode_runs_the_sharded_example_through_the_report(tmp_path, capsy
     assert 0.125 < fp8["compression_ratio"] < 0.14
     assert fp8["metrics"]["shard_bytes_per_step"] == pytest.approx(fp8["bytes_per_step"])
     assert "fp8" in open(os.path.join(out, "report.md")).read()
+
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run `make gpu-check` on a machine with one")
+
+
+def cuda_job(rank, world):
+    """FSDP2 on CUDA tensors (one GPU holds every rank: gloo for 2 ranks, NCCL for 1): `none` is
+    plain FSDP2 bit for bit; fp8 and qsgd + residual on the reduce-scatter train alike on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (world,))
+
+    def sharded():
+        return shard(make_model().cuda(), mesh)
+
+    def train_cuda(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(100 + rank)
+        for _ in range(STEPS):
+            opt.zero_grad()
+            model(torch.randn(4, 8, generator=data).cuda()).pow(2).sum().backward()
+            opt.step()
+
+    out = {}
+    for label, grace in (
+        ("plain", None),
+        ("none", grace_dgc.build("none", "none", "reduce_scatter")),
+        ("fp8", grace_dgc.build("fp8", "none", "reduce_scatter")),
+        ("qsgd", grace_dgc.build("qsgd", "residual", "reduce_scatter", quantum_num=7)),
+    ):
+        model = sharded()
+        compression = grace_dgc.fsdp_compression(model, reduce_scatter=grace) if grace else None
+        train_cuda(model)
+        out[label] = [p.full_tensor().cpu() for p in model.parameters()]
+        if compression is not None:
+            out[label + "_stats"] = compression.stats()["reduce_scatter"]
+    out["device"] = str(next(sharded().parameters()).device)
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("world,backend", [(2, "gloo"), (1, "nccl")])
+def test_fsdp_on_cuda_none_is_fsdp_bit_for_bit_and_compressed_runs_stay_in_sync(world, backend):
+    results = run_local(cuda_job, world, backend=backend)
+    for r in results:
+        assert r["device"].startswith("cuda")
+        assert all(torch.equal(a, b) for a, b in zip(r["plain"], r["none"]))
+        for label in ("fp8", "qsgd"):
+            torch.testing.assert_close(r[label], r["plain"], rtol=0.2, atol=0.05)
+            assert r[label + "_stats"]["steps"] == STEPS and r[label + "_stats"]["skipped"] == 0
+    for r in results[1:]:
+        for label in ("fp8", "qsgd"):
+            assert all(torch.equal(a, b) for a, b in zip(r[label], results[0][label]))
