@@ -93,7 +93,10 @@ def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, Any]]:
 def _group_of(module: Any) -> tuple[Any, Any]:
     """(the reduce-scatter group, the all-reduce group or None) of an FSDP module."""
     state = module._get_fsdp_state()
-    groups = state._fsdp_param_groups
+    # torch 2.13 keeps a list of parameter groups; 2.11 (seen on a lent GPU machine) keeps one or None
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [group] if (group := getattr(state, "_fsdp_param_group", None)) is not None else []
     if not groups:
         return None, None
     info = groups[0].mesh_info

@@ -29,6 +29,9 @@ once (the selection: two reads):
                                f_b = s/‖v‖ of x's bucket b (the norms stay torch's)
     qsgd_values(codes, g, s, size, out)
                                qsgd's decoder: out = (code − s)·g_b, g_b = ‖v‖/s of the bucket
+    random_indices(n, k, bits, keys)
+                               random-k's S_t: π(i) for i < k, a keyed Feistel permutation walked
+                               into range(n) (integer arithmetic only, so bit for bit the torch ops)
 
 Each writes the same bytes as the torch path it replaces (the packed stream of
 :func:`grace_dgc.wire.pack_bits`, element i at bits [i·bits, (i+1)·bits); τ rounded to the
@@ -377,6 +380,22 @@ def at_least(values: Tensor, threshold: float, keep_nan: bool = True) -> tuple[T
         starts = ends - counts
         _launch("compact", grid, bits, starts, indices, magnitudes.view(bits.dtype), n, tau, **meta)
     return indices, magnitudes
+
+
+# -- random-k's indices -------------------------------------------------------------------------
+
+RANDOM_BLOCK = 1024
+
+
+def random_indices(n: int, k: int, bits: int, keys: list[int], device: torch.device) -> Tensor:
+    """random-k's S_t (:func:`grace_dgc.compressors.randomk.keyed_indices`) in one launch: π(i)
+    for i < k, each walked into range(n) in registers; the same bits as the torch ops."""
+    a, b = bits // 2, bits - bits // 2
+    out = torch.empty(k, dtype=torch.int64, device=device)
+    grid = (-(-k // RANDOM_BLOCK),)
+    _launch("random_indices", grid, out, k, n, a, b, (1 << a) - 1, (1 << b) - 1, *keys, 0xFFFFFFFF,
+            BLOCK=RANDOM_BLOCK)  # fmt: skip
+    return out
 
 
 # -- THC's rotation ------------------------------------------------------------------------------

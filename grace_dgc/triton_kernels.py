@@ -281,3 +281,45 @@ def qsgd_values_kernel(codes, scale, out, n, size, levels, BLOCK: tl.constexpr):
     index, inside, bucket = bucket_of(BLOCK, n, size)
     code = tl.load(codes + index, mask=inside, other=0).to(tl.float32)
     tl.store(out + index, (code - levels) * tl.load(scale + bucket, mask=inside, other=0.0), mask=inside)
+
+
+@triton.jit
+def mix(v, key, m32):
+    """random-k's round function F(v, K) (grace_dgc.compressors.randomk._hash, op for op)."""
+    h = v ^ key
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & m32
+    h = h ^ (h >> 15)
+    h = (h * 0x5BD1E995) & m32
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def feistel_round(x, a, b, mask_a, mask_b, key, m32):
+    """x = A·2^b + B ↦ B·2^a + (A ⊕ (F(B, K) mod 2^a))."""
+    low = x & mask_b
+    return (low << a) | ((x >> b) ^ (mix(low, key, m32) & mask_a))
+
+
+@triton.jit
+def permute(x, a, b, mask_a, mask_b, k0, k1, k2, k3, k4, k5, m32):
+    """random-k's π: six rounds, the halves' widths swapping each round."""
+    x = feistel_round(x, a, b, mask_a, mask_b, k0, m32)
+    x = feistel_round(x, b, a, mask_b, mask_a, k1, m32)
+    x = feistel_round(x, a, b, mask_a, mask_b, k2, m32)
+    x = feistel_round(x, b, a, mask_b, mask_a, k3, m32)
+    x = feistel_round(x, a, b, mask_a, mask_b, k4, m32)
+    return feistel_round(x, b, a, mask_b, mask_a, k5, m32)
+
+
+@triton.jit(do_not_specialize=["k", "n", "k0", "k1", "k2", "k3", "k4", "k5"])  # new keys each step
+def random_indices_kernel(out, k, n, a, b, mask_a, mask_b, k0, k1, k2, k3, k4, k5, m32, BLOCK: tl.constexpr):
+    """out[i] = π(i) walked into range(n), for i < k: distinct indices, no generator."""
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < k
+    x = permute(index, a, b, mask_a, mask_b, k0, k1, k2, k3, k4, k5, m32)
+    walking = inside & (x >= n)
+    while tl.max(walking.to(tl.int32), axis=0) > 0:  # the domain is < 2n: a few walks at most
+        x = tl.where(walking, permute(x, a, b, mask_a, mask_b, k0, k1, k2, k3, k4, k5, m32), x)
+        walking = inside & (x >= n)
+    tl.store(out + index, x, mask=inside)

@@ -11,11 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from method_params import PARAMS
-from scipy import stats
 
 import grace_dgc
 from grace_dgc import wire, workspace
-from grace_dgc.compressors.randomk import distinct_indices
 from grace_dgc.compressors.topk import at_least, exact_top_k
 from grace_dgc.launch import run_local
 from grace_dgc.registry import COMPRESSORS
@@ -233,34 +231,6 @@ def test_at_least_is_the_magnitude_comparison_with_nan_as_asked(keep_nan, small_
         assert torch.equal(
             half, torch.nonzero(~(x.half().abs() < threshold) if keep_nan else x.half().abs() >= threshold).view(-1)
         )
-
-
-# -- random-k's sampler ------------------------------------------------------------------------
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 5000), st.floats(0.0001, 1.0), st.integers(0, 2**31))
-def test_distinct_indices_are_k_distinct_sorted_and_reproducible(n, ratio, seed):
-    k = max(1, int(n * ratio))
-    a = distinct_indices(n, k, torch.Generator().manual_seed(seed))
-    b = distinct_indices(n, k, torch.Generator().manual_seed(seed))
-    assert torch.equal(a, b) and a.numel() == k and a.unique().numel() == k
-    assert int(a.min()) >= 0 and int(a.max()) < n and bool((a[1:] > a[:-1]).all())
-
-
-@pytest.mark.parametrize("n, k", [(50, 3), (50, 12), (40, 20)])  # the sampler and the permutation
-def test_distinct_indices_are_uniform(n, k):
-    """Each index is kept with probability k/n (chi-square over 4000 draws), and pairs are
-    not biased towards neighbours."""
-    gen = torch.Generator().manual_seed(0)
-    counts, adjacent, draws = np.zeros(n), 0, 4000
-    for _ in range(draws):
-        chosen = distinct_indices(n, k, gen).numpy()
-        counts[chosen] += 1
-        adjacent += np.isin(chosen + 1, chosen).sum()
-    assert stats.chisquare(counts).pvalue > 1e-3
-    expected_adjacent = draws * (n - 1) * k * (k - 1) / (n * (n - 1))
-    assert abs(adjacent - expected_adjacent) < 5 * np.sqrt(expected_adjacent)
 
 
 # -- the exchange: in place, flat buckets --------------------------------------------------

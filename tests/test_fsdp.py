@@ -275,8 +275,11 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run `make gp
 def cuda_job(rank, world):
     """FSDP2 on CUDA tensors (one GPU holds every rank: gloo for 2 ranks, NCCL for 1): `none` is
     plain FSDP2 bit for bit; fp8 and qsgd + residual on the reduce-scatter train alike on every rank."""
+    import faulthandler
+
     from torch.distributed.device_mesh import init_device_mesh
 
+    faulthandler.dump_traceback_later(120, exit=True)  # a hung rank prints where it waits, then ends
     torch.cuda.set_device(0)
     mesh = init_device_mesh("cuda", (world,))
 
@@ -311,7 +314,7 @@ def cuda_job(rank, world):
 @needs_cuda
 @pytest.mark.parametrize("world,backend", [(2, "gloo"), (1, "nccl")])
 def test_fsdp_on_cuda_none_is_fsdp_bit_for_bit_and_compressed_runs_stay_in_sync(world, backend):
-    results = run_local(cuda_job, world, backend=backend)
+    results = run_local(cuda_job, world, backend=backend, timeout=180)
     for r in results:
         assert r["device"].startswith("cuda")
         assert all(torch.equal(a, b) for a, b in zip(r["plain"], r["none"]))

@@ -1,150 +1,113 @@
-import math
-import os
-import threading
-import warnings
-import weakref
+"""Random-k with indices every rank computes alike, on the tensor's own device.
+
+S_t is the first k outputs of a keyed pseudo-random permutation π of range(n): π(0), …, π(k−1)
+are distinct by construction, so no draw with replacement, no ``unique`` and no permutation of
+n. π is a Feistel network over bit strings of ⌈log2 n⌉ bits (halves of a and b bits, swapping
+widths each round), walked back into range(n) ("cycle walking": π(x) ≥ n is permuted again;
+the domain is < 2n, so under 2 walks on average):
+
+    round r:   x = A·2^b + B  ↦  B·2^a + (A ⊕ (F(B, K_r) mod 2^a)),   (a, b) ← (b, a)
+    F(v, K)   = a 32-bit integer hash of v ⊕ K (xorshift-multiply, products kept below 2^63)
+    K_0…K_5   = splitmix64 of (seed, crc32(name), t)
+
+Every value is an integer function of (seed, name, t, i): the same bits on every rank, on the
+CPU and on any GPU, by the torch ops below or by one Triton kernel
+(:func:`grace_dgc.kernels.random_indices`, tested bit for bit), with no host generator and no
+copy from the host. Six rounds of a keyed hash make π indistinguishable from a random
+permutation for this purpose (Luby–Rackoff needs four); the tests check that each index is kept
+with probability k/n and that kept pairs are not correlated with their distance.
+"""
+
 import zlib
-from concurrent.futures import Future
-from queue import SimpleQueue
 
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..errors import check_range
 from ..interfaces import Compressor, Payload
 from ..registry import register_compressor
 from .sparse import subtract_at_
 
-# Above this kept ratio a permutation of n is cheaper than drawing k distinct indices.
-PERMUTATION_RATIO = 0.25
-# Draw ahead for CPU tensors too (without the CUDA stream): for the tests, which have no GPU.
-_DRAW_AHEAD_ON_CPU = False
+ROUNDS = 6
+MASK32 = 0xFFFFFFFF
+MAX_BITS = 62  # a half of at most 31 bits: the hash's products stay below 2^63
 
 
-def distinct_indices(n: int, k: int, generator: torch.Generator) -> Tensor:
-    """``k`` distinct indices drawn uniformly from ``range(n)`` (every k-subset equally
-    likely), ascending, int64, without a permutation of n when k ≤ n/4:
-
-    1. draw m ≥ k indices with replacement (m from the expected number of distinct values
-       of m draws, n·(1 − e^(−m/n)), plus a margin); more are drawn if still < k distinct;
-    2. U = the distinct values (ascending). Given |U| = u, U is a uniform u-subset (the
-       draws are exchangeable), so a uniform k-subset of U is a uniform k-subset of
-       range(n): drop u − k of its positions, themselves drawn this way (u − k ≪ k).
-
-    Cost: O(k log k) instead of O(n). Above k = n/4, ``randperm(n)[:k]``, sorted.
-    """
-    if k == 0:
-        return torch.empty(0, dtype=torch.int64)
-    if k > PERMUTATION_RATIO * n:
-        return torch.randperm(n, generator=generator)[:k].sort().values
-    m = math.ceil(-n * math.log1p(-k / n) * 1.02) + 16
-    draws = torch.randint(n, (m,), generator=generator)
-    distinct = torch.unique(draws)
-    while distinct.numel() < k:  # rare: the margin fell short
-        draws = torch.cat([distinct, torch.randint(n, (k,), generator=generator)])
-        distinct = torch.unique(draws)
-    surplus = distinct.numel() - k
-    if not surplus:
-        return distinct
-    keep = torch.ones(distinct.numel(), dtype=torch.bool)
-    keep[distinct_indices(distinct.numel(), surplus, generator)] = False
-    return distinct[keep]
+def round_keys(seed: int, name: str, step: int) -> list[int]:
+    """The ``ROUNDS`` 32-bit keys of tensor ``name`` at ``step``: splitmix64's outputs from a
+    state mixing the three (integer arithmetic: the same on every rank and platform)."""
+    state = (seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode()) * 0xBF58476D1CE4E5B9 + step) % 2**64
+    keys = []
+    for _ in range(ROUNDS):
+        state = (state + 0x9E3779B97F4A7C15) % 2**64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        keys.append((z ^ (z >> 31)) & MASK32)
+    return keys
 
 
-def draw_indices(seed: int, compress_ratio: float, name: str, numel: int, step: int) -> Tensor:
-    """S_t of tensor ``name`` (``numel`` elements) at ``step``, on the CPU: a function of its
-    arguments alone, drawn from a fresh CPU generator (the same bits on every rank and device)."""
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()) * 7919 + step) % 2**63)
+def _hash(v: Tensor, key: int) -> Tensor:
+    """F(v, K) for int64 ``v`` < 2^31 (the Triton kernel's ``mix``, op for op)."""
+    h = v ^ key
+    h ^= h >> 16
+    h.mul_(0x7FEB352D).bitwise_and_(MASK32)
+    h ^= h >> 15
+    h.mul_(0x5BD1E995).bitwise_and_(MASK32)
+    return h.bitwise_xor_(h >> 16)
+
+
+def permute(x: Tensor, bits: int, keys: list[int]) -> Tensor:
+    """π(x) over ``bits``-bit integers (int64 ``x``), the rounds of the module's docstring."""
+    a, b = bits // 2, bits - bits // 2
+    for key in keys:
+        low = x & ((1 << b) - 1)
+        high = x.bitwise_right_shift_(b).bitwise_xor_(_hash(low, key).bitwise_and_((1 << a) - 1))
+        x = low.bitwise_left_shift_(a).bitwise_or_(high)
+        a, b = b, a
+    return x
+
+
+def keyed_indices(n: int, k: int, keys: list[int], device: torch.device | str = "cpu") -> Tensor:
+    """π(0), …, π(k − 1) in range(n): ``k`` distinct int64 indices on ``device``."""
+    if not 0 <= k <= n:
+        raise ValueError(f"k={k} indices of range({n}): need 0 <= k <= n")
+    bits = max(1, (n - 1).bit_length())
+    if bits > MAX_BITS:
+        raise ValueError(f"random-k over {n} elements: at most 2^{MAX_BITS} are supported")
+    device = torch.device(device)
+    if k and kernels.enabled(device):
+        try:
+            return kernels.random_indices(n, k, bits, keys, device)
+        except kernels.Unavailable:  # warned; the torch ops below
+            pass
+    out = permute(torch.arange(k, dtype=torch.int64, device=device), bits, keys)  # in place: x is consumed
+    walking = torch.nonzero(out >= n).view(-1)
+    while walking.numel():  # the few that landed in [n, 2^bits): permuted again
+        again = permute(out[walking], bits, keys)
+        out[walking] = again
+        walking = walking[again >= n]
+    return out
+
+
+def draw_indices(
+    seed: int, compress_ratio: float, name: str, numel: int, step: int, device: torch.device | str = "cpu"
+) -> Tensor:
+    """S_t of tensor ``name`` (``numel`` elements) at ``step``, on ``device``: a function of
+    its arguments alone (the same bits on every rank and device)."""
     k = max(1, int(numel * compress_ratio)) if numel else 0
-    return distinct_indices(numel, k, generator)
-
-
-# what a draw depends on, and where it goes: (name, numel, step, compress_ratio, seed, device)
-Key = tuple[str, int, int, float, int, torch.device]
-
-
-class _DrawAhead:
-    """The next step's indices of each tensor, drawn on a daemon thread while this step goes
-    on: the draw depends on its :data:`Key` alone, never on the data. On a GPU the thread puts
-    them in pinned memory and copies them on a side stream, recording an event the consumer's
-    stream waits on. A prefetch is used only for exactly its key, so a rewound or reset step
-    counter, a new size, ratio or device never sees a stale one."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()  # a forked child has no thread: it builds its own helper
-        self.failed = False  # the thread's first error was reported (a warning, once)
-        self._pending: dict[str, tuple[Key, Future[tuple[Tensor, torch.cuda.Event | None]]]] = {}
-        self._jobs: SimpleQueue[tuple[Future[tuple[Tensor, torch.cuda.Event | None]], Key] | None] = SimpleQueue()
-        threading.Thread(target=_serve, args=(self._jobs,), name="randomk-draw-ahead", daemon=True).start()
-        weakref.finalize(self, self._jobs.put, None)  # the thread ends with its helper
-
-    def start(self, key: Key) -> None:
-        future: Future[tuple[Tensor, torch.cuda.Event | None]] = Future()
-        self._pending[key[0]] = (key, future)
-        self._jobs.put((future, key))
-
-    def take(self, key: Key) -> Tensor | None:
-        """The indices drawn ahead for ``key``, usable on the current stream; None when there
-        are none for that key or the thread failed (the caller then draws them itself)."""
-        entry = self._pending.pop(key[0], None)
-        if entry is None or entry[0] != key:
-            return None
-        try:
-            indices, event = entry[1].result()
-        except Exception as error:
-            if not self.failed:
-                self.failed = True
-                warnings.warn(
-                    f"randomk: drawing the indices ahead failed ({type(error).__name__}: {error}); "
-                    "they are drawn in the step instead",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            return None
-        if event is not None:
-            stream = torch.cuda.current_stream(indices.device)
-            stream.wait_event(event)
-            indices.record_stream(stream)  # allocated on the side stream, freed after this one's use
-        return indices
-
-
-def _serve(jobs: "SimpleQueue[tuple[Future[tuple[Tensor, torch.cuda.Event | None]], Key] | None]") -> None:
-    """The draw-ahead thread: draws each job's indices until it gets None."""
-    streams: dict[torch.device, torch.cuda.Stream] = {}
-    while (job := jobs.get()) is not None:
-        future, (name, numel, step, compress_ratio, seed, device) = job
-        pinned = event = None
-        try:
-            indices = draw_indices(seed, compress_ratio, name, numel, step)
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    if device not in streams:
-                        streams[device] = torch.cuda.Stream(device)
-                    stream = streams[device]
-                    pinned = indices.pin_memory()
-                    with torch.cuda.stream(stream):
-                        indices = pinned.to(device, non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(stream)
-        except BaseException as error:  # the consumer falls back and reports it
-            future.set_exception(error)
-            continue
-        future.set_result((indices, event))
-        if event is not None:
-            event.synchronize()  # the pinned source stays alive until its copy is done
-        del pinned
+    return keyed_indices(numel, k, round_keys(seed, name, step), device)
 
 
 @register_compressor("randomk")
 class RandomKCompressor(Compressor):
     """Random-k sparsification with indices shared by all ranks (Stich et al. 2018):
 
-        S_t = k distinct indices, uniform, drawn from seed ⊕ crc32(name) ⊕ t,   payload = g_{S_t}.
+        S_t = k distinct indices, π_{seed, name, t}(0 … k−1),   payload = g_{S_t}.
 
-    Every rank draws the same S_t from its own ``torch.Generator`` (the global RNG is not
-    touched; :func:`distinct_indices` says how), so only the k values travel and payloads
-    are summable (allreduce). On a GPU the next step's S_{t+1} is drawn ahead on a thread
-    while the step goes on (:class:`_DrawAhead`): the same bits, off the step's path.
+    Every rank computes the same S_t on the gradient's device (the module's docstring: a keyed
+    permutation, no generator, the global RNG untouched), so only the k values travel and
+    payloads are summable (allreduce). The indices are in draw order, not sorted.
     """
 
     biased = True  # E[D(C(x))] ≠ x: meant for error feedback
@@ -153,47 +116,21 @@ class RandomKCompressor(Compressor):
 
     SETTINGS = ("compress_ratio", "seed")
     STATE = ("steps",)
-    RANK_LOCAL = dict(
-        Compressor.RANK_LOCAL,
-        _draw_ahead="the next step's indices drawn ahead on a GPU (a function of the settings and "
-        "the step counter, used only for the exact step they were drawn for) and the thread drawing them",
-    )
 
     def __init__(self, compress_ratio: float = 0.01, seed: int = 0) -> None:
         self.compress_ratio = check_range("compress_ratio", compress_ratio, 0, 1, low_open=True)
         self.seed = check_range("seed", seed, 0, kind=int)
         self.steps: dict[str, int] = {}  # name -> how many times that tensor was compressed
-        self._draw_ahead: _DrawAhead | None = None  # created at the first compress on a GPU
 
-    def indices(self, name: str, numel: int, step: int) -> Tensor:
-        return draw_indices(self.seed, self.compress_ratio, name, numel, step)
+    def indices(self, name: str, numel: int, step: int, device: torch.device | str = "cpu") -> Tensor:
+        return draw_indices(self.seed, self.compress_ratio, name, numel, step, device)
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, tuple[Tensor, torch.Size]]:
         step = self.steps.get(name, 0)
         self.steps[name] = step + 1
         flat = tensor.reshape(-1)
-        key: Key = (name, flat.numel(), step, self.compress_ratio, self.seed, tensor.device)
-        ahead = self._draw_ahead_for(tensor.device)
-        indices = ahead.take(key) if ahead is not None else None
-        if indices is None:
-            indices = self.indices(name, flat.numel(), step).to(tensor.device)
-        if ahead is not None:
-            ahead.start((name, flat.numel(), step + 1, self.compress_ratio, self.seed, tensor.device))
+        indices = self.indices(name, flat.numel(), step, tensor.device)
         return [flat.index_select(0, indices)], (indices, tensor.shape)
-
-    def _draw_ahead_for(self, device: torch.device) -> "_DrawAhead | None":
-        """The helper drawing the next indices ahead for tensors on ``device``: on a GPU
-        (where the draw and copy of a step's indices cost ~70 copies of the gradient), none on
-        a CPU (unless the tests turn :data:`_DRAW_AHEAD_ON_CPU` on)."""
-        if device.type != "cuda" and not (device.type == "cpu" and _DRAW_AHEAD_ON_CPU):
-            return None
-        ahead = self.__dict__.get("_draw_ahead")
-        if ahead is None or ahead.pid != os.getpid():
-            ahead = self._draw_ahead = _DrawAhead()
-        return ahead
-
-    def __getstate__(self) -> dict[str, object]:
-        return {**self.__dict__, "_draw_ahead": None}  # copies and pickles draw afresh
 
     def decompress(self, payload: Payload, ctx: tuple[Tensor, torch.Size]) -> Tensor:
         return self.decompress_into(payload, ctx, payload[0].new_empty(ctx[1]))
