@@ -29,6 +29,10 @@ once (the selection: two reads):
                                f_b = s/‖v‖ of x's bucket b (the norms stay torch's)
     qsgd_values(codes, g, s, size, out)
                                qsgd's decoder: out = (code − s)·g_b, g_b = ‖v‖/s of the bucket
+    fp8_encode(x, block, format)   fp8's codes and block scales: s_b = max|x|/F, fp8(x/s_b) rounded to
+                               nearest even from the bits (integer ops), in one read of x
+    fp8_decode(codes, s, block, format, out)
+                               out = s_b · fp32(code), the value from a 256-entry table
     random_indices(n, k, bits, keys)
                                random-k's S_t: π(i) for i < k, a keyed Feistel permutation walked
                                into range(n) (integer arithmetic only, so bit for bit the torch ops)
@@ -395,6 +399,56 @@ def random_indices(n: int, k: int, bits: int, keys: list[int], device: torch.dev
     grid = (-(-k // RANDOM_BLOCK),)
     _launch("random_indices", grid, out, k, n, a, b, (1 << a) - 1, (1 << b) - 1, *keys, 0xFFFFFFFF,
             BLOCK=RANDOM_BLOCK)  # fmt: skip
+    return out
+
+
+# -- fp8 ----------------------------------------------------------------------------------------
+
+FP8_FORMATS = {"e4m3": (3, 7, True, torch.float8_e4m3fn), "e5m2": (2, 15, False, torch.float8_e5m2)}
+FP8_TILE = 2048  # elements per program: ROWS blocks of the next power of two ≥ the block
+FP8_LARGEST_BLOCK = 8192  # larger blocks: torch's ops
+
+
+def _fp8_tile(block: int) -> dict[str, int]:
+    columns = 1 << max(0, block - 1).bit_length()
+    return {"ROWS": max(1, FP8_TILE // columns), "COLS": columns}
+
+
+def fp8_encode(values: Tensor, block: int, format: str) -> tuple[Tensor, Tensor]:
+    """fp8's compress (:class:`grace_dgc.compressors.fp8.FP8Compressor`) in one pass over fp32
+    ``values``: (the codes as uint8, one fp32 scale per block), the bytes of torch's ops."""
+    mantissa, bias, saturate, dtype = FP8_FORMATS[format]
+    if values.dtype != torch.float32 or block > FP8_LARGEST_BLOCK:
+        raise ValueError(f"fp8_encode takes fp32 values and blocks up to {FP8_LARGEST_BLOCK}")
+    values = _flat(values)
+    n = values.numel()
+    blocks = -(-n // block)
+    codes = torch.empty(n, dtype=torch.uint8, device=values.device)
+    scales = torch.empty(blocks, dtype=torch.float32, device=values.device)
+    tile = _fp8_tile(block)
+    grid = (-(-blocks // tile["ROWS"]),)
+    largest = float(torch.finfo(dtype).max)
+    _launch("fp8_encode", grid, values, codes, scales, n, blocks, block, largest,
+            MANT=mantissa, BIAS=bias, SATURATE=saturate, **tile)  # fmt: skip
+    return codes, scales
+
+
+@functools.cache
+def _fp8_table(format: str, device: torch.device) -> Tensor:
+    """The fp32 value of each of the 256 codes."""
+    return torch.arange(256, dtype=torch.uint8).view(FP8_FORMATS[format][3]).float().to(device)
+
+
+def fp8_decode(codes: Tensor, scales: Tensor, block: int, format: str, out: Tensor) -> Tensor:
+    """fp8's decompress into the contiguous fp32 ``out``: s_b · fp32(code), as torch's ops."""
+    n = codes.numel()
+    _check_out(out, n, torch.float32, codes.device)
+    if block > FP8_LARGEST_BLOCK:
+        raise ValueError(f"fp8_decode takes blocks up to {FP8_LARGEST_BLOCK}")
+    blocks = -(-n // block)
+    tile = _fp8_tile(block)
+    grid = (-(-blocks // tile["ROWS"]),)
+    _launch("fp8_decode", grid, codes, scales, _fp8_table(format, codes.device), out, n, blocks, block, **tile)
     return out
 
 

@@ -323,3 +323,70 @@ def random_indices_kernel(out, k, n, a, b, mask_a, mask_b, k0, k1, k2, k3, k4, k
         x = tl.where(walking, permute(x, a, b, mask_a, mask_b, k0, k1, k2, k3, k4, k5, m32), x)
         walking = inside & (x >= n)
     tl.store(out + index, x, mask=inside)
+
+
+@triton.jit
+def fp8_code(y, MANT: tl.constexpr, BIAS: tl.constexpr, SATURATE: tl.constexpr):
+    """The fp8 code (e4m3fn: MANT 3, BIAS 7; e5m2: 2, 15) of fp32 ``y``, rounded to nearest
+    even from y's bits, as torch casts: e4m3fn saturates to ±448 (it has no infinity), e5m2
+    overflows to ±inf; NaN → 0x7F with y's sign bit."""
+    raw = y.to(tl.int32, bitcast=True)
+    sign = (raw >> 31) & 1
+    field = (raw >> 23) & 0xFF
+    mantissa = raw & 0x7FFFFF
+    exponent = field - 127
+    normal = exponent >= 1 - BIAS
+    shift = tl.minimum(tl.where(normal, 23 - MANT, 24 - MANT - BIAS - exponent), 25)  # 25 on: all bits gone
+    whole = mantissa | 0x800000
+    kept = whole >> shift
+    rest = whole & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    kept += ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int32)
+    code = tl.where(normal, ((exponent + BIAS) << MANT) + kept - (1 << MANT), kept)
+    code = tl.where(field == 0, 0, code)  # ±0 and fp32's subnormals
+    code = tl.minimum(code, 0x7E if SATURATE else 0x7C)
+    code = tl.where((field == 0xFF) & (mantissa != 0), 0x7F, code)
+    return code | (sign << 7)
+
+
+@triton.jit
+def fp8_encode_kernel(
+    values,
+    codes,
+    scales,
+    n,
+    blocks,
+    size,
+    largest,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    SATURATE: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    """fp8's compress over ROWS blocks of ``size``: s_b = max|x|/F (1 for a zero or NaN block),
+    codes = fp8(x / s_b), in one read of x."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    column = tl.arange(0, COLS)
+    index = row[:, None] * size + column[None, :]
+    inside = (column[None, :] < size) & (index < n)
+    x = tl.load(values + index, mask=inside, other=0.0)
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    scale = tl.div_rn(tl.max(tl.abs(x), axis=1), largest)
+    scale = tl.where(has_nan | (scale <= 0), 1.0, scale)  # torch: NaN > 0 is false
+    code = fp8_code(tl.div_rn(x, scale[:, None]), MANT, BIAS, SATURATE)
+    tl.store(codes + index, code.to(tl.uint8), mask=inside)
+    tl.store(scales + row, scale, mask=row < blocks)
+
+
+@triton.jit
+def fp8_decode_kernel(codes, scales, table, out, n, blocks, size, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """fp8's decompress: out = s_b · fp32(code), the code's value from a 256-entry table."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    column = tl.arange(0, COLS)
+    index = row[:, None] * size + column[None, :]
+    inside = (column[None, :] < size) & (index < n)
+    code = tl.load(codes + index, mask=inside, other=0).to(tl.int32)
+    value = tl.load(table + code, mask=inside, other=0.0)
+    scale = tl.load(scales + row, mask=row < blocks, other=1.0)
+    tl.store(out + index, value * scale[:, None], mask=inside)

@@ -885,3 +885,41 @@ def test_every_kernel_variant_compiles_for_h100_and_a100(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "120 of 120 kernel variants compiled" in done.stdout
+
+
+# -- fp8 ------------------------------------------------------------------------------------------
+
+
+def fp8_inputs(dtype, finite_only):
+    """Random bit patterns (every exponent, NaN and inf among them unless ``finite_only``), each
+    code's rounding midpoint and its two neighbours, and the edges of the format."""
+    raw = torch.randint(-(2**31), 2**31 - 1, (60_000,), generator=torch.Generator().manual_seed(5))
+    raw = raw.to(torch.int32).view(torch.float32)
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = values[torch.isfinite(values)].sort().values
+    middle = (values[1:] + values[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
+    edges = torch.tensor([0.0, -0.0, 448.0, 449.0, 464.0, 480.0, 1e6, 1e-45, 2**-10, 3 * 2**-10, 57344.0, 61440.0])
+    x = torch.cat([raw, middle, torch.nextafter(middle, up), torch.nextafter(middle, down), edges])
+    if finite_only:
+        x = x[torch.isfinite(x)]
+    else:
+        x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan")])])
+    return x
+
+
+@pytest.mark.parametrize("format", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("block", [1, 100, 256, 4096])
+def test_fp8_kernels_equal_the_torch_cast_bit_for_bit(device, monkeypatch, format, block):
+    """Codes, scales and the decoded values, against the compressor's torch ops on the same
+    device (non-finite inputs on the CPU only: torch's CUDA cast may map an overflow to NaN)."""
+    comp = COMPRESSORS.get("fp8")(format=format, block=block)
+    x = fp8_inputs(comp.dtype, finite_only=device.type == "cuda").to(device)
+    fused = comp.compress(x, "w")[0]
+    plain = torch_path(monkeypatch, comp.compress, x, "w")[0]
+    assert torch.equal(fused[0], plain[0]) and fused[0].dtype == torch.uint8
+    assert torch.equal(fused[1].view(torch.int32), plain[1].view(torch.int32))
+    out_fused, out_plain = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+    comp.decompress_into(fused, (x.shape, x.dtype), out_fused)
+    torch_path(monkeypatch, comp.decompress_into, plain, (x.shape, x.dtype), out_plain)
+    assert torch.equal(out_fused.view(torch.int32), out_plain.view(torch.int32))

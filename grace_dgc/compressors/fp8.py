@@ -1,6 +1,7 @@
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..errors import GraceConfigError, check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
@@ -32,6 +33,9 @@ class FP8Compressor(PackedCompressor):
     Wire: one byte per element (the fp8 codes, viewed as uint8 to travel), then one fp32
     scale per block: n + 4·⌈n/block⌉ bytes.
 
+    On a GPU both directions are one Triton kernel each (:func:`grace_dgc.kernels.fp8_encode`,
+    the rounding done on the bits), tested bit for bit against the torch ops below.
+
     Plain reference: ``tests/test_sparseloco.py::reference_fp8`` (each block divided by its
     scale in float64, cast through torch's float8 dtype, multiplied back).
     """
@@ -52,6 +56,12 @@ class FP8Compressor(PackedCompressor):
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         flat = tensor.reshape(-1).float()
         n, block = flat.numel(), self.block
+        if n and self._fused(flat):  # a GPU: one read of the gradient, bit for bit these ops
+            try:
+                codes, scales = kernels.fp8_encode(flat, block, self.format)
+                return [codes, scales], (tensor.shape, tensor.dtype)
+            except kernels.Unavailable:  # warned; the torch ops below
+                pass
         pad = (-n) % block
         blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, block) if pad else flat.view(-1, block)
         scales = blocks.abs().amax(dim=1).div_(self.largest)
@@ -62,9 +72,18 @@ class FP8Compressor(PackedCompressor):
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         codes, scales = payload
         n, block = codes.numel(), self.block
+        if n and out.dtype == torch.float32 and out.is_contiguous() and self._fused(codes):
+            try:
+                kernels.fp8_decode(codes, scales, block, self.format, out.view(-1))
+                return out
+            except kernels.Unavailable:
+                pass
         values = codes.view(self.dtype).float()
         pad = (-n) % block
         if pad:
             values = torch.nn.functional.pad(values, (0, pad))
         out.view(-1).copy_(values.view(-1, block).mul_(scales[:, None]).view(-1)[:n])
         return out
+
+    def _fused(self, tensor: Tensor) -> bool:
+        return self.block <= kernels.FP8_LARGEST_BLOCK and kernels.enabled(tensor.device)
