@@ -135,15 +135,26 @@ def _interpreted() -> bool:
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read as floats (fp64: torch's path)
 
 
-def enabled(device: torch.device | str, dtype: torch.dtype | None = None) -> bool:
+# Kernels proven bit for bit under Triton's interpreter but not yet on a GPU: ``auto`` leaves
+# them off (``triton`` runs them). On the H100 of 2026-11-28 they ran and met their speed goals
+# (fp8 2.2×, random-k 2.1× one copy_ at 25M), but the CUDA tests' run was cut off by its time
+# limit with failures near the end of the collection, where their cases are: until a GPU run
+# names those failures, nothing unproven runs by default.
+UNPROVEN = frozenset({"fp8", "random_indices"})
+
+
+def enabled(device: torch.device | str, dtype: torch.dtype | None = None, kernel: str | None = None) -> bool:
     """Do the fused kernels run on tensors on ``device`` (of float ``dtype``, when given: the
-    kernels compare in fp32, exact for these three, not for fp64)? (See the module's doc.)
-    Asked on every pack and selection, CPU ones too."""
+    kernels compare in fp32, exact for these three, not for fp64)? ``kernel`` names one of
+    :data:`UNPROVEN`, which ``auto`` leaves off. (See the module's doc.) Asked on every pack
+    and selection, CPU ones too."""
     chosen = _mode or mode()
     if chosen == "torch" or (dtype is not None and dtype not in FLOATS):
         return False
     device = device if isinstance(device, torch.device) else torch.device(device)
     if chosen == "auto":
+        if kernel in UNPROVEN:
+            return False
         return device.type in AUTO_DEVICES and failure is None and _triton_importable()
     if not _triton_importable():
         raise RuntimeError("GRACE_DGC_KERNELS=triton, but Triton does not import: install triton, or use auto/torch")

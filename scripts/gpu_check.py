@@ -107,7 +107,8 @@ def steps(device, gpus, scratch):
     """(title, argv, extra environment) per step; sizes cut to a dry run on the CPU."""
     py = sys.executable
     survey_config = ROOT / "benchmarks/configs/gpu-check.toml"
-    pytest = [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TESTS]
+    # -rsfE: the failures are named last, in the tail of the output the report keeps
+    pytest = [py, "-m", "pytest", "-q", "-rsfE", "--tb=short", "-p", "no:cacheprovider", *TESTS]
     if device == "cuda":
         compressors = [py, "benchmarks/bench_compressors.py", "--device", "cuda"]
         return [

@@ -274,11 +274,15 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run `make gp
 
 def cuda_job(rank, world):
     """FSDP2 on CUDA tensors (one GPU holds every rank: gloo for 2 ranks, NCCL for 1): `none` is
-    plain FSDP2 bit for bit; fp8 and qsgd + residual on the reduce-scatter train alike on every rank."""
+    plain FSDP2 bit for bit; fp8 and qsgd + residual on the reduce-scatter train alike on every rank.
+    On the H100 of 2026-11-28 (torch 2.11): NCCL, 1 rank passed but for the step count (one rank
+    reduces nothing, now expected); the 2 gloo ranks died without a result in seconds — whether in
+    plain FSDP2 or in grace's seam is for the next GPU run to say (faulthandler prints it)."""
     import faulthandler
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    faulthandler.enable()  # a rank that crashes prints where
     faulthandler.dump_traceback_later(45, exit=True)  # a hung rank prints where it waits, then ends
     torch.cuda.set_device(0)
     mesh = init_device_mesh("cuda", (world,))
@@ -320,7 +324,9 @@ def test_fsdp_on_cuda_none_is_fsdp_bit_for_bit_and_compressed_runs_stay_in_sync(
         assert all(torch.equal(a, b) for a, b in zip(r["plain"], r["none"]))
         for label in ("fp8", "qsgd"):
             torch.testing.assert_close(r[label], r["plain"], rtol=0.2, atol=0.05)
-            assert r[label + "_stats"]["steps"] == STEPS and r[label + "_stats"]["skipped"] == 0
+            # one rank: FSDP2 reduces nothing (no reduce-scatter is called), so grace is never asked
+            assert r[label + "_stats"]["steps"] == (STEPS if world > 1 else 0)
+            assert r[label + "_stats"]["skipped"] == 0
     for r in results[1:]:
         for label in ("fp8", "qsgd"):
             assert all(torch.equal(a, b) for a, b in zip(r[label], results[0][label]))

@@ -923,3 +923,11 @@ def test_fp8_kernels_equal_the_torch_cast_bit_for_bit(device, monkeypatch, forma
     comp.decompress_into(fused, (x.shape, x.dtype), out_fused)
     torch_path(monkeypatch, comp.decompress_into, plain, (x.shape, x.dtype), out_plain)
     assert torch.equal(out_fused.view(torch.int32), out_plain.view(torch.int32))
+
+
+def test_auto_leaves_the_unproven_kernels_off():
+    """A kernel not yet proven on a GPU runs only when asked (GRACE_DGC_KERNELS=triton)."""
+    with kernels.use("auto"):
+        assert not any(kernels.enabled("cuda", kernel=name) for name in kernels.UNPROVEN)
+    with kernels.use("torch"):
+        assert not kernels.enabled("cuda", kernel="fp8")

@@ -30,7 +30,7 @@ def reference_keys(seed, name, step):
         state = (state + 0x9E3779B97F4A7C15) & m64
         z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & m64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
-        keys.append((z ^ (z >> 31)) & 0xFFFFFFFF)
+        keys.append((z ^ (z >> 31)) & 0x7FFFFFFF)
     return keys
 
 

@@ -33,8 +33,10 @@ class FP8Compressor(PackedCompressor):
     Wire: one byte per element (the fp8 codes, viewed as uint8 to travel), then one fp32
     scale per block: n + 4·⌈n/block⌉ bytes.
 
-    On a GPU both directions are one Triton kernel each (:func:`grace_dgc.kernels.fp8_encode`,
-    the rounding done on the bits), tested bit for bit against the torch ops below.
+    On a GPU both directions can be one Triton kernel each (:func:`grace_dgc.kernels.fp8_encode`,
+    the rounding done on the bits), tested bit for bit against the torch ops below under
+    Triton's interpreter; ``auto`` leaves them off until a GPU run proves them
+    (:data:`grace_dgc.kernels.UNPROVEN`), ``GRACE_DGC_KERNELS=triton`` runs them.
 
     Plain reference: ``tests/test_sparseloco.py::reference_fp8`` (each block divided by its
     scale in float64, cast through torch's float8 dtype, multiplied back).
@@ -86,4 +88,4 @@ class FP8Compressor(PackedCompressor):
         return out
 
     def _fused(self, tensor: Tensor) -> bool:
-        return self.block <= kernels.FP8_LARGEST_BLOCK and kernels.enabled(tensor.device)
+        return self.block <= kernels.FP8_LARGEST_BLOCK and kernels.enabled(tensor.device, kernel="fp8")
