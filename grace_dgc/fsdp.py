@@ -204,7 +204,9 @@ class FSDPCompression:
         if self._native(grace):  # FSDP's own reduce-scatter, counted as grace counts: (N−1)/N out and in
             moved = input_.numel() * input_.element_size() * (n - 1) // n
             grace.count_exchange(input_, name, moved, moved)
-            return dist.reduce_scatter_tensor(output, input_, op=op, group=group)
+            # torch 2.13: reduce_scatter_single (reduce_scatter_tensor warns, deprecated); 2.11 has only the latter
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            return reduce_scatter(output, input_, op=op, group=group)
         average = grace.step_group_async([input_], [name], inplace=True).result()[0]
         me = dist.get_rank(group)
         output.copy_(average.view(-1)[me * output.numel() : (me + 1) * output.numel()])

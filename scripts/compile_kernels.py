@@ -82,6 +82,17 @@ def variants(n_type):
         codes = {"values": "*fp32", "uniform": "*fp32", "factor": "*fp32", "codes": word}
         found.append(("qsgd_codes", codes | buckets, meta))
         found.append(("qsgd_values", {"codes": word, "scale": "*fp32", "out": "*fp32"} | buckets, meta))
+    keys = {f"k{r}": "i32" for r in range(6)}  # random_indices(): 31-bit keys
+    indices = {"out": "*i64", "k": n_type, "n": n_type, "a": "i32", "b": "i32", "mask_a": "i32", "mask_b": "i32"}
+    found.append(("random_indices", indices | keys | {"m32": "i64", "BLOCK": C}, {"BLOCK": kernels.RANDOM_BLOCK}))
+    for block in (1, 256, 4096):  # fp8_encode(), fp8_decode(): the tile of a few block sizes
+        tile = kernels._fp8_tile(block)
+        for mantissa, bias, saturate, _ in kernels.FP8_FORMATS.values():
+            encode = {"values": "*fp32", "codes": "*u8", "scales": "*fp32", "n": n_type, "blocks": n_type}
+            encode |= {"size": "i32", "largest": "fp32", "MANT": C, "BIAS": C, "SATURATE": C, "ROWS": C, "COLS": C}
+            found.append(("fp8_encode", encode, {"MANT": mantissa, "BIAS": bias, "SATURATE": saturate, **tile}))
+        decode = {"codes": "*u8", "scales": "*fp32", "table": "*fp32", "out": "*fp32", "n": n_type}
+        found.append(("fp8_decode", decode | {"blocks": n_type, "size": "i32", "ROWS": C, "COLS": C}, tile))
     return found
 
 

@@ -330,3 +330,41 @@ def test_fsdp_on_cuda_none_is_fsdp_bit_for_bit_and_compressed_runs_stay_in_sync(
     for r in results[1:]:
         for label in ("fp8", "qsgd"):
             assert all(torch.equal(a, b) for a, b in zip(r[label], results[0][label]))
+
+
+def compile_job(rank, world):
+    """The model under torch.compile (aot_eager: dynamo's graphs and AOT autograd without a C
+    compiler), FSDP2's hooks and grace's reduce-scatter around them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for label, grace in (
+        ("eager", None),
+        ("plain", None),
+        ("none", grace_dgc.build("none", "none", "reduce_scatter")),
+        ("qsgd", grace_dgc.build("qsgd", "residual", "reduce_scatter", quantum_num=7)),
+    ):
+        model = shard(make_model(), mesh)
+        compression = grace_dgc.fsdp_compression(model, reduce_scatter=grace) if grace else None
+        run = model if label == "eager" else torch.compile(model, backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(100 + rank)
+        for _ in range(STEPS):
+            opt.zero_grad()
+            run(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
+            opt.step()
+        out[label] = full(model)
+        if compression is not None:
+            out[label + "_steps"] = compression.stats()["reduce_scatter"]["steps"]
+    return out
+
+
+def test_a_compiled_model_trains_as_without_grace():
+    results = run_local(compile_job, 2)
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["plain"], r["eager"]))
+        assert all(torch.equal(a, b) for a, b in zip(r["plain"], r["none"]))
+        torch.testing.assert_close(r["qsgd"], r["plain"], rtol=0.2, atol=0.05)
+        assert r["none_steps"] == r["qsgd_steps"] == STEPS
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["qsgd"], results[1]["qsgd"]))

@@ -78,6 +78,9 @@ def test_indices_equal_the_plain_reference_and_are_k_distinct(n, ratio, seed, st
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", [1, 2, 3, 64, 65, 1000, 4097, 20_011, (1 << 24) + 1])
 def test_the_kernel_equals_the_torch_ops_bit_for_bit(n, device):
+    if device == "cpu" and not kernels._interpreted():
+        pytest.skip("the kernel runs on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1, set by "
+                    "tests/conftest.py where torch sees no GPU); here the cuda cases run it compiled")  # fmt: skip
     if n > 1 << 20 and device == "cpu":
         pytest.skip("a size for the compiled kernel: Triton's interpreter takes minutes on it")
     for step in range(3):
