@@ -135,6 +135,8 @@ def _worker(
     args: Sequence[object],
     results: SimpleQueue[tuple[int, bool, bytes | str]],
 ) -> None:
+    """One rank of one job: its process group on ``port``, ``fn``, the process group torn down;
+    the result (or the traceback) put on ``results``."""
     import torch.distributed as dist
 
     os.environ.update(
@@ -195,37 +197,186 @@ def run_local(
         with _environment(rank_environment(world_size)):  # a spawned rank inherits it as it starts
             for proc in procs:
                 proc.start()
-        deadline = time.monotonic() + timeout
-        while len(collected) + len(failures) < world_size:
-            if results.empty():
-                if time.monotonic() > deadline or (not any(p.is_alive() for p in procs) and results.empty()):
-                    break
-                time.sleep(0.02)
-                continue
-            rank, ok, value = results.get()
-            if ok:
-                collected[rank] = pickle.loads(value)
-            else:
-                failures.append((rank, value))
-            if failures:
-                break  # the other ranks may be blocked in a collective: stop them
+        collected, failures = _collect(results, procs, world_size, timeout)
     finally:
-        for proc in procs:
-            if proc.pid is None:
-                continue  # never started
-            proc.join(timeout=5 if not failures and len(collected) == world_size else 0.5)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        _stop(procs, clean=not failures and len(collected) == world_size)
+    return _in_rank_order(collected, failures, world_size, timeout)
+
+
+FAILURE_GRACE_S = 2.0  # how long the other ranks' failures are waited for after a first one
+
+
+def _collect(
+    results: SimpleQueue[tuple[int, bool, bytes | str]], procs: Sequence[Any], world_size: int, timeout: float
+) -> tuple[dict[int, Any], list[tuple[int, str]]]:
+    """Each rank's result or traceback, until all are in, every rank is gone, or ``timeout``
+    passed; after a first failure, 2 s more for the others' (a rank left waiting in a
+    collective fails soon after, and the one that failed first need not be first in line)."""
+    collected: dict[int, Any] = {}
+    failures: list[tuple[int, str]] = []
+    deadline = time.monotonic() + timeout
+    while len(collected) + len(failures) < world_size:
+        if results.empty():
+            if time.monotonic() > deadline or (not any(p.is_alive() for p in procs) and results.empty()):
+                break
+            time.sleep(0.02)
+            continue
+        rank, ok, value = results.get()
+        if ok:
+            collected[rank] = pickle.loads(value)  # type: ignore[arg-type]
+        else:
+            failures.append((rank, str(value)))
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    return collected, failures
+
+
+def _stop(procs: Sequence[Any], clean: bool) -> None:
+    """End ``procs``: joined when they finished cleanly, else terminated, else killed."""
+    for proc in procs:
+        if proc.pid is None:
+            continue  # never started
+        proc.join(timeout=5 if clean else 0.5)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def _in_rank_order(
+    collected: dict[int, T], failures: list[tuple[int, str]], world_size: int, timeout: float
+) -> list[T]:
     if failures:
+        others = "".join(f"\n--- rank {rank} ---\n{tb}" for rank, tb in failures[1:])
         rank, tb = failures[0]
-        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}" + (f"\nand also:{others}" if others else ""))
     if len(collected) < world_size:
         missing = sorted(set(range(world_size)) - set(collected))
         raise TimeoutError(
             f"ranks {missing} of {world_size} did not finish within {timeout}s (or died without a result)"
         )
     return [collected[r] for r in range(world_size)]
+
+
+class _Baseline:
+    """What a fresh rank process starts a job with, taken before a pooled rank's first job and
+    put back before each: the environment, the working directory, the RNG states of torch
+    (and CUDA's, reseeded as a fresh process seeds them), random and numpy, torch's thread
+    count, default dtype and determinism flag, and the fused kernels' mode."""
+
+    def __init__(self) -> None:
+        import random
+
+        import numpy
+        import torch
+
+        from . import kernels
+
+        self.environ, self.cwd = dict(os.environ), os.getcwd()
+        self.torch_rng, self.seed = torch.get_rng_state(), torch.initial_seed()
+        self.random, self.numpy = random.getstate(), numpy.random.get_state()
+        self.threads, self.dtype = torch.get_num_threads(), torch.get_default_dtype()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.kernels = (kernels._mode, kernels.failure)
+
+    def restore(self) -> None:
+        import random
+
+        import numpy
+        import torch
+
+        from . import kernels
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        torch.set_rng_state(self.torch_rng)
+        if torch.cuda.is_initialized():  # as a fresh process finds it: seeded, no cache, no peak
+            torch.cuda.manual_seed_all(self.seed)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        random.setstate(self.random)
+        numpy.random.set_state(self.numpy)
+        torch.set_num_threads(self.threads)
+        torch.set_default_dtype(self.dtype)
+        torch.use_deterministic_algorithms(self.deterministic)
+        kernels._mode, kernels.failure = self.kernels
+
+
+def _pool_worker(
+    rank: int,
+    world_size: int,
+    backend: str,
+    jobs: SimpleQueue[tuple[int, Callable[..., object], Sequence[object]] | None],
+    results: SimpleQueue[tuple[int, bool, bytes | str]],
+) -> None:
+    """A pooled rank: job after job as :func:`_worker` runs one, from the same starting state."""
+    import gc
+
+    baseline = _Baseline()
+    while (job := jobs.get()) is not None:
+        port, fn, args = job
+        baseline.restore()
+        _worker(rank, world_size, port, backend, fn, args, results)
+        gc.collect()  # the job's objects (and the threads they own) go before the next starts
+
+
+class RankPool:
+    """``world_size`` local ranks started once and kept up across jobs: :meth:`run` has
+    :func:`run_local`'s contract (results in rank order, a failure raised with its traceback,
+    ``timeout`` enforced) without a process start and a torch import per job. Each job gets a
+    process group of its own and the state a fresh process starts with (:class:`_Baseline`); a
+    job that fails or overruns tears the ranks down, and the next job starts fresh ones.
+
+        with RankPool(2) as pool:
+            for cell in cells:
+                pool.run(train_cell, (cell,))
+    """
+
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+        self.world_size, self.backend = world_size, backend
+        self.starts = 0  # how many times ranks were started (1 + one per failed job)
+        self._procs: list[Any] = []
+        self._jobs: list[Any] = []
+        self._results: Any = None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.SimpleQueue()
+        self._jobs = [ctx.SimpleQueue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(target=_pool_worker, args=(r, self.world_size, self.backend, self._jobs[r], self._results))
+            for r in range(self.world_size)
+        ]
+        with _environment(rank_environment(self.world_size)):
+            for proc in self._procs:
+                proc.start()
+        self.starts += 1
+
+    def run(self, fn: Callable[..., T], args: Sequence[object] = (), timeout: float = 300) -> list[T]:
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close(clean=False)
+            self._start()
+        port = free_port()
+        for jobs in self._jobs:
+            jobs.put((port, fn, tuple(args)))
+        collected, failures = _collect(self._results, self._procs, self.world_size, timeout)
+        if failures or len(collected) < self.world_size:
+            self.close(clean=False)  # its ranks may be out of step, or stuck in a collective
+        return _in_rank_order(collected, failures, self.world_size, timeout)
+
+    def close(self, clean: bool = True) -> None:
+        """End the ranks: asked to finish after their job (``clean``), else terminated."""
+        if clean:
+            for jobs, proc in zip(self._jobs, self._procs):
+                if proc.is_alive():
+                    jobs.put(None)
+        _stop(self._procs, clean=clean)
+        self._procs, self._jobs = [], []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

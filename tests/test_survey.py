@@ -228,6 +228,51 @@ def test_tiny_survey_end_to_end_and_resume(tmp_path):
         assert_png(os.path.join(out, png))
 
 
+def test_pooled_ranks_give_the_fresh_ranks_results_bit_for_bit(tmp_path):
+    """The survey's default (one RankPool per world size, kept up across runs) against ranks
+    started for every run: every number that does not measure time is equal, and each summary
+    names how its ranks were launched. A third method after the tuned one checks that nothing
+    of an earlier run (its RNG draws, its thread settings) leaks into the next."""
+    conf = dict(TINY, methods=TINY["methods"] + [{"label": "dense again", "compressor": "none", "lr": 0.07}])
+    outs = {}
+    for fresh in (True, False):
+        out = str(tmp_path / ("fresh" if fresh else "pooled"))
+        summaries, failures = runner.run_grid(
+            cfg.SurveyConfig(conf), out, progress=False, log=lambda *a: None, fresh_ranks=fresh
+        )
+        assert failures == [] and len(summaries) == 3
+        outs[fresh] = runner.read_records(out)
+    exact = (
+        "final_test_accuracy",
+        "final_test_loss",
+        "final_train_loss",
+        "final_train_accuracy",
+        "bytes_per_step",
+        "compression_ratio",
+        "lr",
+        "lr_tuning",
+        "steps",
+        "best_test_accuracy",
+        "cell_hash",
+        "method_stats",
+    )
+    timeless = ("train_loss", "test_loss", "test_accuracy", "train_accuracy", "bytes_per_step", "epoch")
+
+    def numbers(records, kind, fields):
+        return [{f: r.get(f) for f in fields} for r in records if r["type"] == kind]
+
+    def untimed(stats):  # grace.stats() of a run: its counts, without its seconds
+        return {k: v for k, v in stats.items() if not k.endswith("_s")} if isinstance(stats, dict) else stats
+
+    fresh, pooled = outs[True], outs[False]
+    for a, b in zip(numbers(fresh, "summary", exact), numbers(pooled, "summary", exact)):
+        a["method_stats"], b["method_stats"] = untimed(a["method_stats"]), untimed(b["method_stats"])
+        assert a == b
+    assert numbers(fresh, "epoch", timeless) == numbers(pooled, "epoch", timeless)
+    assert {r["launch"]["launcher"] for r in fresh if r["type"] == "summary"} == {"survey"}
+    assert {r["launch"]["launcher"] for r in pooled if r["type"] == "summary"} == {"survey-pool"}
+
+
 def test_a_schedule_runs_in_the_survey_and_its_bytes_are_per_step(tmp_path):
     """local_sgd every 3 of the 8 steps, plus the epoch's closing synchronization: 3 dense
     exchanges of the model in 8 steps, so 3/8 of a step-by-step allreduce's bytes."""

@@ -87,6 +87,11 @@ def add_survey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-report", action="store_true", help="skip writing report.md and the plots")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    parser.add_argument(
+        "--fresh-ranks",
+        action="store_true",
+        help="start the ranks afresh for every run (default: one pool of ranks per world size, kept up across runs)",
+    )
     parser.add_argument("--network-tag", help=argparse.SUPPRESS)  # internal: the shaped child's share
     parser.add_argument(
         "--script-args",
@@ -219,7 +224,9 @@ def run_survey(args: argparse.Namespace) -> int:
     undo = _Undo(args.out) if args.network_tag is None else None
     try:
         config = _checked_config(args)
-        summaries, failures = run_grid(config, args.out, progress=not args.no_progress, network_tag=args.network_tag)
+        summaries, failures = run_grid(
+            config, args.out, progress=not args.no_progress, network_tag=args.network_tag, fresh_ranks=args.fresh_ranks
+        )
     except USER_ERRORS + (netem.NetemUnavailable,) as err:  # a bad config, missing data files, no netem
         if undo is not None:
             undo()

@@ -28,9 +28,13 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 
-def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False) -> Record | None:
+def execute_cell(
+    ctx: Context, cell: Cell, out_dir: str, progress: bool = False, launcher: str = "survey"
+) -> Record | None:
     """Train one cell on this rank; rank 0 writes its epoch lines and summary line and
-    returns the summary (other ranks return None)."""
+    returns the summary (other ranks return None). ``launcher`` is recorded in the summary's
+    launch conditions: ``survey`` (ranks started for this run) or ``survey-pool`` (ranks kept
+    up across runs, :class:`grace_dgc.launch.RankPool`)."""
     if ctx.size != cell.workers:
         raise GraceConfigError(f"cell {cell.run_id!r} wants {cell.workers} workers, the runtime has {ctx.size}")
     workload = load_workload(cell)
@@ -129,7 +133,7 @@ def execute_cell(ctx: Context, cell: Cell, out_dir: str, progress: bool = False)
         backend=ctx.backend,
         engine=ctx.engine_kind,
         **host_fields(),
-        launch=launch_record("survey", ranks, at_start, others),
+        launch=launch_record(launcher, ranks, at_start, others),
         started=started,
         finished=datetime.datetime.now().isoformat(timespec="seconds"),
         method_stats=last["method_stats"],
@@ -177,7 +181,14 @@ def netem_shaping() -> dict[str, Any] | None:
 
 
 def run_cell(
-    rank: int, world_size: int, cell: Cell, out_dir: str, progress: bool = False, device: str = "auto"
+    rank: int,
+    world_size: int,
+    cell: Cell,
+    out_dir: str,
+    progress: bool = False,
+    device: str = "auto",
+    launcher: str = "survey",
 ) -> Record | None:
-    """:func:`grace_dgc.launch.run_local` entry point: one rank of one cell."""
-    return execute_cell(Context.detect(device), cell, out_dir, progress)
+    """:func:`grace_dgc.launch.run_local` (or :class:`~grace_dgc.launch.RankPool`) entry
+    point: one rank of one cell."""
+    return execute_cell(Context.detect(device), cell, out_dir, progress, launcher)

@@ -81,14 +81,17 @@ def run_grid(
     progress: bool = True,
     network_tag: str | None = None,
     log: Callable[[str], object] = print,
+    fresh_ranks: bool = False,
 ) -> tuple[list[Record], list[tuple[str, str]]]:
     """Run every unfinished cell of ``config`` (only those of ``network_tag`` if given),
     skipping runs whose summary is already in ``out_dir``. Cells of a shaped network are
     run in a shaped namespace (see :mod:`grace_dgc.survey.netem`) unless this process is
-    already inside one with that shaping. Returns (summaries, failures)."""
+    already inside one with that shaping. The cells of one world size run one after another
+    in one :class:`~grace_dgc.launch.RankPool` (its ranks started once); ``fresh_ranks``
+    starts ranks for each run instead. Returns (summaries, failures)."""
     tqdm = require("tqdm.auto", "the survey's progress bars").tqdm
 
-    from ..launch import run_local
+    from ..launch import RankPool, run_local
     from . import netem
 
     # a shaped-network child runs a share of a grid its parent has already checked
@@ -113,6 +116,7 @@ def run_grid(
     bar = tqdm(
         total=len(cells), desc=f"survey {config.name}", position=0, unit="run", dynamic_ncols=True, disable=not progress
     )
+    pools: dict[tuple[int, str], RankPool] = {}  # (workers, backend) -> its ranks, kept up across runs
     try:
         for tag, group in by_network.items():
             net = group[0].network
@@ -142,7 +146,8 @@ def run_grid(
                         "--network-tag",
                         tag,
                     ]
-                    + ([] if progress else ["--no-progress"]),
+                    + ([] if progress else ["--no-progress"])
+                    + (["--fresh-ranks"] if fresh_ranks else []),
                     bandwidth_bps=net["bandwidth_bps"],
                     latency_ms=net["latency_ms"],
                     check_first=False,
@@ -162,15 +167,13 @@ def run_grid(
                     summary: Record | None
                     if cell.script is not None:  # script mode: the user's script is the training
                         summary = run_script_cell(cell, out_dir, config.timeout, backend, device)
+                    elif fresh_ranks:
+                        args = (cell, out_dir, progress, device, "survey")
+                        summary = run_local(run_cell, cell.workers, args, backend=backend, timeout=config.timeout)[0]
                     else:
-                        result = run_local(
-                            run_cell,
-                            cell.workers,
-                            (cell, out_dir, progress, device),
-                            backend=backend,
-                            timeout=config.timeout,
-                        )
-                        summary = result[0]
+                        pool = pools.setdefault((cell.workers, backend), RankPool(cell.workers, backend))
+                        args = (cell, out_dir, progress, device, "survey-pool")
+                        summary = pool.run(run_cell, args, timeout=config.timeout)[0]
                     assert summary is not None, "rank 0 returns the cell's summary"
                     summaries.append(summary)
                     bar.write(
@@ -193,6 +196,8 @@ def run_grid(
                     bar.write(f"[survey] {cell['run_id']} FAILED: {message}")
                 bar.update(1)
     finally:
+        for pool in pools.values():
+            pool.close()
         bar.close()
         write_summary_csv(out_dir)
     return summaries, failures
