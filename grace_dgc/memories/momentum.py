@@ -160,7 +160,7 @@ class MomentumMemory(Memory):
         else:
             u.mul_(momentum).add_(grad)
             v.add_(u)
-        return v  # the memory's own buffer: compressors copy what they send
+        return v  # the memory's own buffer: update() changes it only after the aggregate is written
 
     def update(self, tensor: Tensor, name: str, compressor: Compressor, payload: Payload, ctx: Any) -> None:
         v, u = self.velocities[name], self.momentums[name]
