@@ -10,8 +10,10 @@ by two link figures:
   (or receives) the most.
 
 An exchange then takes ``α · steps(N) + β · bytes(N, n, D)`` seconds, where n is one rank's
-payload in bytes and D the dense fp32 bytes of the same gradients. Per communicator (one
-exchange; N = 1 costs nothing):
+payload in bytes and D the dense fp32 bytes of the same gradients. Each communicator declares
+its own terms (:meth:`grace_dgc.interfaces.Communicator.cost`, read through :func:`cost`), so
+a plugin communicator that declares them takes part in ``auto`` and ``grace-dgc project`` as
+the built-ins do. The built-ins' (one exchange; N = 1 costs nothing):
 
     communicator                   steps(N)                          bytes(N, n, D)
     allreduce (ring)               2(N−1)                            2(N−1)/N · n
@@ -23,7 +25,7 @@ exchange; N = 1 costs nothing):
 
 ``sparse_allreduce`` sends each owner its pairs and gets the summed regions back, sparse or
 dense when that is smaller (the union of N payloads taken as disjoint: an upper bound);
-its gTop-k mode adds up to :data:`RADIX_ROUNDS` histogram allreduces to find the global
+its gTop-k mode adds up to four histogram allreduces to find the global
 threshold, then only about one payload of kept pairs comes back; ``reduce_scatter`` sends
 chunks to their owners and gets the requantized chunks back (sizes, then data, both ways:
 four collectives). The broadcast's steps are the size-header allgather's N−1 plus N
@@ -37,48 +39,61 @@ figures to N nodes.
 
 from __future__ import annotations
 
-import math
+from typing import TYPE_CHECKING, Any
 
 from .errors import GraceConfigError
 
-__all__ = ["AGGREGATING", "GTOPK", "MODELLED", "RADIX_ROUNDS", "collective_steps", "wire_bytes"]
+if TYPE_CHECKING:
+    from .interfaces import Communicator, Cost
+
+__all__ = ["GTOPK", "collective_steps", "cost", "declared", "modelled", "wire_bytes"]
 
 GTOPK = "sparse_allreduce+global_topk"  # sparse_allreduce(global_topk=True)
-AGGREGATING: tuple[str, ...] = ("sparse_allreduce", GTOPK, "reduce_scatter")
-MODELLED: tuple[str, ...] = ("allreduce", "allgather", "broadcast", *AGGREGATING)
-RADIX_ROUNDS = 4  # gTop-k's threshold search on fp32 sums: up to 4 histogram allreduces
+
+
+def declared(communicator: str) -> tuple[type[Communicator], dict[str, Any]]:
+    """The class whose :meth:`~grace_dgc.interfaces.Communicator.cost` prices ``communicator``
+    and the settings it is asked with (gTop-k is a mode of sparse_allreduce)."""
+    from .registry import COMMUNICATORS
+
+    if communicator == GTOPK:
+        return COMMUNICATORS.get("sparse_allreduce"), {"global_topk": True}
+    return COMMUNICATORS.get(communicator), {}
+
+
+def modelled() -> tuple[str, ...]:
+    """Every communicator with a declared cost (registered plugins included), and gTop-k."""
+    from .registry import COMMUNICATORS
+
+    names = [name for name in COMMUNICATORS.names() if COMMUNICATORS.get(name).cost(2, 1.0, 1.0) is not None]
+    return (*names, GTOPK) if "sparse_allreduce" in names else tuple(names)
+
+
+def cost(communicator: str, nodes: int, nbytes: float, dense_bytes: float) -> Cost:
+    """One exchange's :class:`~grace_dgc.interfaces.Cost` on ``nodes`` ranks, as
+    ``communicator`` declares it (nothing on one rank)."""
+    from .interfaces import Cost
+
+    try:
+        cls, settings = declared(communicator)
+        terms = None if nodes <= 1 else cls.cost(nodes, nbytes, dense_bytes, **settings)
+    except GraceConfigError:
+        terms = None
+    if nodes <= 1:
+        return Cost(0, 0.0)
+    if terms is None:
+        raise GraceConfigError(
+            f"no cost model for communicator {communicator!r} (a communicator declares one with a cost() "
+            f"classmethod); modelled: {', '.join(modelled())}"
+        )
+    return terms
 
 
 def collective_steps(communicator: str, nodes: int) -> int:
     """Latency steps (α) of one exchange in the model."""
-    if nodes <= 1:
-        return 0
-    if communicator == "allreduce":
-        return 2 * (nodes - 1)
-    if communicator == "allgather":
-        return 2 * (nodes - 1)
-    if communicator == "broadcast":
-        return (nodes - 1) + nodes * math.ceil(math.log2(nodes))
-    if communicator == GTOPK:
-        return 4 * (nodes - 1) + RADIX_ROUNDS * 2 * (nodes - 1)
-    if communicator in AGGREGATING:
-        return 4 * (nodes - 1)
-    raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
+    return int(cost(communicator, nodes, 0.0, 0.0).steps)
 
 
 def wire_bytes(communicator: str, nodes: int, nbytes: float, dense_bytes: float) -> float:
     """Bytes on one rank's busiest link direction for one step's payload of ``nbytes``."""
-    if nodes <= 1:
-        return 0.0
-    share = (nodes - 1) / nodes
-    if communicator == "allreduce":
-        return 2 * share * nbytes
-    if communicator == "allgather":
-        return (nodes - 1) * nbytes
-    if communicator == "broadcast":
-        return nodes * nbytes
-    if communicator == "sparse_allreduce":
-        return share * (nbytes + min(nodes * nbytes, dense_bytes))
-    if communicator in ("reduce_scatter", GTOPK):
-        return 2 * share * nbytes
-    raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
+    return float(cost(communicator, nodes, nbytes, dense_bytes).wire)

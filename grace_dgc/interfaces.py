@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -427,6 +427,14 @@ class Memory(Part):
         optimizer's momentum (``momentum``)."""
 
 
+class Cost(NamedTuple):
+    """One exchange's terms in the α-β model (:mod:`grace_dgc.costmodel`): ``steps`` latency
+    steps (α each) and ``wire`` bytes on a rank's busiest link direction (β each)."""
+
+    steps: float
+    wire: float
+
+
 class Communicator(Part):
     """Moves payloads between ranks through an engine and aggregates them.
 
@@ -467,6 +475,15 @@ class Communicator(Part):
     @classmethod
     def fits(cls, compressor: Compressor) -> bool:
         return cls.refusal(compressor) is None
+
+    @classmethod
+    def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost | None:
+        """This communicator's α-β terms for one exchange on ``nodes`` ≥ 2 ranks of ``nbytes``
+        per rank (``dense_bytes``: the same gradients in fp32), with these ``settings`` of its
+        own; None: no model declared. What ``auto`` (which tries a plugin communicator that
+        declares one among its candidates), ``grace-dgc project`` and :mod:`grace_dgc.costmodel`
+        read."""
+        return None
 
     def setup(self) -> Engine:
         """Called by Grace when it binds, on every rank (it may run collectives: ``hierarchical``

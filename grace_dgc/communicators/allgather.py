@@ -1,5 +1,9 @@
+from __future__ import annotations
+
+from typing import Any
+
 from .. import wire
-from ..interfaces import ExchangeCommunicator, Payload
+from ..interfaces import Cost, ExchangeCommunicator, Payload
 from ..registry import register_communicator
 
 
@@ -10,6 +14,11 @@ class Allgather(ExchangeCommunicator):
     1. allgather the headers (per-tensor byte lengths, int64): the size exchange;
     2. allgather the flat byte buffers, padded to the longest (skipped if all are empty).
     """
+
+    @classmethod
+    def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost:
+        """The size headers, then the data: 2(N−1) steps, (N−1) · n bytes."""
+        return Cost(2 * (nodes - 1), (nodes - 1) * nbytes)
 
     def exchange(self, payload: Payload, name: str) -> list[Payload]:
         buffer, header = wire.encode(payload)

@@ -5,7 +5,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..interfaces import Compressor, ExchangeCommunicator, Payload
+from ..interfaces import Compressor, Cost, ExchangeCommunicator, Payload
 from ..registry import register_communicator
 from ..workspace import flat_span
 
@@ -26,6 +26,11 @@ class Allreduce(ExchangeCommunicator):
     propagates_nonfinite = True
 
     _consume = False  # set by exchange_many for its exchange: GRACE's exchange(payload, name) stays
+
+    @classmethod
+    def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost:
+        """A ring: 2(N−1) steps, 2(N−1)/N · n bytes."""
+        return Cost(2 * (nodes - 1), 2 * (nodes - 1) / nodes * nbytes)
 
     def exchange(self, payload: Payload, name: str) -> list[Payload]:
         summed: list[Any] = [None] * len(payload)

@@ -16,6 +16,19 @@ from .switch import Switch, SwitchContext
 CANDIDATES = ("allreduce", "allgather", "sparse_allreduce", "reduce_scatter")
 
 
+def candidates() -> tuple[str, ...]:
+    """auto's members: the built-in exchanges above, then every plugin communicator (one not
+    defined in grace_dgc) that declares its cost (:meth:`Communicator.cost`), by name — the same
+    list, and so the same index for each choice, on every rank that loaded the same plugins."""
+    plugins = sorted(
+        name
+        for name in COMMUNICATORS.names()
+        if not COMMUNICATORS.get(name).__module__.startswith("grace_dgc.")
+        and COMMUNICATORS.get(name).cost(2, 1.0, 1.0) is not None
+    )
+    return CANDIDATES + tuple(plugins)
+
+
 def predict(name: str, n: int, payload: float, dense: float, alpha: float, beta: float) -> float:
     """Seconds the α-β model gives one bucket's exchange on ``n`` ranks (wire time only):
     α per collective step, β per byte on this rank's busiest direction. ``payload`` is one
@@ -29,7 +42,8 @@ class Auto(Communicator):
     """Per fusion bucket, the cheapest communicator under the α-β cost model, re-decided as it runs
 
     As Espresso (Wang et al. 2023) chooses per tensor: among those that can carry the
-    compressor (allreduce, allgather, sparse_allreduce, reduce_scatter).
+    compressor (allreduce, allgather, sparse_allreduce, reduce_scatter, and any plugin
+    communicator that declares its cost: :func:`candidates`).
 
     For bucket b with payload p_b bytes per rank (measured), dense size d_b, on N ranks:
 
@@ -64,6 +78,7 @@ class Auto(Communicator):
         self.buckets: dict[tuple[str, ...], dict[str, Any]] = {}
         self.link = {"latency": latency, "bandwidth": bandwidth}  # in use: given, or measured at set-up
         self.members: dict[str, Communicator] = {}
+        self.candidates = candidates()
 
     @classmethod
     def refusal(cls, compressor: Compressor) -> str | None:
@@ -72,7 +87,7 @@ class Auto(Communicator):
         return None  # allgather carries every single-round compressor
 
     def setup(self) -> Any:
-        self.members = {name: COMMUNICATORS.get(name)(self.engine) for name in CANDIDATES}
+        self.members = {name: COMMUNICATORS.get(name)(self.engine) for name in self.candidates}
         # a node's other ranks under hierarchical follow their leader's plan: no link to measure
         if (self.bandwidth is None or self.latency is None) and self.engine.collectives:
             self._measure_link()
@@ -124,7 +139,7 @@ class Auto(Communicator):
     def wire_compressor(self, compressor: Compressor) -> Compressor:
         self.plain = compressor
         self.chunked = Chunked(compressor, self.engine.size)
-        self.fitting = [c for c in CANDIDATES if COMMUNICATORS.get(c).fits(compressor)]
+        self.fitting = [c for c in self.candidates if COMMUNICATORS.get(c).fits(compressor)]
         return Switch(self)
 
     def aggregate_into(
@@ -149,9 +164,9 @@ class Auto(Communicator):
     def plan(self, names: list[str], adopt: Tensor | None = None) -> Tensor:
         if adopt is not None:
             for name, code in zip(names, adopt.tolist()):
-                self.choice[name] = CANDIDATES[code]
+                self.choice[name] = self.candidates[code]
             return adopt
-        return torch.tensor([CANDIDATES.index(self.choice.get(n, self._default())) for n in names])
+        return torch.tensor([self.candidates.index(self.choice.get(n, self._default())) for n in names])
 
     def _default(self) -> str:
         return "allreduce" if "allreduce" in self.fitting else "allgather"

@@ -1,5 +1,10 @@
+from __future__ import annotations
+
+import math
+from typing import Any
+
 from .. import wire
-from ..interfaces import ExchangeCommunicator, Payload
+from ..interfaces import Cost, ExchangeCommunicator, Payload
 from ..registry import register_communicator
 
 
@@ -11,6 +16,12 @@ class Broadcast(ExchangeCommunicator):
     2. for each rank r: r broadcasts its flat buffer, the others receive it
        (a rank with an empty payload is skipped by everyone, so nobody waits).
     """
+
+    @classmethod
+    def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost:
+        """The header allgather's N−1 steps, then N pipelined tree broadcasts of ⌈log2 N⌉ hops:
+        N · n bytes."""
+        return Cost((nodes - 1) + nodes * math.ceil(math.log2(nodes)), nodes * nbytes)
 
     def exchange(self, payload: Payload, name: str) -> list[Payload]:
         buffer, header = wire.encode(payload)

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from .. import wire
 from ..errors import GraceConfigError, check_bool
-from ..interfaces import Communicator, Compressor, Ctxs, Payloads, Sent, Tensors
+from ..interfaces import Communicator, Compressor, Cost, Ctxs, Payloads, Sent, Tensors
 from ..registry import register_communicator
 from .chunked import Chunked
 
@@ -44,6 +44,12 @@ class ReduceScatter(Communicator):
 
     SETTINGS = ("error_feedback",)
     STATE = ("errors",)
+
+    @classmethod
+    def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost:
+        """Chunks to their owners and the requantized chunks back, sizes then data both ways:
+        4(N−1) steps, 2(N−1)/N · n bytes."""
+        return Cost(4 * (nodes - 1), 2 * (nodes - 1) / nodes * nbytes)
 
     def __init__(self, engine: Any, error_feedback: bool = True) -> None:
         super().__init__(engine)

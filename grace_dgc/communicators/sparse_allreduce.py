@@ -7,10 +7,13 @@ from torch import Tensor
 
 from ..compressors.sparse import sent_whole
 from ..errors import check_bool
-from ..interfaces import Communicator, Compressor, Ctxs, Payload, Payloads, Sent, Tensors
+from ..interfaces import Communicator, Compressor, Cost, Ctxs, Payload, Payloads, Sent, Tensors
 from ..registry import register_communicator
 
 SPARSE, DENSE = 0, 1  # how an owner sends its summed region back
+
+
+RADIX_ROUNDS = 4  # gTop-k's threshold search on fp32 sums: up to 4 histogram allreduces (8 bits each)
 
 
 @register_communicator("sparse_allreduce", aliases=("sparcml",))
@@ -59,6 +62,18 @@ class SparseAllreduce(Communicator):
     """
 
     SETTINGS = ("global_topk",)
+
+    @classmethod
+    def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost:
+        """Pairs to their owners, the summed regions back (sparse or dense, whichever is
+        smaller; the N payloads taken as disjoint, an upper bound): 4(N−1) steps,
+        (N−1)/N · (n + min(N·n, D)) bytes. gTop-k (``global_topk``) adds up to
+        :data:`RADIX_ROUNDS` histogram allreduces for its threshold, and
+        about one payload of kept pairs comes back: 2(N−1)/N · n bytes."""
+        share = (nodes - 1) / nodes
+        if settings.get("global_topk"):
+            return Cost(4 * (nodes - 1) + RADIX_ROUNDS * 2 * (nodes - 1), 2 * share * nbytes)
+        return Cost(4 * (nodes - 1), share * (nbytes + min(nodes * nbytes, dense_bytes)))
 
     def __init__(self, engine: Any, global_topk: bool = False) -> None:
         super().__init__(engine)

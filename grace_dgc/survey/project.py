@@ -64,8 +64,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# the per-communicator steps and bytes are the core's (also importable from here)
-from ..costmodel import AGGREGATING, GTOPK, MODELLED, RADIX_ROUNDS, collective_steps, wire_bytes
+from ..communicators.sparse_allreduce import RADIX_ROUNDS
+
+# the per-communicator steps and bytes are each communicator's own, read through the core's model
+from ..costmodel import GTOPK, cost, modelled
 from ..errors import GraceConfigError
 from .units import format_rate, human_bytes, parse_latency, parse_rate
 
@@ -131,18 +133,8 @@ def communication_time(
         inside = ring_allreduce(ranks, dense_bytes, 0.0, node_beta) + dense_bytes * node_beta * (ranks > 1)
         outer = communicator.split(":", 1)[1]
         return inside + communication_time(outer, nodes, nbytes, exchanges, alpha, beta, dense_bytes)
-    if communicator in AGGREGATING:
-        return (
-            exchanges * collective_steps(communicator, nodes) * alpha
-            + wire_bytes(communicator, nodes, nbytes, dense_bytes) * beta
-        )
-    if communicator == "allreduce":
-        return ring_allreduce(nodes, nbytes, alpha, beta, exchanges)
-    if communicator == "allgather":  # the size-header allgather, then the data
-        return allgather(nodes, nbytes, alpha, beta, 2 * exchanges)
-    if communicator == "broadcast":  # the header allgather, then N broadcasts
-        return allgather(nodes, 0, alpha, beta, exchanges) + broadcast_each(nodes, nbytes, alpha, beta, exchanges)
-    raise GraceConfigError(f"no cost model for communicator {communicator!r}; accepted: {', '.join(MODELLED)}")
+    terms = cost(communicator, nodes, nbytes, dense_bytes)
+    return exchanges * terms.steps * alpha + terms.wire * beta
 
 
 # -- overlap ------------------------------------------------------------------------------
@@ -473,8 +465,8 @@ def with_communicators(methods: Sequence[Method], communicators: Sequence[str]) 
             continue  # the dense baseline stays what it is
         for name in communicators:
             flat = name.split(":", 1)[-1]
-            if flat not in MODELLED:
-                raise GraceConfigError(f"no cost model for communicator {name!r}; accepted: {', '.join(MODELLED)}")
+            if flat not in modelled():
+                raise GraceConfigError(f"no cost model for communicator {name!r}; accepted: {', '.join(modelled())}")
             try:
                 fits = COMMUNICATORS.get(flat.split("+", 1)[0]).fits(COMPRESSORS.get(method["compressor"])())
             except GraceConfigError:
