@@ -1,5 +1,7 @@
 # Two entry points for a fresh machine with Python 3.11:
-#   make test    — create .venv, install torch 2.13.0 (CPU), the project, Horovod; lint (ruff, mypy); run the tests
+#   make test    — create .venv, install torch 2.13.0 (CPU), the project, Horovod; lint (ruff, mypy); build the docs
+#                  site (mkdocs --strict); run the tests
+#   make docs    — the documentation site from docs/ into site/ (--strict: a broken link or stale reference fails)
 #   make survey  — the main job: the quick comparative survey and its report
 #   make gpu-check — on a machine with a GPU: CUDA tests, GPU benchmarks and a short training run, one report under
 #                  docs/results/ (scripts/gpu_check.py; a CUDA build of torch, cu128, when nvidia-smi is present;
@@ -21,7 +23,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@# the wheel your pip configuration offers, else PyTorch's own index for that build
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)+$(TORCH)" 2>/dev/null \
 	  || $(PY) -m pip install -q "torch==$(TORCH_VERSION)+$(TORCH)" --extra-index-url $(TORCH_INDEX)
-	$(PY) -m pip install -q --no-build-isolation -e '.[test,survey,lint]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,survey,lint,docs]'
 	touch $@
 	@echo "venv ready: '. $(VENV)/bin/activate' puts grace-dgc, torchrun and pytest on PATH"
 
@@ -35,8 +37,14 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: venv horovod lint
+test: venv horovod lint docs
 	$(PY) -m pytest -q
+
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 gpu-check: TORCH = $(if $(shell command -v nvidia-smi),cu128,cpu)
 gpu-check: venv
@@ -47,4 +55,4 @@ survey: venv
 	$(VENV)/bin/grace-dgc survey --preset quick --out runs/quick
 	@echo "report: runs/quick/report.md (plots: runs/quick/*.png)"
 
-.PHONY: venv horovod lint test survey gpu-check
+.PHONY: venv horovod lint test docs docs-serve survey gpu-check

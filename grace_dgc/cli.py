@@ -138,7 +138,9 @@ def _version() -> str:
         return str(getattr(importlib.import_module("grace_dgc"), "__version__", "unknown"))
 
 
-def main(argv: Sequence[str] | None = None) -> int | None:
+def build_parser() -> OneLineParser:
+    """The whole command line: ``grace-dgc`` and its subcommands (the docs' commands are
+    checked against it by a test)."""
     parser = OneLineParser(prog="grace-dgc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"grace-dgc {_version()}")
     parser.add_argument(
@@ -159,6 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     add_subcommands(sub)  # survey, report, project
     for command in sub.choices.values():  # also after the subcommand: grace-dgc survey ... --debug
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int | None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -88,7 +88,7 @@ def warn_of_error_feedback_under_adam(compressor: Compressor, memory: Memory, op
         log.warning(
             "%s (biased) with error-feedback memory %s under %s: Adam's per-coordinate scaling learns the "
             "compressed gradients' magnitudes, and such compositions end far above dense (measured: about 1 nat "
-            "of loss on a character GPT under AdamW, README 'Adam'). The Adam-aware schedules onebit_adam and "
+            "of loss on a character GPT under AdamW, docs/methods.md 'Adam'). The Adam-aware schedules onebit_adam and "
             "zero_one_adam keep the variance away from compression",
             *key,
         )

@@ -55,7 +55,8 @@ def add_survey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--script",
         metavar="TRAIN.py",
         help="script mode: run your own training script once per cell (it calls grace_dgc.survey.cell_grace() "
-        "and survey.report_metrics(); README: Your own script); the config's methods, workers and seeds make the grid",
+        "and survey.report_metrics(); docs/survey.md: Your own script); the config's methods, workers and seeds "
+        "make the grid",
     )
     parser.add_argument(
         "--launcher",

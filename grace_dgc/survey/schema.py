@@ -130,7 +130,7 @@ def _check_keys(table: Mapping[str, Any], accepted: Schema, where: str) -> None:
         hint = f" ({' '.join(hints)})" if hints else ""
         raise GraceConfigError(
             f"unknown key(s) {', '.join(map(repr, unknown))} in {where}{hint}; "
-            f"accepted: {', '.join(accepted)} (each is described in the README's survey section)"
+            f"accepted: {', '.join(accepted)} (each is described in docs/survey.md)"
         )
     for key, value in table.items():
         types = accepted[key][0]

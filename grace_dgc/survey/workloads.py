@@ -224,7 +224,7 @@ def workload_factory(name: object) -> tuple[str, Callable[..., Workload]]:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise GraceConfigError(
             f"unknown workload {name!r}.{hint} Valid names: {', '.join(list_workloads())}; or your own as "
-            "'package.module:factory' or 'file.py:factory' (README: Your own workload)"
+            "'package.module:factory' or 'file.py:factory' (docs/survey.md: Your own workload)"
         )
     return key, _FACTORIES[key]
 
