@@ -8,43 +8,15 @@ stderr naming it and the fix, exit status 2; anything else is a bug and keeps it
 from __future__ import annotations
 
 import argparse
-import difflib
 import inspect
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
 
 from . import registry
-from .errors import GraceConfigError, GraceDataError
+from .cli_support import USER_ERRORS, OneLineParser, command_providers, debug_requested, error_line, listings
 
-#: what a user's input can cause: one line and exit 2 (FileNotFoundError: a config or data file)
-USER_ERRORS: tuple[type[BaseException], ...] = (GraceConfigError, GraceDataError, FileNotFoundError, NotADirectoryError)
-
-
-def debug_requested(args: argparse.Namespace | None = None) -> bool:
-    """``--debug`` was given or ``GRACE_DGC_DEBUG`` is set (not to 0): show full tracebacks."""
-    return bool(getattr(args, "debug", False)) or os.environ.get("GRACE_DGC_DEBUG", "") not in ("", "0")
-
-
-def error_line(error: object, prog: str = "grace-dgc") -> str:
-    """The one line a user error ends in: ``grace-dgc: error: <message>`` (whitespace folded)."""
-    return f"{prog}: error: {' '.join(str(error).split())}"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage block: it points at ``--help`` instead) and
-    a suggestion for a misspelt choice (a subcommand, ``--launcher`` ...)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{error_line(message, self.prog)}; see {self.prog} --help\n")
-
-    def _check_value(self, action: argparse.Action, value: Any) -> None:
-        if action.choices is not None and value not in action.choices:
-            choices = [str(choice) for choice in action.choices]
-            close = difflib.get_close_matches(str(value), choices, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint}; accepted: {', '.join(choices)}")
+__all__ = ["USER_ERRORS", "OneLineParser", "build_parser", "debug_requested", "error_line", "main", "registry_table"]
 
 
 def _params(cls: type[object]) -> str:
@@ -91,20 +63,12 @@ def registry_table(markdown: bool = False) -> str:
 
 
 def workloads_table() -> str:
-    """The survey's workloads, built-in and plugged in: name and where its factory lives."""
-    from .survey.workloads import _FACTORIES, list_workloads
-
-    def where(factory: object) -> str:  # a functools.partial has no __qualname__
-        return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', repr(factory))}"
-
-    rows = [("workload", "factory")]
-    rows += [(name, where(_FACTORIES[name])) for name in list_workloads()]
-    width = max(len(r[0]) for r in rows)
-    return "\n".join(f"{a:{width}}  {b}" for a, b in rows)
+    """The survey's workloads (``grace-dgc list workloads``), from the listing the survey provides."""
+    return listings()["workloads"]()
 
 
 def _cmd_list(args: argparse.Namespace) -> None:
-    print(workloads_table() if args.what == "workloads" else registry_table(markdown=args.markdown))
+    print(registry_table(markdown=args.markdown) if args.what == "methods" else listings()[args.what]())
 
 
 def _add_demo(sub: argparse._SubParsersAction[OneLineParser]) -> None:
@@ -150,15 +114,15 @@ def build_parser() -> OneLineParser:
     p = sub.add_parser(
         "list", help="print the registered compressors, memories and communicators (or the survey's workloads)"
     )
+    others = sorted(listings())
     p.add_argument(
-        "what", nargs="?", choices=("methods", "workloads"), default="methods", help="methods (default) or workloads"
+        "what", nargs="?", choices=("methods", *others), default="methods", help=f"methods or {', '.join(others)}"
     )
     p.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
     p.set_defaults(func=_cmd_list)
     _add_demo(sub)
-    from .survey.cli import add_subcommands
-
-    add_subcommands(sub)  # survey, report, project
+    for add_subcommands in command_providers():  # the survey's: survey, report, project
+        add_subcommands(sub)
     for command in sub.choices.values():  # also after the subcommand: grace-dgc survey ... --debug
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from ..cli import USER_ERRORS, OneLineParser, debug_requested, error_line
+from ..cli_support import USER_ERRORS, OneLineParser, debug_requested, error_line
 from ..errors import GraceConfigError
 from .project import add_project_args, run_project
 from .report import add_report_args, run_report

@@ -19,7 +19,7 @@ from typing import Any, Self
 from ..engines.local import PlanEngine
 from ..errors import GraceConfigError
 from .cell import Cell, cell_hash, run_id, tuning_key  # noqa: F401  (cell_hash, run_id, tuning_key: API)
-from .presets import KPERCENTS, PRESET_ALIASES, PRESETS, load_preset, preset_dict  # noqa: F401
+from .presets import KPERCENTS, PRESET_ALIASES, PRESETS, preset_dict, preset_name  # noqa: F401
 from .schema import (
     DEFAULTS,
     MAX_WORKERS,
@@ -439,3 +439,8 @@ def _schedule(raw: object, spec: Mapping[str, Any], where: str) -> dict[str, Any
     except GraceConfigError as err:
         raise GraceConfigError(f"{where}: schedule: {err}") from None
     return {"name": name, "params": params}
+
+
+def load_preset(name: str, data_dir: str | None = None) -> SurveyConfig:
+    """The :class:`SurveyConfig` of preset ``name`` (:mod:`grace_dgc.survey.presets`)."""
+    return SurveyConfig(preset_dict(name, data_dir), source=f"preset {preset_name(name)}")

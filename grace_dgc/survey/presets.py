@@ -4,12 +4,9 @@ names they first had (by document number) are kept as aliases."""
 import difflib
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import GraceConfigError
-
-if TYPE_CHECKING:
-    from .config import SurveyConfig
 
 Raw = dict[str, Any]  # a config as from TOML
 
@@ -311,9 +308,3 @@ def preset_dict(name: str, data_dir: str | None = None) -> Raw:
     name = preset_name(name)
     raw = PRESETS[name](data_dir)
     return {k: v for k, v in raw.items() if v is not None}
-
-
-def load_preset(name: str, data_dir: str | None = None) -> "SurveyConfig":
-    from .config import SurveyConfig
-
-    return SurveyConfig(preset_dict(name, data_dir), source=f"preset {preset_name(name)}")

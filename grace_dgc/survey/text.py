@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import GraceConfigError, check_range
-from .workloads import Workload
+from .contract import Workload
 
 Split = tuple[Tensor, Tensor]
 

@@ -41,93 +41,20 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from ..errors import GraceConfigError, check_range
-from . import datasets, models
-from .data import Split, check_split, size
+from . import datasets, models, text
+
+# the contract a workload meets, re-exported where workloads have always been found
+from .contract import HYPER_PARAMETERS, LOSSES, LR_SCHEDULES, OPTIMIZERS, LossFn, MetricFn, Workload  # noqa: F401
+from .data import Split, check_split, size  # noqa: F401  (Split: re-exported)
 from .datasets import MissingDataError  # noqa: F401  (re-exported for the runner)
 from .models import parameter_count
 
-LossFn = Callable[[Tensor, Tensor], Tensor]  # (output, targets) -> the batch's mean loss
-MetricFn = Callable[[Tensor, Tensor], tuple[Any, Any]]  # (output, targets) -> (Σ score, count)
-LOSSES = ("cross_entropy", "lm")
-
-
-@dataclass(kw_only=True)
-class Workload:
-    """What the survey trains: the data, the model and how to score it, and the default
-    hyper-parameters (a survey config may override any of :data:`HYPER_PARAMETERS`).
-
-    Required: ``train``, ``test`` and ``make_model``. A split is ``(inputs, targets)``
-    tensors or a map-style ``torch.utils.data.Dataset`` of ``(input, target)`` pairs,
-    streamed through a DataLoader (:mod:`grace_dgc.survey.data`). ``make_model()`` is
-    called right after ``torch.manual_seed(seed)``, so every method starts from the same
-    weights: it must draw its initial values from torch's global generator.
-
-    ``loss``: ``"cross_entropy"`` (output (N, classes) against class indices), ``"lm"``
-    (output (N, T, vocab) against the next tokens (N, T)), or a function
-    ``loss(output, targets)`` returning the batch's mean loss. ``metric(output, targets)``
-    returns ``(sum of the batch's scores, number of scores)`` — numbers or 0-d tensors —
-    and higher must be better, in [0, 1] like an accuracy (``target_accuracy`` is checked to
-    lie there); the default is the accuracy of ``output.argmax(-1)``.
-    ``metric_name`` names it in the report; ``target_accuracy`` is the value of the metric
-    that time-to-target measures to (None: the run reports no time to target).
-    """
-
-    train: Split
-    test: Split
-    make_model: Callable[[], torch.nn.Module]
-    loss: str | LossFn = "cross_entropy"
-    metric: MetricFn | None = None
-    metric_name: str = ""  # default: "accuracy", "next-token accuracy" for "lm"
-    batch_size: int = 32  # per worker
-    lr: float = 0.05  # the peak learning rate
-    optimizer: str = "sgd"  # "sgd" (momentum, weight_decay) or "adamw" (betas, weight_decay decoupled)
-    momentum: float = 0.9  # SGD's
-    betas: tuple = (0.9, 0.999)  # AdamW's
-    epochs: int = 10
-    target_accuracy: float | None = None  # for time/epochs-to-target
-    name: str = ""  # set to the name it was asked for
-    description: str = ""
-    augment: Callable | None = None  # augment(inputs_batch, torch.Generator) -> batch (train, tensor splits)
-    valid: Split | None = None  # a held-out split when the dataset ships one (PTB): lr tuning scores on it
-    weight_decay: float = 0.0
-    lr_milestones: tuple = ()  # epochs after which lr *= lr_gamma (MultiStepLR)
-    lr_gamma: float = 0.1
-    lr_schedule: str = "step"  # "step": the milestones above; "cosine": cosine decay to lr/10 over the run
-    warmup_steps: int = 0  # linear warm-up from 0 over the first steps (either schedule)
-    grad_clip: float | None = None  # clip the gradient's global norm to this (LSTM)
-    loader_workers: int = 0  # DataLoader worker processes per rank for Dataset splits
-    parameters: int = 0  # trainable parameters of make_model() (measured)
-    info: dict = field(default_factory=dict)  # dataset/model facts: source, shapes, classes, vocab
-
-    def __post_init__(self) -> None:
-        if not self.metric_name:
-            self.metric_name = "next-token accuracy" if self.loss == "lm" else "accuracy"
-
-
-OPTIMIZERS = ("sgd", "adamw")
-LR_SCHEDULES = ("step", "cosine")
-HYPER_PARAMETERS = (
-    "batch_size",
-    "lr",
-    "optimizer",
-    "momentum",
-    "betas",
-    "lr_schedule",
-    "warmup_steps",
-    "epochs",
-    "target_accuracy",
-    "weight_decay",
-    "lr_milestones",
-    "lr_gamma",
-    "grad_clip",
-)
 Factory = TypeVar("Factory", bound=Callable[..., Workload])
 ENTRY_POINT_GROUP = "grace_dgc.workloads"
 _FACTORIES: dict[str, Callable[..., Workload]] = {}
@@ -190,6 +117,19 @@ def list_workloads(pattern: str = "*") -> list[str]:
     """Registered workload names (built-ins and entry points) matching ``pattern``."""
     _load_plugins()
     return sorted(n for n in _FACTORIES if fnmatch.fnmatchcase(n, pattern.lower()))
+
+
+def workloads_table() -> str:
+    """The survey's workloads, built-in and plugged in: name and where its factory lives
+    (``grace-dgc list workloads``)."""
+
+    def where(factory: object) -> str:  # a functools.partial has no __qualname__
+        return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', repr(factory))}"
+
+    rows = [("workload", "factory")]
+    rows += [(name, where(_FACTORIES[name])) for name in list_workloads()]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:{width}}  {b}" for a, b in rows)
 
 
 def is_spec(name: str) -> bool:
@@ -609,7 +549,4 @@ def _ptb_lstm(data_dir: str | None, seed: int, bptt: int = 35) -> Workload:
 
 
 # ------------------------------------------------------------------ a transformer on offline text
-# at the end: text.py builds a Workload, defined above
-from . import text  # noqa: E402
-
 register_workload("pydoc-gpt")(text.build_workload)
