@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from .errors import GraceConfigError
-from .stats import phase
 from .workspace import Workspace
 
 if TYPE_CHECKING:
@@ -442,13 +441,16 @@ class Communicator(Part):
     each tensor's decompressed payload (the compressor's ``aggregate``: a sum, or a vote)
     into an output, and say what this rank's memory should count as sent. Grace divides by
     the world size afterwards, for averaging methods. Communicators that move whole payloads
-    (allreduce, allgather, broadcast) derive from :class:`ExchangeCommunicator`, which
+    (allreduce, allgather, broadcast) derive from :class:`~grace_dgc.communicators.exchange.ExchangeCommunicator`, which
     provides it from GRACE's ``exchange``.
     """
 
     registered_name: ClassVar[str]  # set by the registry's decorator
 
     needs_summable = False  # refuse compressors whose payloads cannot be summed
+    # carries several rounds per step and agreement before compressing (the whole-payload
+    # exchanges: grace_dgc.communicators.exchange.ExchangeCommunicator)
+    carries_rounds = False
     # every rank's aggregate holds any NaN/Inf a rank sent (a plain sum on the wire): Grace
     # may then leave a non-finite gradient to the exchange instead of exchanging flags first
     propagates_nonfinite = False
@@ -466,9 +468,9 @@ class Communicator(Part):
         payloads with ``needs_summable``; a single round unless the class carries rounds."""
         if cls.needs_summable and not compressor.summable:
             return "its payloads cannot be summed"
-        if compressor.rounds > 1 and not issubclass(cls, ExchangeCommunicator):
+        if compressor.rounds > 1 and not cls.carries_rounds:
             return "it exchanges several rounds per step (allgather, broadcast and allreduce carry those)"
-        if compressor.prerounds and not issubclass(cls, ExchangeCommunicator):
+        if compressor.prerounds and not cls.carries_rounds:
             return "it agrees with every rank before compressing (allgather, broadcast and allreduce carry that)"
         return None
 
@@ -518,53 +520,3 @@ class Communicator(Part):
         aggregate kept, gTop-k; its last round's, PowerSGD). ``consume=True``: nothing reads
         the payloads afterwards, so they may be reduced where they lie."""
         raise NotImplementedError
-
-
-class ExchangeCommunicator(Communicator):
-    """A communicator that moves whole payloads: ``exchange(payload, name)`` returns every
-    rank's payload (allgather, broadcast), or the single payload summed over ranks
-    (allreduce, which overrides :meth:`combine` and :meth:`decompress_exchanged`).
-    :meth:`aggregate_into` exchanges a fusion group's payloads together, then decompresses
-    (multi-round methods go through :func:`grace_dgc.rounds.aggregate_rounds`)."""
-
-    def exchange(self, payload: Payload, name: str) -> list[Payload]:
-        raise NotImplementedError
-
-    def exchange_many(self, payloads: list[Payload], names: list[str], consume: bool = False) -> list[list[Payload]]:
-        """Exchange several payloads at once: they travel as one payload (their tensors
-        concatenated into one list), so one size exchange and one data collective serve the
-        whole group. Returns, per payload, what :meth:`exchange` would have returned."""
-        if len(payloads) == 1:
-            return [self.exchange(payloads[0], names[0])]
-        return regroup(payloads, self.exchange([t for payload in payloads for t in payload], ",".join(names)))
-
-    def combine(self, exchanged: list[Payload]) -> Payload:
-        """One tensor's exchanged payloads summed over ranks (what ``next_round`` sees)."""
-        return [torch.stack(parts).sum(dim=0) for parts in zip(*exchanged)]
-
-    def decompress_exchanged(self, compressor: Compressor, exchanged: list[Payload], ctx: Any, out: Tensor) -> None:
-        """One tensor's aggregate from what :meth:`exchange` returned for it, into ``out``."""
-        compressor.decompress_aggregate_into(exchanged, ctx, out)
-
-    def aggregate_into(
-        self, comp: Compressor, payloads: Payloads, ctxs: Ctxs, names: list[str], outs: Tensors, consume: bool = False
-    ) -> Sent:
-        if comp.rounds > 1:
-            from .rounds import aggregate_rounds
-
-            return aggregate_rounds(self, comp, payloads, ctxs, names, outs)
-        exchanged = self.exchange_many(payloads, names, consume)
-        with phase("decompress"):
-            for out, got, ctx in zip(outs, exchanged, ctxs):
-                self.decompress_exchanged(comp, got, ctx, out)
-        return payloads, ctxs
-
-
-def regroup(payloads: list[Payload], exchanged: list[Payload]) -> list[list[Payload]]:
-    """Split what one exchange of the payloads' concatenated tensors returned (one list per
-    rank, or one summed list) back into, per payload, the list :meth:`exchange` returns."""
-    out, start = [], 0
-    for payload in payloads:
-        out.append([tensors[start : start + len(payload)] for tensors in exchanged])
-        start += len(payload)
-    return out

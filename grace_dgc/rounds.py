@@ -3,7 +3,7 @@
 A compressor with ``rounds > 1`` sees each round's payloads summed over ranks
 (``Compressor.next_round``) and answers with the next round's payload, or None once the
 tensor is done. :func:`aggregate_rounds` drives that loop for a fusion group over any
-:class:`~grace_dgc.interfaces.ExchangeCommunicator`:
+:class:`~grace_dgc.communicators.exchange.ExchangeCommunicator`:
 
 1. exchange every tensor's round-1 payload (one collective for the group);
 2. for each tensor still active: ``next_round(Σ_r payload_r, ctx)``; None retires it, with
@@ -22,7 +22,8 @@ from torch import Tensor
 from .stats import phase
 
 if TYPE_CHECKING:
-    from .interfaces import Compressor, ExchangeCommunicator, Payload
+    from .communicators.exchange import ExchangeCommunicator
+    from .interfaces import Compressor, Payload
 
 
 def aggregate_rounds(

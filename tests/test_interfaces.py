@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import grace_dgc
+from grace_dgc.communicators.exchange import ExchangeCommunicator
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.interfaces import Communicator, ExchangeCommunicator
+from grace_dgc.interfaces import Communicator
 from grace_dgc.registry import COMMUNICATORS, MEMORIES
 
 PACKAGE = pathlib.Path(grace_dgc.__file__).parent

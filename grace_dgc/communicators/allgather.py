@@ -3,8 +3,9 @@ from __future__ import annotations
 from typing import Any
 
 from .. import wire
-from ..interfaces import Cost, ExchangeCommunicator, Payload
+from ..interfaces import Cost, Payload
 from ..registry import register_communicator
+from .exchange import ExchangeCommunicator
 
 
 @register_communicator("allgather")

@@ -5,9 +5,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..interfaces import Compressor, Cost, ExchangeCommunicator, Payload
+from ..interfaces import Compressor, Cost, Payload
 from ..registry import register_communicator
 from ..workspace import flat_span
+from .exchange import ExchangeCommunicator
 
 
 @register_communicator("allreduce")

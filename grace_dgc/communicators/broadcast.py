@@ -4,8 +4,9 @@ import math
 from typing import Any
 
 from .. import wire
-from ..interfaces import Cost, ExchangeCommunicator, Payload
+from ..interfaces import Cost, Payload
 from ..registry import register_communicator
+from .exchange import ExchangeCommunicator
 
 
 @register_communicator("broadcast")
