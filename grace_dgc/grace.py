@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any
 
@@ -32,7 +33,7 @@ from .engines.base import Engine
 from .errors import GraceConfigError, GraceNonFiniteError, check_range, on_every_rank
 from .interfaces import Communicator, Compressor, Memory, Payload, StateMismatch
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry
-from .stats import COUNTERS, Clock
+from .stats import CONTROL, COUNTERS, Clock
 from .workspace import flat_span
 
 NONFINITE_POLICIES = ("skip", "raise")
@@ -127,6 +128,7 @@ class Grace:
         self.params: dict[str, dict[str, Any]] = {}  # constructor parameters per part, as build() routed them
         self.wire = compressor  # what compresses each gradient: the communicator's choice, set by bind
         self._wire_of = compressor
+        self.reset_stats()  # before binding: its handshake is counted (control_*)
         # engine="auto" before any process group exists (a script that builds its parts
         # before init_process_group) waits for the first exchange to choose and bind
         if not isinstance(engine, AutoEngine) or engine.name in ("torch", "horovod"):
@@ -137,7 +139,6 @@ class Grace:
         self._watched: dict[str, Tensor] = {}  # see watch: compared across ranks at the next exchange
         self._watched_optimizer: torch.optim.Optimizer | None = None
         self._loaded_rank: int | None = None  # whose state load_state_dict restored (None: none loaded)
-        self.reset_stats()
 
     def watch(self, params: Mapping[str, Tensor], optimizer: torch.optim.Optimizer | None = None) -> None:
         """The model a wrapper trains (DistributedOptimizer, the DDP hook): at the next exchange
@@ -278,11 +279,13 @@ class Grace:
             self.bind()
         signature = tuple((n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors))
         if signature not in self._agreed:  # first exchange of this group: do ranks agree?
-            handshake.agree(self, tensors, names)
+            with self._controlling():
+                handshake.agree(self, tensors, names)
             self._agreed.add(signature)
         if self._watched:  # once, before anything is stepped: the same model on every rank?
             watched, self._watched = self._watched, {}
-            handshake.agree_replicas(self.engine, watched, tensors[0].device)
+            with self._controlling():
+                handshake.agree_replicas(self.engine, watched, tensors[0].device)
             self._warn_of_a_partial_resume()
         if self._wire_of is not self.compressor:
             self.wire, self._wire_of = self.communicator.wire_compressor(self.compressor), self.compressor
@@ -393,7 +396,8 @@ class Grace:
         mine = 0.0 if all_finite(tensors) else 1.0
         if self.engine.size == 1:
             return [0] if mine else []
-        flags = self.engine.allgather(torch.tensor([mine], device=tensors[0].device))
+        with self._controlling():
+            flags = self.engine.allgather(torch.tensor([mine], device=tensors[0].device))
         return [rank for rank, flag in enumerate(flags) if float(flag[0])]
 
     def _skip(
@@ -418,6 +422,19 @@ class Grace:
         """The communicate phase: its time, and the bytes the engine moved meanwhile."""
         return _Communicating(self)
 
+    @contextmanager
+    def _controlling(self) -> Iterator[None]:
+        """An agreement among the ranks (a handshake, the non-finite flags): its bytes and
+        seconds counted as ``control_*``, apart from the payloads'."""
+        engine, started = self.engine, time.perf_counter()
+        sent, received = engine.bytes_sent, engine.bytes_received
+        try:
+            yield
+        finally:
+            self._stats["control_bytes_sent"] += engine.bytes_sent - sent
+            self._stats["control_bytes_received"] += engine.bytes_received - received
+            self._stats["control_seconds"] += time.perf_counter() - started
+
     def bind(self) -> None:
         """Hand the engine to the parts that need the world size (fp16's pre-division,
         momentum's clipping): when built, or at the first exchange with ``engine="auto"``."""
@@ -426,7 +443,8 @@ class Grace:
                 f"built for world_size={self.expected_world_size} but the {self.engine.name} "
                 f"engine has {self.engine.size} ranks"
             )
-        handshake.agree_settings(self)  # before set-up runs collectives that depend on them
+        with self._controlling():
+            handshake.agree_settings(self)  # before set-up runs collectives that depend on them
         parts_engine = self.communicator.setup()
         self.wire = self.communicator.wire_compressor(self.compressor)
         self._wire_of = self.compressor
@@ -456,7 +474,7 @@ class Grace:
         return self._clock.timed(key)
 
     def reset_stats(self) -> None:
-        self._stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self._stats: dict[str, float] = dict.fromkeys(COUNTERS + CONTROL, 0)
         self._clock = Clock()
         self._steps: dict[str, int] = {}
         self._wait_seconds = 0.0
@@ -481,15 +499,19 @@ class Grace:
 
         steps: exchanges of the most-exchanged tensor name (= optimizer steps);
         tensors, groups: tensors exchanged, and fusion groups (each one set of collectives);
-        bytes_sent: bytes this rank handed to collectives as its own contribution, padding
-        and size headers included; bytes_received: bytes it got back from the other ranks
+        bytes_sent: bytes this rank handed to collectives as its own contribution to the
+        payloads' exchanges, padding and the payloads' size headers included; bytes_received:
+        bytes it got back from the other ranks
         (allgather: every other rank's buffer, so it grows with the world size; see
         :class:`~grace_dgc.engines.base.Engine`); dense_bytes: what an fp32 allreduce of the
         same tensors would hand over;
         compression_ratio: bytes_sent / dense_bytes (0.001 = a thousandth is sent);
         ``<phase>_seconds``: time in each phase of the data path, on the thread that ran it;
         wait_seconds: time the training thread spent blocked on exchanges still in flight
-        (DistributedOptimizer.synchronize), the communication that backward did not hide.
+        (DistributedOptimizer.synchronize), the communication that backward did not hide;
+        control_bytes_sent, control_bytes_received, control_seconds: the ranks' agreements
+        around the payloads (the settings and fingerprint handshakes, the non-finite flags),
+        counted apart so that bytes_sent stays what the method's wire format says.
         """
         out: dict[str, Any] = dict(self._stats)
         out.update({key + "_seconds": seconds for key, seconds in self._clock.seconds.items()})

@@ -16,10 +16,14 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 # the phases it encloses (decompression inside the exchange counts as decompression)
 TIMERS = ("compress", "memory", "communicate", "decompress")
 COUNTERS = ("tensors", "groups", "bytes_sent", "bytes_received", "dense_bytes", "skipped")
+# the ranks' agreements around the payloads (the settings and fingerprint handshakes, the
+# non-finite flags): their own bytes and seconds, apart from the payloads' so that a method's
+# bytes_sent stays what its wire format says
+CONTROL = ("control_bytes_sent", "control_bytes_received", "control_seconds")
 DERIVED = ("steps", "compression_ratio", "bytes_per_step")
 # every key Grace.stats() reports itself (a part adds its own, e.g. DGC's current ratio)
 WAIT = "wait_seconds"  # the training thread blocked on exchanges (charged by the optimizer wrapper)
-GRACE_KEYS = frozenset(COUNTERS + DERIVED + (WAIT,) + tuple(key + "_seconds" for key in TIMERS))
+GRACE_KEYS = frozenset(COUNTERS + DERIVED + CONTROL + (WAIT,) + tuple(key + "_seconds" for key in TIMERS))
 
 _active = threading.local()  # the clock of the exchange running on this thread, if any
 
