@@ -6,7 +6,7 @@ On a 1000×1000 fp32 gradient (N(0, 1), a different seed per rank), gloo ranks o
 localhost, for topk 1 % (allgather, sparse_allreduce, sparse_allreduce with gTop-k), qsgd
 (allgather, reduce_scatter) and thc (4 bits: allreduce, allgather; 7 bits: allreduce, whose
 int8 codes widen to int32 once N·63 > 127): per rank and step, ``bytes_sent`` and
-``bytes_received`` from ``grace.stats()`` (see the README for what each counts), and the
+``bytes_received`` from ``grace.stats()`` (docs/how-it-works.md says what each counts), and the
 bytes the loopback interface carried (/proc/net/dev, lo transmit counter, all ranks
 together, divided by the ranks; includes TCP/IP headers), the mean over ``--steps`` steps
 after one warm-up step; and the error of the last step's output against the exact average

@@ -18,7 +18,7 @@ ranks) with DeepSpeed's conventions where they are settings:
 
 Two runs per method. ``grace_dgc`` is the papers' composition as grace_dgc builds it
 (efsignsgd(rms) + residual + reduce_scatter), which differs from DeepSpeed in the compressed
-allreduce's granularity (README, "Adam"): DeepSpeed pads each tensor to a multiple of 16 and takes
+allreduce's granularity (docs/methods.md, "Adam"): DeepSpeed pads each tensor to a multiple of 16 and takes
 one worker scale per padded tensor, grace_dgc one per owner chunk. ``+ DeepSpeed's allreduce``
 runs the same schedule with DeepSpeed's compressed allreduce written here as a plugin
 communicator (``none`` compressor, ``none`` memory: the communicator keeps the worker and server

@@ -27,7 +27,7 @@ def timed(fn, device, repeats):
 
 def shown_argv(argv):
     """The arguments a benchmark ran with, less ``--readme PATH`` and ``--block NAME`` (for
-    the README)."""
+    the figures page)."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -39,8 +39,8 @@ def shown_argv(argv):
 
 
 class Report:
-    """Prints lines as they come and keeps them, so a benchmark can also write them into the
-    README's performance section (``--readme``)."""
+    """Prints lines as they come and keeps them, so a benchmark can also write them into a
+    page's block, docs/performance.md (``--readme``)."""
 
     def __init__(self):
         self.lines = []

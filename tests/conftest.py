@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 
 # libstdc++'s message when torch's gloo worker frees a finished collective's tensors after the
-# interpreter began to shut down (README, "Script mode"): torch's, a few runs in 25 of a plain
+# interpreter began to shut down (docs/survey.md, "Your own script"): torch's, a few runs in 25 of a plain
 # torch + gloo script on a loaded machine. It follows a complete run; anything else is a failure.
 TEARDOWN_ABORT = "terminate called without an active exception"
 

@@ -101,3 +101,10 @@ def test_the_options_the_prose_names_exist(line):
     for word in words[1:]:
         if word.startswith("--"):
             assert word.split("=")[0] in known, f"the docs name an option {words[0]} lacks: {word} in {line}"
+
+
+def test_the_readme_and_getting_started_print_the_same_set_up_and_quickstart():
+    """The README repeats the first page's set-up commands and quickstart: they may not drift apart."""
+    readme, page = (ROOT / "README.md").read_text(), (ROOT / "docs" / "getting-started.md").read_text()
+    shared = [m.group(0) for m in FENCE.finditer(readme)][:2]  # the set-up commands and the quickstart
+    assert len(shared) == 2 and all(block in page for block in shared)

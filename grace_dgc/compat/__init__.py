@@ -39,8 +39,8 @@ Where GRACE contradicts the paper, grace_dgc follows the paper:
   DGC (Lin et al. 2018, §3.2) clips the local gradient's norm at a threshold scaled by
   N^-1/2. True selects the paper's clipping with threshold :data:`GRACE_CLIP_NORM`; a number
   selects that threshold.
-* Sign methods: an exact zero is sent as +1 and a majority tie gives 0 (GRACE: +1); see the
-  README's method notes.
+* Sign methods: an exact zero is sent as +1 and a majority tie gives 0 (GRACE: +1); see
+  docs/decisions.md, "Sign methods".
 """
 
 import logging

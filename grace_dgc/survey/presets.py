@@ -249,7 +249,7 @@ def _adam_methods(freeze_step: int, var_freeze_step: int) -> list[Raw]:
 def _preset_fidelity_transformer(data_dir: str | None) -> Raw:
     """Under AdamW (the workload's nanoGPT recipe) since issue 40: DGC's memory then accumulates
     without momentum (Adam keeps its own), and the Adam-aware schedules join the rows. The SGD
-    figures in the README were measured before, with optimizer "sgd", lr 0.15, momentum 0.9."""
+    figures in docs/survey.md were measured before, with optimizer "sgd", lr 0.15, momentum 0.9."""
     methods = _fidelity_methods(clip=1.0, warmup_epochs=1)
     methods[1]["params"]["momentum"] = 0.0
     return {

@@ -184,7 +184,7 @@ def _record_failures(directory: str, rank: int) -> None:
     without one, ``finished<rank>``: a signal after that is the interpreter's teardown, not the
     script (see :func:`_wait`): torch's gloo teardown aborts so ("terminate called without an
     active exception") when a gloo worker frees a finished collective's tensors while the
-    interpreter shuts down (README, "Script mode")."""
+    interpreter shuts down (docs/survey.md, "Your own script")."""
     previous = sys.excepthook
     raised: list[type[BaseException]] = []
 
