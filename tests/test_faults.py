@@ -7,6 +7,7 @@ import io
 import math
 import os
 import queue
+import time
 
 import pytest
 import torch
@@ -385,6 +386,10 @@ def failing_rank_job(rank, world_size, port, how, results, comm, victim):
         results.put((rank, "no error"))
     except grace_dgc.GraceCommError as error:
         results.put((rank, str(error)))
+    # stay up until the test ends: a survivor that exits takes the store (rank 0's) or its
+    # answers with it, and a slower survivor, still asking, could then not tell who died
+    # (it says so, honestly; but this test is about the survivors that can tell)
+    time.sleep(120)
 
 
 ALL_VICTIM_CASES = [
