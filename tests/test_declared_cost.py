@@ -91,3 +91,19 @@ def test_auto_tries_a_plugin_with_a_declared_cost_and_picks_it_when_cheapest():
         assert PLUGIN in chosen["predicted_seconds"] and chosen["choice"] == PLUGIN
         for step, out in enumerate(outs):  # and it averages as an allreduce does
             assert torch.equal(out, torch.full((1000,), step + 0.5, dtype=torch.float32))
+
+
+def mismatch_job(rank, world):
+    if rank == 1:
+        register_plugin()  # only this rank loaded the plugin
+    try:
+        grace_dgc.build("fp16", "none", "auto", interval=2, bandwidth=1e3, latency=1e-4)
+    except GraceConfigError as error:
+        return str(error)
+    return "built"
+
+
+def test_ranks_with_other_plugins_are_refused_by_name():
+    """auto's candidates are the code of its broadcast plans: the ranks compare them first."""
+    for message in run_local(mismatch_job, 2, timeout=120):
+        assert "candidates" in message and PLUGIN in message, message

@@ -80,6 +80,11 @@ class Auto(Communicator):
         self.members: dict[str, Communicator] = {}
         self.candidates = candidates()
 
+    def agreed_settings(self) -> dict[str, Any]:
+        # the candidates' order is the code of every plan rank 0 broadcasts: a rank that loaded
+        # other plugins would read the codes as other communicators
+        return {**super().agreed_settings(), "candidates": self.candidates}
+
     @classmethod
     def refusal(cls, compressor: Compressor) -> str | None:
         if compressor.rounds > 1 or compressor.prerounds:  # its members would not agree first
