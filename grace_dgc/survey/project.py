@@ -459,14 +459,14 @@ def with_communicators(methods: Sequence[Method], communicators: Sequence[str]) 
     compressor, the same measured method projected with that communicator."""
     from ..registry import COMMUNICATORS, COMPRESSORS
 
-    out = list(methods)
+    out, known = list(methods), modelled()  # each registered class asked once, not per method and name
     for method in methods:
         if method["compressor"] == "none" and method["communicator"] == "allreduce":
             continue  # the dense baseline stays what it is
         for name in communicators:
             flat = name.split(":", 1)[-1]
-            if flat not in modelled():
-                raise GraceConfigError(f"no cost model for communicator {name!r}; accepted: {', '.join(modelled())}")
+            if flat not in known:
+                raise GraceConfigError(f"no cost model for communicator {name!r}; accepted: {', '.join(known)}")
             try:
                 fits = COMMUNICATORS.get(flat.split("+", 1)[0]).fits(COMPRESSORS.get(method["compressor"])())
             except GraceConfigError:
