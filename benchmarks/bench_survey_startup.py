@@ -31,9 +31,9 @@ def busy() -> None:
 
 def one_pass(pooled: bool, runs: int, workers: int) -> list[float]:
     from grace_dgc.launch import RankPool, run_local
-    from grace_dgc.survey.config import SurveyConfig
-    from grace_dgc.survey.execute import run_cell
-    from grace_dgc.survey.grid import prepare
+    from grace_survey.config.settings import SurveyConfig
+    from grace_survey.running.execute import run_cell
+    from grace_survey.running.grid import prepare
 
     config = SurveyConfig(
         {

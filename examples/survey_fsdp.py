@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import grace_dgc
 from grace_dgc import survey
-from grace_dgc.survey.text import CharTransformer, corpus_text, encode, split_bounds, vocabulary, windows
+from grace_survey.workloads.text import CharTransformer, corpus_text, encode, split_bounds, vocabulary, windows
 
 
 def evaluate(model, inputs, targets, rank, world_size):

@@ -8,7 +8,7 @@ The script is the user's: its data, its model, its optimizer (AdamW here: script
 any optimizer DistributedOptimizer wraps), its metrics. The survey gives it the cell's seed
 and method and records what it reports; next-token accuracy is reported as ``accuracy``
 (the target of time-to-target) and perplexity as a named metric of its own. The text is
-Python's own help text and the model a GPT-style decoder (``grace_dgc.survey.text``: a
+Python's own help text and the model a GPT-style decoder (``grace_survey.workloads.text``: a
 workload of the survey too, ``pydoc-gpt``); bring yours in their place.
 
 Run alone:  torchrun --nproc-per-node 2 examples/survey_transformer.py --epochs 1 --train-chars 50000
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import grace_dgc
 from grace_dgc import survey
-from grace_dgc.survey.text import CharTransformer, corpus_text, encode, split_bounds, vocabulary, windows
+from grace_survey.workloads.text import CharTransformer, corpus_text, encode, split_bounds, vocabulary, windows
 
 
 def evaluate(model, inputs, targets, rank, world_size):

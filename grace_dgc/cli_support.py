@@ -1,5 +1,5 @@
 """What every ``grace-dgc`` subcommand shares, below the library's CLI (:mod:`grace_dgc.cli`)
-and the apps that add subcommands to it (the survey, :mod:`grace_dgc.survey.cli`): one-line
+and the apps that add subcommands to it (the survey, :mod:`grace_survey.cli`): one-line
 user errors, and where subcommands and listings come from.
 
 Subcommands arrive through the entry-point group ``grace_dgc.commands`` (each a function that
@@ -23,8 +23,8 @@ from .errors import GraceConfigError, GraceDataError
 COMMANDS_GROUP, LISTINGS_GROUP = "grace_dgc.commands", "grace_dgc.listings"
 # what pyproject.toml declares for the survey: used where no installed metadata says it
 _BUILT_IN = {
-    COMMANDS_GROUP: {"survey": "grace_dgc.survey.cli:add_subcommands"},
-    LISTINGS_GROUP: {"workloads": "grace_dgc.survey.workloads:workloads_table"},
+    COMMANDS_GROUP: {"survey": "grace_survey.cli:add_subcommands"},
+    LISTINGS_GROUP: {"workloads": "grace_survey.workloads.registry:workloads_table"},
 }
 
 #: what a user's input can cause: one line and exit 2 (FileNotFoundError: a config or data file)

@@ -507,8 +507,8 @@ def test_a_plugin_adam_is_recognised_by_its_defaults_and_the_ddp_hook_warns_too(
 def test_the_lr_schedule_is_nanogpts_warm_up_and_cosine():
     import math
 
-    from grace_dgc.survey.train import lr_at
-    from grace_dgc.survey.workloads import Workload
+    from grace_survey.running.train import lr_at
+    from grace_survey.workloads.registry import Workload
 
     def workload(**hyper):
         return Workload(
@@ -526,8 +526,8 @@ def test_the_lr_schedule_is_nanogpts_warm_up_and_cosine():
 
 
 def test_pydoc_gpt_trains_with_adamw_and_bad_values_are_refused():
-    from grace_dgc.survey.train import make_optimizer
-    from grace_dgc.survey.workloads import get_workload
+    from grace_survey.running.train import make_optimizer
+    from grace_survey.workloads.registry import get_workload
 
     gpt = get_workload("pydoc-gpt", train_chars=1000, d_model=16, n_layer=1, n_head=2)
     assert (gpt.optimizer, gpt.lr, gpt.betas, gpt.weight_decay) == ("adamw", 1e-3, (0.9, 0.99), 0.1)
@@ -547,7 +547,7 @@ def test_pydoc_gpt_trains_with_adamw_and_bad_values_are_refused():
 
 
 def test_the_adam_schedules_by_name_in_a_survey_config():
-    from grace_dgc.survey.config import SurveyConfig
+    from grace_survey.config.settings import SurveyConfig
 
     method = {
         "label": "1-bit adam",
@@ -577,7 +577,7 @@ def test_the_report_shows_the_loss_gap_to_dense_in_nats():
 
     from scipy import stats
 
-    from grace_dgc.survey.report import Group, general_table, loss_gap
+    from grace_survey.report.writer import Group, general_table, loss_gap
 
     def group(label, compressor, losses, seeds=(0, 1, 2)):
         g = Group(label, 2, "local")

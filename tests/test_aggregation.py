@@ -13,7 +13,7 @@ from grace_dgc.communicators.reduce_scatter import Chunked
 from grace_dgc.errors import GraceConfigError
 from grace_dgc.launch import run_local
 from grace_dgc.registry import COMMUNICATORS, COMPRESSORS
-from grace_dgc.survey.project import counted_bytes
+from grace_survey.projection.project import counted_bytes
 
 SPARSE = {
     "topk": {"compress_ratio": 0.2},

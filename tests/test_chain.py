@@ -138,7 +138,7 @@ def test_ranks_agree_bitwise(world):
 
 
 def test_a_survey_method_names_a_chain():
-    from grace_dgc.survey.config import SurveyConfig
+    from grace_survey.config.settings import SurveyConfig
 
     raw = {
         "name": "t",

@@ -14,8 +14,8 @@ import pytest
 
 from grace_dgc.cli import main
 from grace_dgc.errors import GraceConfigError, GraceDataError
-from grace_dgc.survey import datasets
-from grace_dgc.survey.workloads import list_workloads
+from grace_survey.workloads import datasets
+from grace_survey.workloads.registry import list_workloads
 
 MNIST_CONFIG = 'workload = "mnist-mlp"\nepochs = 1\n[[methods]]\ncompressor = "none"\n'
 
@@ -273,7 +273,7 @@ def test_debug_shows_the_traceback_of_a_user_error(tmp_path, monkeypatch):
 
 
 def test_a_bug_keeps_its_traceback_and_leaves_no_folder(tmp_path, monkeypatch):
-    from grace_dgc.survey import grid
+    from grace_survey.running import grid
 
     def broken(config, out_dir, **kwargs):
         os.makedirs(os.path.join(out_dir, "data-cache"))

@@ -103,7 +103,7 @@ def test_out_naming_a_file_is_an_error(tmp_path, capsys):
 
 
 def test_a_hierarchical_survey_is_checked_on_the_workers_it_runs_with():
-    from grace_dgc.survey.config import SurveyConfig
+    from grace_survey.config.settings import SurveyConfig
 
     method = {"compressor": "topk", "communicator": "hierarchical", "params": {"group_size": 2}}
     assert SurveyConfig({"workload": "mnist1d-mlp", "workers": 4, "methods": [method]}).workers == [4]

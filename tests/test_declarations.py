@@ -231,7 +231,7 @@ def test_a_bad_local_rank_is_named(monkeypatch):
 
 
 def test_a_bad_netem_setting_is_named(monkeypatch):
-    from grace_dgc.survey import netem
+    from grace_survey.running import netem
 
     monkeypatch.setenv("GRACE_DGC_NETEM", "{not json")
     with pytest.raises(GraceConfigError, match=r"^GRACE_DGC_NETEM='\{not json' in the environment"):

@@ -15,7 +15,7 @@ from grace_dgc.errors import GraceConfigError
 from grace_dgc.interfaces import Cost
 from grace_dgc.launch import run_local
 from grace_dgc.registry import COMMUNICATORS
-from grace_dgc.survey import project
+from grace_survey.projection import project
 
 PLUGIN = "test_cheap_allreduce"
 

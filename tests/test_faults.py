@@ -241,7 +241,7 @@ class _Exploit:
 def test_a_crafted_cifar_batch_is_refused_not_run(tmp_path, monkeypatch):
     import pickle
 
-    from grace_dgc.survey import datasets
+    from grace_survey.workloads import datasets
 
     path = tmp_path / "data_batch_1"
     path.write_bytes(pickle.dumps({b"data": _Exploit(), b"labels": [0]}, protocol=2))

@@ -241,8 +241,8 @@ def test_script_mode_runs_the_sharded_example_through_the_report(tmp_path, capsy
     FSDP2's reduce-scatter, bytes per rank and step as FSDP moves them."""
     import os
 
-    from grace_dgc.survey import cli
-    from grace_dgc.survey.results import read_records
+    from grace_survey import cli
+    from grace_survey.running.results import read_records
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     conf = tmp_path / "methods.toml"

@@ -16,12 +16,15 @@ import pytest
 import torch
 
 import grace_dgc
+import grace_survey
 from grace_dgc.communicators.exchange import ExchangeCommunicator
 from grace_dgc.errors import GraceConfigError
 from grace_dgc.interfaces import Communicator
 from grace_dgc.registry import COMMUNICATORS, MEMORIES
 
 PACKAGE = pathlib.Path(grace_dgc.__file__).parent
+SURVEY = pathlib.Path(grace_survey.__file__).parent  # the app on the library, apart
+BOTH = (PACKAGE, SURVEY)
 
 
 class HalfPrecision(grace_dgc.Compressor):
@@ -179,10 +182,10 @@ def _imports(path: pathlib.Path) -> set[str]:
             found.update(f"{module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-    return {m for m in found if m.startswith("grace_dgc")}
+    return {m for m in found if m.startswith(("grace_dgc", "grace_survey"))}
 
 
-@pytest.mark.parametrize("app", ["grace_dgc.survey", "grace_dgc.compat"])
+@pytest.mark.parametrize("app", ["grace_survey", "grace_dgc.survey", "grace_dgc.compat"])
 def test_the_core_imports_neither_the_survey_nor_the_grace_shim(app):
     """The data path, the parts and the engines stand alone; only the package's face
     (``__init__``: ``from_params``) reaches an app (the command line finds the survey's
@@ -205,7 +208,7 @@ def test_the_core_imports_neither_the_survey_nor_the_grace_shim(app):
 def _runtime_imports(path: pathlib.Path) -> set[str]:
     """The grace_dgc modules ``path`` imports when it runs (function-level imports included;
     ``if TYPE_CHECKING:`` blocks and the parent packages, which run first anyway, left out)."""
-    modules = {_module(p) for p in PACKAGE.rglob("*.py")}
+    modules = {_module(p) for package in BOTH for p in package.rglob("*.py")}
     name = _module(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     tree = ast.parse(path.read_text())
@@ -238,8 +241,9 @@ def _module(path: pathlib.Path) -> str:
 
 def test_no_import_circles_in_the_package():
     """No module imports, directly or through others, a module that imports it back (function-
-    level imports count: they only postpone the circle). Issue 41 found three; none is left."""
-    graph = {_module(path): _runtime_imports(path) for path in PACKAGE.rglob("*.py")}
+    level imports count: they only postpone the circle), in the library and the survey alike.
+    Issue 41 found three; none is left."""
+    graph = {_module(path): _runtime_imports(path) for package in BOTH for path in package.rglob("*.py")}
     seen: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(module: str, path: list[str]) -> None:

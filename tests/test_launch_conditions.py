@@ -11,9 +11,9 @@ import time
 import pytest
 
 from grace_dgc.launch import Neighbours, conditions, launch_record, run_local, threads_per_rank
-from grace_dgc.survey import config as cfg
-from grace_dgc.survey import runner
-from grace_dgc.survey.conditions import launch_lines
+from grace_survey.config import settings as cfg
+from grace_survey.report.conditions import launch_lines
+from grace_survey.running import runner
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_script_mode import SCRIPT

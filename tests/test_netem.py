@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from grace_dgc.survey import cli, netem, runner
+from grace_survey import cli
+from grace_survey.running import netem, runner
 
 
 def _unavailable_reason():
@@ -47,7 +48,7 @@ def test_missing_tools_give_a_clear_message(monkeypatch):
 @needs_netns
 def test_one_megabyte_over_10_mbit_takes_about_0_8_s():
     proc = netem.run_shaped(
-        [sys.executable, "-m", "grace_dgc.survey.netem", "measure", "--bytes", "1000000"],
+        [sys.executable, "-m", "grace_survey.running.netem", "measure", "--bytes", "1000000"],
         bandwidth_bps=10e6,
         capture=True,
         timeout=180,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grace_dgc.survey import project
+from grace_survey.projection import project
 
 
 def pipeline(compute: float, exchange: float, buckets: int, share: float) -> float:

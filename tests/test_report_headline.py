@@ -11,8 +11,8 @@ import statistics
 import pytest
 from scipy import stats
 
-from grace_dgc.survey import report
-from grace_dgc.survey.units import human_bytes
+from grace_survey.report import writer as report
+from grace_survey.units import human_bytes
 
 TARGET = 0.6
 EPOCHS = 10

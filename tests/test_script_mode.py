@@ -15,9 +15,12 @@ import time
 import pytest
 
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.survey import cell_grace, cell_seed, cli, project, report, report_metrics, runner
-from grace_dgc.survey import config as cfg
-from grace_dgc.survey.results import read_records
+from grace_survey import cell_grace, cell_seed, cli, report_metrics
+from grace_survey.config import settings as cfg
+from grace_survey.projection import project
+from grace_survey.report import writer as report
+from grace_survey.running import runner
+from grace_survey.running.results import read_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a linear model 8 -> 2 (18 parameters), 5 steps per epoch, 2 epochs; MODE picks a failure
@@ -151,7 +154,7 @@ def test_a_signal_after_the_script_ended_keeps_the_cell_and_one_during_it_does_n
 @pytest.mark.parametrize(
     "mode, message",
     [
-        ("no-method", "finished without asking for its method: call grace_dgc.survey.cell_grace()"),
+        ("no-method", "finished without asking for its method: call grace_survey.cell_grace()"),
         ("bad-metric", r"report_metrics\(accuracy=...\) got str 'high'; a metric is a number"),
     ],
 )
@@ -178,7 +181,7 @@ def test_run_alone_the_script_api_falls_back(monkeypatch):
 
 def test_report_metrics_advances_the_epoch_and_records_the_rank(tmp_path, monkeypatch):
     """In-process, one rank: DGC's warm-up follows the epochs the script reports."""
-    from grace_dgc.survey import script as script_mode
+    from grace_survey.script import api as script_mode
 
     conf = cfg.SurveyConfig(
         {"script": __file__, "workers": 1, "methods": [{"compressor": "dgc", "memory": "momentum",
@@ -291,7 +294,7 @@ def test_the_example_classifier_through_the_command_line(tmp_path, capsys):
 
 def test_the_example_transformer_reports_perplexity_as_its_own_metric(tmp_path, capsys):
     """examples/survey_transformer.py (AdamW, clipping on the averaged gradient) on a slice of the text."""
-    from grace_dgc.survey.text import corpus_text, transformer_parameter_count, vocabulary
+    from grace_survey.workloads.text import corpus_text, transformer_parameter_count, vocabulary
 
     conf = tmp_path / "methods.toml"
     conf.write_text('workers = 2\nseeds = [0]\n[[methods]]\nlabel = "topk"\ncompressor = "topk"\nmemory = "residual"\n'

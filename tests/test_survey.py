@@ -11,9 +11,12 @@ import os
 import pytest
 
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.survey import cli, project, report, runner
-from grace_dgc.survey import config as cfg
-from grace_dgc.survey.units import human_bytes, parse_latency, parse_rate
+from grace_survey import cli
+from grace_survey.config import settings as cfg
+from grace_survey.projection import project
+from grace_survey.report import writer as report
+from grace_survey.running import runner
+from grace_survey.units import human_bytes, parse_latency, parse_rate
 
 TINY = {
     "name": "tiny",
@@ -641,8 +644,8 @@ def test_presets_are_named_by_what_they_reproduce_and_old_names_still_load():
 
 
 def test_cells_are_dataclasses_and_rank_totals_name_every_metric():
-    from grace_dgc.survey.cell import Cell
-    from grace_dgc.survey.metrics import RankTotals, epoch_record
+    from grace_survey.config.cell import Cell
+    from grace_survey.running.metrics import RankTotals, epoch_record
 
     cell = cfg.SurveyConfig(TINY).cells()[0]
     assert isinstance(cell, Cell) and cell["workers"] == cell.workers == 2
@@ -687,7 +690,7 @@ def test_tensorboard_scalars(tmp_path):
 def _child_peaks():
     import torch
 
-    from grace_dgc.survey.train import peak_rss_mb, reset_peak_rss
+    from grace_survey.running.train import peak_rss_mb, reset_peak_rss
 
     before = peak_rss_mb()
     block = torch.ones(300 * 2**20 // 4)  # 300 MB touched

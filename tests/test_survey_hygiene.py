@@ -14,9 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grace_dgc.survey import cli, report, runner
-from grace_dgc.survey import config as cfg
-from grace_dgc.survey.results import read_records
+from grace_survey import cli
+from grace_survey.config import settings as cfg
+from grace_survey.report import writer as report
+from grace_survey.running import runner
+from grace_survey.running.results import read_records
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_survey import TINY
@@ -110,7 +112,7 @@ def test_a_file_workload_imports_its_neighbours(tmp_path):
         textwrap.dedent(
             """
             from helpers import SAMPLES
-            from grace_dgc.survey.workloads import get_workload
+            from grace_survey.workloads.registry import get_workload
 
             def tiny(data_dir=None, seed=0):
                 return get_workload("digits-mlp", data_dir, seed, train_samples=SAMPLES, test_samples=100)

@@ -1,4 +1,4 @@
-"""The ``pydoc-gpt`` workload (grace_dgc.survey.text): corpus facts, windows, splits, the
+"""The ``pydoc-gpt`` workload (grace_survey.workloads.text): corpus facts, windows, splits, the
 transformer's shape, causality and size, option checks, and that a short SGD run learns."""
 
 import hashlib
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.survey import text as text_mod
-from grace_dgc.survey.text import CharTransformer, build_workload, corpus_text, decode
+from grace_survey.workloads import text as text_mod
+from grace_survey.workloads.text import CharTransformer, build_workload, corpus_text, decode
 
 SMALL = dict(context=16, d_model=32, n_layer=2, n_head=4)
 
@@ -144,7 +144,7 @@ def test_parameter_count_by_hand(vocab, context, d, layers, heads):
 
 
 def test_default_size_is_a_few_million():
-    from grace_dgc.survey.workloads import get_workload
+    from grace_survey.workloads.registry import get_workload
 
     workload = get_workload("pydoc-gpt", train_chars=5000)
     defaults = text_mod.DEFAULTS
@@ -209,7 +209,7 @@ def test_short_sgd_run_beats_the_unigram_baseline():
 def test_the_transformer_survey_config_loads():
     import os
 
-    from grace_dgc.survey import config as cfg
+    from grace_survey.config import settings as cfg
 
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs", "transformer.toml")
     conf = cfg.load_config(path)

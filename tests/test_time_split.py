@@ -13,8 +13,9 @@ import torch
 import grace_dgc
 from grace_dgc import schedules
 from grace_dgc.launch import run_local
-from grace_dgc.survey import config as cfg
-from grace_dgc.survey import project, runner
+from grace_survey.config import settings as cfg
+from grace_survey.projection import project
+from grace_survey.running import runner
 
 STEPS = 6
 

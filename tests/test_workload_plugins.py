@@ -11,11 +11,15 @@ import pytest
 import torch
 
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.survey import Workload, data, get_workload, list_workloads, project, register_workload, report, runner
-from grace_dgc.survey import config as cfg
-from grace_dgc.survey import workloads as wl
-from grace_dgc.survey.results import read_records
-from grace_dgc.survey.train import objective
+from grace_survey import Workload, get_workload, list_workloads, register_workload
+from grace_survey.config import settings as cfg
+from grace_survey.projection import project
+from grace_survey.report import writer as report
+from grace_survey.running import runner
+from grace_survey.running.results import read_records
+from grace_survey.running.train import objective
+from grace_survey.workloads import data
+from grace_survey.workloads import registry as wl
 
 # a user's workload module: a teacher task held as tensors, or streamed from a Dataset that
 # logs which examples each process read (to check that a rank reads only its shard)
@@ -23,7 +27,7 @@ PLUGIN = textwrap.dedent(
     """
     import os
     import torch
-    from grace_dgc.survey import Workload
+    from grace_survey import Workload
 
     def _data(n, seed):
         g = torch.Generator().manual_seed(seed)

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.survey import datasets, models
-from grace_dgc.survey.workloads import MissingDataError, get_workload, list_workloads, parameter_count
+from grace_survey.workloads import datasets, models
+from grace_survey.workloads.registry import MissingDataError, get_workload, list_workloads, parameter_count
 
 ALL = {
     "mnist1d-mlp",

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import GraceDataError
+from grace_dgc.errors import GraceDataError
 
 Splits = tuple[Tensor, Tensor, Tensor, Tensor]  # (x, y, x_test, y_test)
 

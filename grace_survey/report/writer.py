@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import GraceConfigError
-from .conditions import launch_lines
-from .extras import require
-from .results import CONFIG_JSON, Record, latest_summaries, read_records
-from .units import human_bytes, human_seconds
+from grace_dgc.errors import GraceConfigError
+from grace_survey.extras import require
+from grace_survey.report.conditions import launch_lines
+from grace_survey.running.results import CONFIG_JSON, Record, latest_summaries, read_records
+from grace_survey.units import human_bytes, human_seconds
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -379,7 +379,7 @@ def _dgc_setting(params: Mapping[str, Any], name: str) -> Any:
     """A DGC setting as the run had it: its parameter, else the compressor's default."""
     if name in params:
         return params[name]
-    from ..compressors.dgc import DGCCompressor
+    from grace_dgc.compressors.dgc import DGCCompressor
 
     return inspect.signature(DGCCompressor).parameters[name].default
 

@@ -7,8 +7,7 @@ from typing import Any, Self
 import torch
 
 import grace_dgc
-
-from ..engines import detect_engine_name
+from grace_dgc.engines import detect_engine_name
 
 
 class Context:

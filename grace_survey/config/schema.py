@@ -5,7 +5,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import GraceConfigError
+from grace_dgc.errors import GraceConfigError
 
 # key -> (accepted types, description); None means "optional, no default here"
 Schema = dict[str, tuple[tuple[type, ...], str]]

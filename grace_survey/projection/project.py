@@ -64,12 +64,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..communicators.sparse_allreduce import RADIX_ROUNDS
+from grace_dgc.communicators.sparse_allreduce import RADIX_ROUNDS
 
 # the per-communicator steps and bytes are each communicator's own, read through the core's model
-from ..costmodel import GTOPK, cost, modelled
-from ..errors import GraceConfigError
-from .units import format_rate, human_bytes, parse_latency, parse_rate
+from grace_dgc.costmodel import GTOPK, cost, modelled
+from grace_dgc.errors import GraceConfigError
+from grace_survey.units import format_rate, human_bytes, parse_latency, parse_rate
 
 Method = dict[str, Any]  # one measured method: the summary's per-step figures (see project_step)
 Row = dict[str, Any]  # one projected row (see project)
@@ -403,8 +403,8 @@ def assumed_methods(
 def measured_methods(records: Sequence[dict[str, Any]]) -> list[Method]:
     """One entry per method label: mean over seeds of its unshaped runs at the largest
     measured worker count (shaped runs are used only when there is no unshaped one)."""
-    from ..registry import COMPRESSORS
-    from .results import latest_summaries
+    from grace_dgc.registry import COMPRESSORS
+    from grace_survey.running.results import latest_summaries
 
     runs = latest_summaries(records)
     if not runs:
@@ -457,7 +457,7 @@ def modelled_name(communicator: str, params: Mapping[str, Any]) -> str:
 def with_communicators(methods: Sequence[Method], communicators: Sequence[str]) -> list[Method]:
     """``methods`` plus, for each method and each of ``communicators`` that can carry its
     compressor, the same measured method projected with that communicator."""
-    from ..registry import COMMUNICATORS, COMPRESSORS
+    from grace_dgc.registry import COMMUNICATORS, COMPRESSORS
 
     out, known = list(methods), modelled()  # each registered class asked once, not per method and name
     for method in methods:
@@ -636,7 +636,7 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def plot(rows: Sequence[Mapping[str, Any]], path: str) -> str:
-    from .report import _plt, _save
+    from grace_survey.report.writer import _plt, _save
 
     plt = _plt()
     bandwidths = sorted({r["bandwidth_bps"] for r in rows})
@@ -728,7 +728,7 @@ def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def run_project(args: argparse.Namespace) -> int:
-    from .results import read_records
+    from grace_survey.running.results import read_records
 
     assumed = getattr(args, "assume_params", None)
     if assumed is None and (args.dir is None or not os.path.isdir(args.dir)):
@@ -787,7 +787,7 @@ def run_project(args: argparse.Namespace) -> int:
     with open(os.path.join(out, "projection.md"), "w") as f:
         f.write(
             "# Projected step time and speedup over dense allreduce\n\n"
-            "α-β model (see `grace_dgc.survey.project`); compute, compress/decompress times and "
+            "α-β model (see `grace_survey.projection.project`); compute, compress/decompress times and "
             "payload bytes measured by the survey. Utilization: compute time ÷ step time. The second "
             "table: the bandwidth each method needs to keep that share of its step computing "
             "(never: latency or compression alone prevent it).\n\n" + table + "\n"
@@ -820,7 +820,7 @@ def _run_mesh(args: argparse.Namespace, methods: list[Method], bandwidths: list[
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "projection-mesh.md"), "w") as f:
         f.write(
-            "# Sharded training projected onto HSDP meshes\n\nSee `grace_dgc.survey.project.project_mesh`.\n\n"
+            "# Sharded training projected onto HSDP meshes\n\nSee `grace_survey.projection.project.project_mesh`.\n\n"
             + table
             + "\n"
         )

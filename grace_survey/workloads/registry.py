@@ -46,14 +46,22 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from ..errors import GraceConfigError, check_range
-from . import datasets, models, text
+from grace_dgc.errors import GraceConfigError, check_range
+from grace_survey.workloads import datasets, models, text
 
 # the contract a workload meets, re-exported where workloads have always been found
-from .contract import HYPER_PARAMETERS, LOSSES, LR_SCHEDULES, OPTIMIZERS, LossFn, MetricFn, Workload  # noqa: F401
-from .data import Split, check_split, size  # noqa: F401  (Split: re-exported)
-from .datasets import MissingDataError  # noqa: F401  (re-exported for the runner)
-from .models import parameter_count
+from grace_survey.workloads.contract import (  # noqa: F401
+    HYPER_PARAMETERS,
+    LOSSES,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    LossFn,
+    MetricFn,
+    Workload,
+)
+from grace_survey.workloads.data import Split, check_split, size  # noqa: F401  (Split: re-exported)
+from grace_survey.workloads.datasets import MissingDataError  # noqa: F401  (re-exported for the runner)
+from grace_survey.workloads.models import parameter_count
 
 Factory = TypeVar("Factory", bound=Callable[..., Workload])
 ENTRY_POINT_GROUP = "grace_dgc.workloads"
@@ -237,7 +245,7 @@ def get_workload(name: str, data_dir: str | None = None, seed: int = 0, **overri
     if not isinstance(workload, Workload):
         raise GraceConfigError(
             f"workload {name!r}: {_qualname(factory)} returned a {type(workload).__name__}; a workload factory "
-            "returns grace_dgc.survey.Workload(train=..., test=..., make_model=...)"
+            "returns grace_survey.Workload(train=..., test=..., make_model=...)"
         )
     workload.name = name
     _check_contract(workload)
@@ -245,7 +253,7 @@ def get_workload(name: str, data_dir: str | None = None, seed: int = 0, **overri
         if key in limits:
             data = getattr(workload, split)
             keep = check_range(key, limits[key], 1, size(data), kind=int)
-            from .data import subset
+            from grace_survey.workloads.data import subset
 
             setattr(workload, split, subset(data, torch.arange(keep)))
     workload = dataclasses.replace(workload, **_checked(hyper))

@@ -6,7 +6,7 @@ The script is an ordinary torchrun-style script. It asks for the cell's method w
 call and reports its metrics with one call per epoch; grace's own counters (bytes, ratio,
 compress / communicate / decompress / wait time) are collected without it doing anything::
 
-    import grace_dgc, grace_dgc.survey as survey
+    import grace_dgc, grace_survey as survey
     dist.init_process_group(...)                           # as under torchrun
     torch.manual_seed(survey.cell_seed())                  # the cell's seed (0 when run alone)
     grace = survey.cell_grace("none")                      # the cell's method; the arguments are
@@ -60,16 +60,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import grace_dgc
-
-from ..errors import GraceConfigError
-from ..launch import Neighbours, launch_record, machine_load
-from ..stats import COUNTERS, TIMERS, WAIT
-from .results import Record, append_record
-from .units import shown_path
+from grace_dgc.errors import GraceConfigError
+from grace_dgc.launch import Neighbours, launch_record, machine_load
+from grace_dgc.stats import COUNTERS, TIMERS, WAIT
+from grace_survey.running.results import Record, append_record
+from grace_survey.units import shown_path
 
 if TYPE_CHECKING:
-    from ..grace import Grace
-    from .cell import Cell
+    from grace_dgc.grace import Grace
+    from grace_survey.config.cell import Cell
 
 CELL_ENV = "GRACE_DGC_CELL"  # the cell, as JSON
 DIR_ENV = "GRACE_DGC_CELL_DIR"  # where the ranks write their reports
@@ -155,7 +154,7 @@ def cell_grace(
     params = dict(method["params"])
     if process_group is not None:
         params["process_group"] = process_group
-    from ..registry import COMPRESSORS
+    from grace_dgc.registry import COMPRESSORS
 
     if "seed" in COMPRESSORS.accepted_params(method["compressor"]) and "seed" not in params:
         params["seed"] = settings["seed"]  # a stochastic method's randomness follows the run seed, as built-in
@@ -172,7 +171,7 @@ def cell_grace(
     with open(os.path.join(_session.directory, f"{STARTED}{rank}"), "w") as f:
         f.write(str(os.getpid()))
     _record_failures(_session.directory, rank)
-    from .train import reset_peak_rss
+    from grace_survey.running.train import reset_peak_rss
 
     reset_peak_rss()
     return grace
@@ -251,7 +250,7 @@ def report_metrics(epoch: int | None = None, *, train_time_s: float | None = Non
     stats = session.grace.stats()
     measured = {key: float(stats.get(key, 0.0)) - session.previous[key] for key in MEASURED}
     session.previous = {key: float(stats.get(key, 0.0)) for key in MEASURED}
-    from .train import peak_rss_mb
+    from grace_survey.running.train import peak_rss_mb
 
     gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
     line = {
@@ -268,7 +267,7 @@ def report_metrics(epoch: int | None = None, *, train_time_s: float | None = Non
         "engine": session.grace.engine.name,
     }
     if len(session.history) == 1:  # the rank's threads, as its launcher started it
-        from ..launch import conditions
+        from grace_dgc.launch import conditions
 
         line["conditions"] = conditions()
     with open(os.path.join(session.directory, f"rank{session.rank}.jsonl"), "a") as f:
@@ -348,7 +347,7 @@ def _start(
     cell: Cell, directory: str, backend: str, device: str, timeout: float = REPORT_WAIT_S
 ) -> list[tuple[str, subprocess.Popen[bytes]]]:
     """The cell's processes: one per rank (local) or the launcher's one, each logging to a file."""
-    from ..launch import free_port, rank_environment
+    from grace_dgc.launch import free_port, rank_environment
 
     port = free_port()
     env = dict(os.environ)
@@ -528,7 +527,7 @@ def _read_reports(directory: str, workers: int, run_id: str) -> dict[int, list[d
     if not reports.get(0):
         raise GraceConfigError(
             f"{run_id}: the script finished without reporting a metric: call "
-            "grace_dgc.survey.report_metrics(epoch=..., accuracy=..., loss=...) on every rank once per epoch"
+            "grace_survey.report_metrics(epoch=..., accuracy=..., loss=...) on every rank once per epoch"
         )
     counts = {rank: len(reports.get(rank, [])) for rank in range(workers)}
     if len(set(counts.values())) > 1:
@@ -557,7 +556,7 @@ def run_script_cell(cell: Cell, out_dir: str, timeout: float, backend: str, devi
     if not asked:
         raise GraceConfigError(
             f"{cell.run_id}: the script {cell.script} finished without asking for its method: call "
-            "grace_dgc.survey.cell_grace() after initialising the process group, and train with that Grace "
+            "grace_survey.cell_grace() after initialising the process group, and train with that Grace "
             f"(its output: {os.path.join(directory, '*.log')})"
         )
     reports = _read_reports(directory, cell.workers, cell.run_id)
@@ -640,7 +639,10 @@ def compose(
 
 
 def _summary(cell: Cell, base: Record, epochs: list[Record], started: str, backend: str, device: str) -> Record:
-    from .execute import host_fields, netem_shaping  # the parent's side only: the script's import stays light
+    from grace_survey.running.execute import (  # the parent's side only: the script's import stays light
+        host_fields,
+        netem_shaping,
+    )
 
     target = cell.hyper.get("target_accuracy")
     scored = [e for e in epochs if e["test_accuracy"] is not None]

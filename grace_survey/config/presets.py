@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import GraceConfigError
+from grace_dgc.errors import GraceConfigError
 
 Raw = dict[str, Any]  # a config as from TOML
 

@@ -71,8 +71,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import GraceConfigError, check_range
-from .contract import Workload
+from grace_dgc.errors import GraceConfigError, check_range
+from grace_survey.workloads.contract import Workload
 
 Split = tuple[Tensor, Tensor]
 

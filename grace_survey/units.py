@@ -5,7 +5,7 @@ import math
 import os
 import re
 
-from ..errors import GraceConfigError
+from grace_dgc.errors import GraceConfigError
 
 # tc's rate units, in bits per second. tc reads "bps" as *bytes* per second, which is easy
 # to get wrong, so only the unambiguous "bit" forms are accepted.

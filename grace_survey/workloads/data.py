@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ..errors import GraceConfigError
+from grace_dgc.errors import GraceConfigError
 
 Split = tuple[Tensor, Tensor] | Dataset[Any]
 

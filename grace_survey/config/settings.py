@@ -16,11 +16,11 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any, Self
 
-from ..engines.local import PlanEngine
-from ..errors import GraceConfigError
-from .cell import Cell, cell_hash, run_id, tuning_key  # noqa: F401  (cell_hash, run_id, tuning_key: API)
-from .presets import KPERCENTS, PRESET_ALIASES, PRESETS, preset_dict, preset_name  # noqa: F401
-from .schema import (
+from grace_dgc.engines.local import PlanEngine
+from grace_dgc.errors import GraceConfigError
+from grace_survey.config.cell import Cell, cell_hash, run_id, tuning_key  # noqa: F401  (cell_hash, run_id, tuning_key: API)
+from grace_survey.config.presets import KPERCENTS, PRESET_ALIASES, PRESETS, preset_dict, preset_name  # noqa: F401
+from grace_survey.config.schema import (
     DEFAULTS,
     MAX_WORKERS,
     METHOD_KEYS,
@@ -30,7 +30,7 @@ from .schema import (
     _check_keys,
     _positive_int,
 )
-from .units import format_rate, parse_latency, parse_rate
+from grace_survey.units import format_rate, parse_latency, parse_rate
 
 
 class Network:
@@ -77,7 +77,7 @@ class SurveyConfig:
         self.script, self.script_args, self.script_sha = self._script(raw)
         self.launcher: str = raw.get("launcher", "local")
         if self.script is not None:
-            from .script import check_launcher
+            from grace_survey.script.api import check_launcher
 
             check_launcher(self.launcher)
             _check_script_mode(raw, source)
@@ -139,7 +139,7 @@ class SurveyConfig:
     def _workload(self, raw: dict[str, Any]) -> str:
         """The workload's canonical name, or its ``module:factory`` spec with a file path made
         absolute (written back into ``raw``: the saved config and the ranks import the same)."""
-        from .workloads import is_spec, list_workloads, resolve_spec, workload_factory
+        from grace_survey.workloads.registry import is_spec, list_workloads, resolve_spec, workload_factory
 
         if "workload" not in raw:
             raise GraceConfigError(
@@ -171,7 +171,7 @@ class SurveyConfig:
         return path, list(args), sha
 
     def _check_hyper(self) -> None:
-        from .workloads import _checked
+        from grace_survey.workloads.registry import _checked
 
         _checked({k: v for k, v in self.hyper.items()})  # raises naming the key and range
 
@@ -189,8 +189,7 @@ class SurveyConfig:
 
     def _methods(self, methods: list[Any] | None) -> list[dict[str, Any]]:
         import grace_dgc
-
-        from ..registry import COMPRESSORS
+        from grace_dgc.registry import COMPRESSORS
 
         if not methods:
             raise GraceConfigError(
@@ -256,7 +255,7 @@ class SurveyConfig:
 
     # -- the grid --------------------------------------------------------------------
     def cells(self, cache_dir: str | None = None, tensorboard_dir: str | None = None) -> list[Cell]:
-        """Every (method × workers × seed × network) run, as :class:`~grace_dgc.survey.cell.Cell`.
+        """Every (method × workers × seed × network) run, as :class:`~grace_survey.config.cell.Cell`.
 
         Order: network, workers, method, seed — so lr tuning (once per method and worker
         count) happens in the first seed's run and later seeds reuse it.
@@ -339,7 +338,7 @@ def _check_script_mode(raw: Mapping[str, Any], source: str) -> None:
     if given:
         raise GraceConfigError(
             f"{source}: {', '.join(given)} belong to the training loop, and in script mode the loop is your "
-            "script's: pass them with --script-args (the script may also read grace_dgc.survey.cell())"
+            "script's: pass them with --script-args (the script may also read grace_survey.config.cell())"
         )
     for i, method in enumerate(raw.get("methods") or []):
         owned = [k for k in SCRIPT_OWNS_PER_METHOD if isinstance(method, dict) and k in method]
@@ -411,8 +410,7 @@ def _schedule(raw: object, spec: Mapping[str, Any], where: str) -> dict[str, Any
     import torch
 
     import grace_dgc
-
-    from .. import schedules
+    from grace_dgc import schedules
 
     if not isinstance(raw, dict) or "name" not in raw:
         raise GraceConfigError(
@@ -442,5 +440,5 @@ def _schedule(raw: object, spec: Mapping[str, Any], where: str) -> dict[str, Any
 
 
 def load_preset(name: str, data_dir: str | None = None) -> SurveyConfig:
-    """The :class:`SurveyConfig` of preset ``name`` (:mod:`grace_dgc.survey.presets`)."""
+    """The :class:`SurveyConfig` of preset ``name`` (:mod:`grace_survey.config.presets`)."""
     return SurveyConfig(preset_dict(name, data_dir), source=f"preset {preset_name(name)}")

@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import GraceConfigError
-from .cell import Cell
-from .data import size
-from .execute import run_cell
-from .extras import require
-from .results import (
+from grace_dgc.errors import GraceConfigError
+from grace_survey.config.cell import Cell
+from grace_survey.extras import require
+from grace_survey.running.execute import run_cell
+from grace_survey.running.results import (
     CONFIG_JSON,
     Record,
     append_record,
@@ -23,12 +22,13 @@ from .results import (
     read_records,
     write_summary_csv,
 )
-from .script import run_script_cell
-from .train import load_workload
+from grace_survey.running.train import load_workload
+from grace_survey.script.api import run_script_cell
+from grace_survey.workloads.data import size
 
 if TYPE_CHECKING:
-    from .config import SurveyConfig
-    from .workloads import Workload
+    from grace_survey.config.settings import SurveyConfig
+    from grace_survey.workloads.registry import Workload
 
 
 def resolve_runtime(config: "SurveyConfig", workers: int = 1, network_shaped: bool = False) -> tuple[str, str]:
@@ -85,14 +85,14 @@ def run_grid(
 ) -> tuple[list[Record], list[tuple[str, str]]]:
     """Run every unfinished cell of ``config`` (only those of ``network_tag`` if given),
     skipping runs whose summary is already in ``out_dir``. Cells of a shaped network are
-    run in a shaped namespace (see :mod:`grace_dgc.survey.netem`) unless this process is
+    run in a shaped namespace (see :mod:`grace_survey.running.netem`) unless this process is
     already inside one with that shaping. The cells of one world size run one after another
     in one :class:`~grace_dgc.launch.RankPool` (its ranks started once); ``fresh_ranks``
     starts ranks for each run instead. Returns (summaries, failures)."""
     tqdm = require("tqdm.auto", "the survey's progress bars").tqdm
 
-    from ..launch import RankPool, run_local
-    from . import netem
+    from grace_dgc.launch import RankPool, run_local
+    from grace_survey.running import netem
 
     # a shaped-network child runs a share of a grid its parent has already checked
     cells, _ = prepare(config, out_dir, check_workload=network_tag is None and config.script is None)
@@ -137,7 +137,7 @@ def run_grid(
                     [
                         sys.executable,
                         "-m",
-                        "grace_dgc.survey.cli",
+                        "grace_survey.cli",
                         "survey",
                         "--config",
                         os.path.join(out_dir, CONFIG_JSON),

@@ -14,15 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import grace_dgc
-
-from ..errors import GraceConfigError
-from ..launch import Neighbours, conditions, launch_record
-from .cell import Cell
-from .context import Context
-from .results import Record, append_record
-from .train import load_workload, train
-from .tuning import tune_lr
-from .units import shown_path
+from grace_dgc.errors import GraceConfigError
+from grace_dgc.launch import Neighbours, conditions, launch_record
+from grace_survey.config.cell import Cell
+from grace_survey.running.context import Context
+from grace_survey.running.results import Record, append_record
+from grace_survey.running.train import load_workload, train
+from grace_survey.running.tuning import tune_lr
+from grace_survey.units import shown_path
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -175,7 +174,7 @@ def host_fields() -> dict[str, str]:
 
 
 def netem_shaping() -> dict[str, Any] | None:
-    from .netem import current_shaping
+    from grace_survey.running.netem import current_shaping
 
     return current_shaping()
 

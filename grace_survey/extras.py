@@ -5,7 +5,7 @@ the extra to install."""
 import importlib
 from types import ModuleType
 
-from ..errors import GraceConfigError
+from grace_dgc.errors import GraceConfigError
 
 INSTALL = "pip install 'grace_dgc[survey]'"
 

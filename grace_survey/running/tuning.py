@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from . import data
-from .results import Record, append_record, read_records
-from .train import Split, _mix, train
+from grace_survey.running.results import Record, append_record, read_records
+from grace_survey.running.train import Split, _mix, train
+from grace_survey.workloads import data
 
 if TYPE_CHECKING:
-    from .cell import Cell
-    from .context import Context
-    from .workloads import Workload
+    from grace_survey.config.cell import Cell
+    from grace_survey.running.context import Context
+    from grace_survey.workloads.registry import Workload
 
 
 def holdout_split(workload: Workload, cell: Cell) -> tuple[Split, Split]:

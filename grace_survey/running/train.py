@@ -1,5 +1,5 @@
 """Training one model for a survey cell: the seeded model and data order, the measured step
-loop, evaluation. See :mod:`grace_dgc.survey.runner` for what each measurement means."""
+loop, evaluation. See :mod:`grace_survey.running.runner` for what each measurement means."""
 
 from __future__ import annotations
 
@@ -15,27 +15,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import grace_dgc
-
-from ..adam import AdamSchedule
-from ..errors import GraceConfigError
-from ..schedules import OuterSync
-from ..schedules import accepted_params as accepted_schedule_params
-from ..schedules import create as create_schedule
-from ..stats import GRACE_KEYS
-from . import data
-from .data import Split
-from .extras import require
-from .metrics import RankTotals, epoch_record
+from grace_dgc.adam import AdamSchedule
+from grace_dgc.errors import GraceConfigError
+from grace_dgc.schedules import OuterSync
+from grace_dgc.schedules import accepted_params as accepted_schedule_params
+from grace_dgc.schedules import create as create_schedule
+from grace_dgc.stats import GRACE_KEYS
+from grace_survey.extras import require
+from grace_survey.running.metrics import RankTotals, epoch_record
+from grace_survey.workloads import data
+from grace_survey.workloads.data import Split
 
 if TYPE_CHECKING:
-    from .cell import Cell
-    from .context import Context
-    from .results import Record
-    from .workloads import Workload
+    from grace_survey.config.cell import Cell
+    from grace_survey.running.context import Context
+    from grace_survey.running.results import Record
+    from grace_survey.workloads.registry import Workload
 
 
 def load_workload(cell: Cell) -> Workload:
-    from .workloads import get_workload
+    from grace_survey.workloads.registry import get_workload
 
     data_dir = cell.data_dir
     if data_dir is None and cell.workload.startswith("mnist1d") and cell.cache_dir:
@@ -206,7 +205,7 @@ def train(
     seed = cell.seed
     method = cell.method
     params = dict(method["params"])
-    from ..registry import COMPRESSORS
+    from grace_dgc.registry import COMPRESSORS
 
     if "seed" in COMPRESSORS.accepted_params(method["compressor"]) and "seed" not in params:
         params["seed"] = seed  # a stochastic method's own randomness follows the run seed

@@ -1,5 +1,5 @@
 """The contract of a survey workload: what the survey trains (:class:`Workload`) and the
-hyper-parameters a config may override. Apart from :mod:`grace_dgc.survey.workloads` (the
+hyper-parameters a config may override. Apart from :mod:`grace_survey.workloads.registry` (the
 registry and the built-ins) so that a workload module, the built-in text workload included,
 imports the contract without importing the registry that imports it."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .data import Split
+from grace_survey.workloads.data import Split
 
 LossFn = Callable[[Tensor, Tensor], Tensor]  # (output, targets) -> the batch's mean loss
 MetricFn = Callable[[Tensor, Tensor], tuple[Any, Any]]  # (output, targets) -> (Σ score, count)
@@ -26,7 +26,7 @@ class Workload:
 
     Required: ``train``, ``test`` and ``make_model``. A split is ``(inputs, targets)``
     tensors or a map-style ``torch.utils.data.Dataset`` of ``(input, target)`` pairs,
-    streamed through a DataLoader (:mod:`grace_dgc.survey.data`). ``make_model()`` is
+    streamed through a DataLoader (:mod:`grace_survey.workloads.data`). ``make_model()`` is
     called right after ``torch.manual_seed(seed)``, so every method starts from the same
     weights: it must draw its initial values from torch's global generator.
 

@@ -1,0 +1,1 @@
+"""Projection of a survey's measurements onto larger clusters (``grace-dgc project``)."""
