@@ -136,14 +136,22 @@ class SparseAllreduce(Communicator):
         # 2. the owner sums its region over the union of received indices: O(pairs received),
         # never a pass over the region (sums in arrival order, i.e. rank order)
         got_values, got_index = _unrecords(received, dtype)
-        span = bounds[me + 1] - bounds[me]
         union, slot = torch.unique(got_index.long(), sorted=True, return_inverse=True)
         summed = torch.zeros(union.numel(), dtype=dtype, device=device).index_add_(0, slot, got_values)
         if self.global_topk:  # only the pairs among the K_t largest of the whole sum
             keep = self._global_top(summed, union + bounds[me], offsets, ks)
             union, summed = union[keep], summed[keep]
         # 3. back to every rank, sparse or dense, whichever is smaller
-        mode = SPARSE if self.global_topk or union.numel() * size <= span * values.element_size() else DENSE
+        return self._share(summed, union, bounds, offsets, values.element_size(), len(payloads))
+
+    def _share(
+        self, summed: Tensor, union: Tensor, bounds: list[int], offsets: Tensor, width: int, count: int
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Step 3: every owner's summed region to every rank, as (value, index) records or
+        dense, whichever is smaller; cut back into the ``count`` tensors' (values, indices)."""
+        engine, me, dtype, device = self.engine, self.engine.rank, summed.dtype, summed.device
+        span, size = bounds[me + 1] - bounds[me], width + 4
+        mode = SPARSE if self.global_topk or union.numel() * size <= span * width else DENSE
         if mode == SPARSE:
             mine = _records(summed, union.to(torch.int32))
         else:
@@ -165,7 +173,7 @@ class SparseAllreduce(Communicator):
         all_v, all_i = torch.cat(parts_v), torch.cat(parts_i)
         cuts = torch.searchsorted(all_i, offsets.to(device)).tolist()
         out = []
-        for t in range(len(payloads)):
+        for t in range(count):
             v, i = all_v[cuts[t] : cuts[t + 1]], all_i[cuts[t] : cuts[t + 1]] - int(offsets[t])
             out.append((v, i.to(torch.int32)))
         return out
