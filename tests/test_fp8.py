@@ -52,6 +52,17 @@ def test_fp8_equals_the_reference_and_never_overflows(seed, n, format, block, ma
     assert bool(((got - x).abs() <= x.abs() * relative + x.abs().max() * 2.0**-9).all())
 
 
+@pytest.mark.parametrize("format", ["e4m3", "e5m2"])
+def test_the_cpu_lookup_decodes_every_code_as_torch_casts_it(format):
+    """On a CPU the codes are decoded through a 256-entry table (torch's cast is scalar there):
+    every code, NaN and ±0 included, gives the cast's very bits, also through decompress."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3)
+    cast = codes.view(DTYPES[format]).float()
+    comp = COMPRESSORS.get("fp8")(format=format, block=256)
+    got = comp.decompress_into([codes, torch.ones(3)], (codes.shape, torch.float32), torch.empty(768))
+    assert torch.equal(got.view(torch.int32), cast.view(torch.int32))
+
+
 def test_the_communicators_that_sum_after_the_exchange_carry_it():
     for communicator in ("reduce_scatter", "allgather", "hierarchical", "broadcast"):
         grace = grace_dgc.build("fp8", "residual", communicator, engine="local")
