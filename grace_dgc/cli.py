@@ -12,9 +12,13 @@ import inspect
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from . import registry
 from .cli_support import USER_ERRORS, OneLineParser, command_providers, debug_requested, error_line, listings
+
+if TYPE_CHECKING:
+    from .interfaces import Compressor
 
 __all__ = ["USER_ERRORS", "OneLineParser", "build_parser", "debug_requested", "error_line", "main", "registry_table"]
 
@@ -32,6 +36,13 @@ def _summary(cls: type[object]) -> str:
     return (inspect.getdoc(cls) or "").split("\n")[0].rstrip(".:")
 
 
+def _fitting(cls: type[Compressor]) -> str:
+    """The communicators that fit compressor ``cls`` (built with its defaults: which fit
+    depends on the class only)."""
+    method = cls()
+    return ", ".join(c for c in registry.COMMUNICATORS.names() if registry.COMMUNICATORS.get(c).fits(method))
+
+
 def registry_table(markdown: bool = False) -> str:
     """The methods table (as in the README): one row per registered name."""
     rows = []
@@ -42,13 +53,8 @@ def registry_table(markdown: bool = False) -> str:
     ):
         for name in reg.names():
             cls = reg.get(name)
-            aliases = sorted(a for a, n in reg._aliases.items() if n == name and a != name)
-            extra = ""
-            if kind == "compressor":
-                method = cls()  # defaults: which communicators fit depends on the class only
-                fitting = [c for c in registry.COMMUNICATORS.names() if registry.COMMUNICATORS.get(c).fits(method)]
-                extra = ", ".join(fitting)
-            rows.append((kind, name, ", ".join(aliases), _params(cls), extra, _summary(cls)))
+            extra = _fitting(registry.COMPRESSORS.get(name)) if kind == "compressor" else ""
+            rows.append((kind, name, ", ".join(reg.aliases_of(name)), _params(cls), extra, _summary(cls)))
     header = ("kind", "name", "aliases", "parameters (defaults)", "communicators", "what it is")
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

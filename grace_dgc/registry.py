@@ -1,10 +1,14 @@
-"""Name → class registries for compressors, memories and communicators.
+"""Name → object registries: compressors, memories and communicators (classes) here, and
+any other kind that registers by name (the schedules, the survey's workloads: factories).
 
 Registration lives here, apart from the method definitions: a method module only says
 ``@register_compressor("topk")``. Third-party packages add methods through the
 entry-point groups ``grace_dgc.compressors``, ``grace_dgc.memories`` and
 ``grace_dgc.communicators`` (``name = "package.module:Class"``); they are loaded the
-first time a registry is listed or asked for a name it does not know.
+first time a registry is listed or asked for a name it does not know. Names are
+case-insensitive. A plugin whose name is already taken by another object is not loaded,
+with a warning naming both; one that fails to import is remembered, with its error, as
+:attr:`Registry.broken` (a warning, and the error when it is asked for by name).
 """
 
 from __future__ import annotations
@@ -15,77 +19,172 @@ import importlib.metadata
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic
 
 from .errors import GraceConfigError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    # a bare ``Registry(...)`` is a Registry[Any] (PEP 696's default, known to type checkers;
+    # Python 3.11's typing.TypeVar takes no default)
+    from typing_extensions import TypeVar
+
+    from .interfaces import Communicator, Compressor, Memory
+
+    T_co = TypeVar("T_co", covariant=True, default=Any)
+else:
+    from typing import TypeVar
+
+    T_co = TypeVar("T_co", covariant=True)
+S = TypeVar("S")  # what one registry holds, where it registers (see Registry)
 
 
-class Registry:
-    def __init__(self, kind: str, group: str) -> None:
-        self.kind = kind  # "compressor", "memory", "communicator"
+def reference(obj: object) -> str:
+    """``module:qualname`` of ``obj``, as an entry point names it (a functools.partial has no
+    ``__qualname__``: its repr)."""
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _dotted(obj: object) -> str:
+    return reference(obj).replace(":", ".", 1)
+
+
+class Registry(Generic[T_co]):
+    """Canonical name → registered object of one ``kind`` (a method's class, a workload's
+    factory), with aliases, the entry-point plugins of ``group`` (loaded at the first listing
+    or unknown name) and errors that list the valid names and suggest the closest.
+
+    ``members`` is what the registry's objects are called in a broken plugin's warning ("the
+    other methods work"); ``stamp``: each registered object is given its canonical name as
+    ``registered_name`` (classes; a workload's factories are not stamped, and may be
+    registered under several names); ``check(name, obj)`` refuses what may not be registered
+    (raising :class:`GraceConfigError`), plugins included; ``unknown_hint`` ends the error for
+    an unknown name.
+
+    A registry is read as its type says: a ``Registry[type[Compressor]]`` gives compressor
+    classes, and is a ``Registry[type[Part]]`` where one is read (``T_co`` is covariant, so
+    registries of different kinds are listed together). Registering is typed through
+    ``self`` (``add(self: Registry[S], obj: S)``): a registry takes what its declared type
+    holds."""
+
+    def __init__(
+        self,
+        kind: str,
+        group: str,
+        *,
+        members: str = "methods",
+        stamp: bool = True,
+        check: Callable[[str, T_co], None] | None = None,
+        unknown_hint: str = "",
+    ) -> None:
+        self.kind = kind  # "compressor", "memory", "communicator", "schedule", "workload"
         self.group = group  # entry-point group
-        self._classes: dict[str, Any] = {}  # canonical name -> class
-        self._aliases: dict[str, str] = {}  # alias -> canonical name
+        self.members = members
+        self.stamp = stamp
+        self.check = check
+        self.unknown_hint = unknown_hint
+        self._entries: dict[str, T_co] = {}  # canonical name -> registered object
+        self._aliases: dict[str, str] = {}  # every accepted name (canonical ones included) -> canonical name
         self._plugins_loaded = False
         self.broken: dict[str, str] = {}  # plugin name -> why it failed to load
-        # builds a composite from registered classes, for a name joined by ">" (compressors:
-        # chains, grace_dgc.compressors.chain); None: such names are unknown
-        self.compose: Callable[[list[Any]], Any] | None = None
+        # builds a composite from registered objects, for a name joined by ">" (compressors:
+        # chains, grace_dgc.compressors.chain); it stands in for a registered object. None:
+        # such names are unknown
+        self.compose: Callable[[list[T_co]], Any] | None = None
 
-    def register(self, name: str, aliases: Sequence[str] = ()) -> Callable[[type[T]], type[T]]:
-        """Class decorator: ``@registry.register("twobit", aliases=("2bit",))``."""
+    @property
+    def _classes(self) -> dict[str, T_co]:
+        """The registered objects by canonical name (the name the method registries' tests use)."""
+        return self._entries
 
-        def decorator(cls: type[T]) -> type[T]:
-            self._add(name, cls, aliases)
-            return cls
+    @_classes.setter
+    def _classes(self, entries: dict[str, Any]) -> None:
+        self._entries = entries
+
+    # -- registering -------------------------------------------------------------------
+    def register(self: Registry[S], name: str, aliases: Sequence[str] = ()) -> Callable[[S], S]:
+        """Decorator: ``@registry.register("twobit", aliases=("2bit",))``."""
+
+        def decorator(obj: S) -> S:
+            self.add(name, obj, aliases)
+            return obj
 
         return decorator
 
-    def _add(self, name: str, cls: type, aliases: Sequence[str] = ()) -> None:
-        for key in (name, *aliases):
+    def add(self: Registry[S], name: str, obj: S, aliases: Sequence[str] = ()) -> None:
+        """Register ``obj`` as ``name`` (and ``aliases``); a name another object holds is an error."""
+        if self.check is not None:
+            self.check(name, obj)
+        keys = [key.lower() for key in (name, *aliases)]
+        for key in keys:
             owner = self._aliases.get(key)
-            if owner is not None and self._classes[owner] is not cls:
-                raise GraceConfigError(
-                    f"{self.kind} name {key!r} is already taken by {self._classes[owner].__qualname__}"
-                )
-        self._classes[name] = cls
-        cls.registered_name = name  # type: ignore[attr-defined]
-        for key in (name, *aliases):
-            self._aliases[key] = name
+            if owner is not None and self._entries[owner] is not obj:
+                raise GraceConfigError(f"{self.kind} name {key!r} is already taken by {_dotted(self._entries[owner])}")
+        self._entries[keys[0]] = obj
+        if self.stamp:
+            obj.registered_name = keys[0]  # type: ignore[attr-defined]
+        for key in keys:
+            self._aliases[key] = keys[0]
 
+    # -- plugins -----------------------------------------------------------------------
     def load_plugins(self, force: bool = False) -> None:
-        """Import every entry point of this registry's group (once, unless ``force``)."""
+        """Register every entry point of this registry's group (once, unless ``force``)."""
         if self._plugins_loaded and not force:
             return
         self._plugins_loaded = True
         for entry in importlib.metadata.entry_points(group=self.group):
-            if entry.name in self._aliases:
-                continue
-            try:
-                cls = entry.load()
-            except Exception as error:
-                dist = getattr(getattr(entry, "dist", None), "name", "an unknown distribution")
-                self.broken[entry.name] = (
-                    f"the {self.kind} plugin {entry.name!r} ({entry.value}, from "
-                    f"{dist}) failed to import: {type(error).__name__}: {error}"
-                )
-                warnings.warn(f"grace_dgc: {self.broken[entry.name]}; the other methods work", stacklevel=2)
-                continue
-            if getattr(cls, "registered_name", None) not in self._classes:
-                self._add(entry.name, cls)
+            self._load_plugin(entry)
 
+    def _load_plugin(self, entry: importlib.metadata.EntryPoint) -> None:
+        """One entry point: registered, or warned about (its name is taken by another object),
+        or remembered as broken; the others load either way."""
+        key = entry.name.lower()
+        dist = getattr(getattr(entry, "dist", None), "name", "an unknown distribution")
+        plugin = f"the {self.kind} plugin {entry.name!r} ({entry.value}, from {dist})"
+        if key in self._aliases:  # the same object (its module registered it already) is no clash
+            owner = self._entries[self._aliases[key]]
+            if reference(owner) != entry.value:
+                warnings.warn(
+                    f"grace_dgc: {plugin} is not loaded: the name is taken by {_dotted(owner)}; "
+                    "register it under another name",
+                    stacklevel=3,
+                )
+            return
+        try:
+            obj = entry.load()
+        except Exception as error:
+            self._broken(key, f"{plugin} failed to import", error)
+            return
+        if self.stamp and any(obj is known for known in self._entries.values()):
+            return  # its module registered it when imported: a stamped object keeps its one name
+        try:
+            self.add(entry.name, obj)
+        except Exception as error:
+            self._broken(key, f"{plugin} could not be registered", error)
+            return
+        self.broken.pop(key, None)
+
+    def _broken(self, key: str, what: str, error: Exception) -> None:
+        self.broken[key] = f"{what}: {type(error).__name__}: {error}"
+        warnings.warn(f"grace_dgc: {self.broken[key]}; the other {self.members} work", stacklevel=4)
+
+    # -- looking up --------------------------------------------------------------------
     def names(self, pattern: str = "*") -> list[str]:
+        """Sorted canonical names matching a shell-style ``pattern`` (case-insensitive)."""
         self.load_plugins()
-        return sorted(n for n in self._classes if fnmatch.fnmatchcase(n, pattern))
+        return sorted(n for n in self._entries if fnmatch.fnmatchcase(n, pattern.lower()))
+
+    def aliases_of(self, name: str) -> list[str]:
+        """The other names of canonical ``name``, sorted."""
+        return sorted(a for a, n in self._aliases.items() if n == name and a != name)
 
     def canonical(self, name: str) -> str:
+        """The canonical name of ``name`` (an alias, any case), else an error that lists the
+        valid names and suggests the closest (or says why a plugin of that name is broken)."""
         if not isinstance(name, str):
             raise GraceConfigError(f"{self.kind} must be given by name (a str), got {name!r}")
         if self.compose is not None and ">" in name:  # a composite: each stage by its own name
             stages = [self.canonical(stage.strip()) for stage in name.split(">")]
-            self.compose([self._classes[stage] for stage in stages])  # refuses what cannot be composed
+            self.compose([self._entries[stage] for stage in stages])  # refuses what cannot be composed
             return ">".join(stages)
         key = name.lower()
         if key not in self._aliases:
@@ -93,17 +192,20 @@ class Registry:
         if key in self.broken:
             raise GraceConfigError(self.broken[key])
         if key not in self._aliases:
-            known = sorted(self._aliases)
-            close = difflib.get_close_matches(key, known, n=1)
+            close = difflib.get_close_matches(key, sorted(self._aliases), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise GraceConfigError(f"unknown {self.kind} {name!r}.{hint} Valid names: {', '.join(self.names())}")
+            raise GraceConfigError(
+                f"unknown {self.kind} {name!r}.{hint} Valid names: {', '.join(self.names())}{self.unknown_hint}"
+            )
         return self._aliases[key]
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str) -> T_co:
+        """The object registered as ``name`` (a composite's stand-in for a name with ``>``)."""
         canonical = self.canonical(name)
         if ">" in canonical and self.compose is not None:
-            return self.compose([self._classes[stage] for stage in canonical.split(">")])
-        return self._classes[canonical]
+            composite: T_co = self.compose([self._entries[stage] for stage in canonical.split(">")])
+            return composite
+        return self._entries[canonical]
 
     def accepted_params(self, name: str) -> list[str]:
         """Keyword parameters the class's constructor accepts (``engine`` is wired by build);
@@ -119,9 +221,9 @@ class Registry:
         ]
 
 
-COMPRESSORS = Registry("compressor", "grace_dgc.compressors")
-MEMORIES = Registry("memory", "grace_dgc.memories")
-COMMUNICATORS = Registry("communicator", "grace_dgc.communicators")
+COMPRESSORS: Registry[type[Compressor]] = Registry("compressor", "grace_dgc.compressors")
+MEMORIES: Registry[type[Memory]] = Registry("memory", "grace_dgc.memories")
+COMMUNICATORS: Registry[type[Communicator]] = Registry("communicator", "grace_dgc.communicators")
 
 register_compressor = COMPRESSORS.register
 register_memory = MEMORIES.register
