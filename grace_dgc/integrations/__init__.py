@@ -1,0 +1,38 @@
+"""grace_dgc where users already train: PyTorch Lightning, Hugging Face Accelerate.
+
+Each integration is a module of its own, imported by name, so the library never needs these
+packages (``pip install 'grace_dgc[integrations]'`` brings them, pinned in constraints.txt):
+
+* :mod:`grace_dgc.integrations.lightning`: :class:`~grace_dgc.integrations.lightning.GraceDDPStrategy`,
+  a DDP strategy by name, from Python or a LightningCLI YAML;
+* :mod:`grace_dgc.integrations.accelerate`: :func:`~grace_dgc.integrations.accelerate.attach`,
+  one call after ``accelerator.prepare``.
+
+Both keep every rank's state (residuals, momenta, owner errors) in the trainer's own
+checkpoint (rank 0 writes it, gathered from every rank by :func:`grace_dgc.gather_state`;
+each rank takes its own part back on resume), refuse a resume that does not fit (another
+method, settings or world size) by name, and report :meth:`Grace.stats` through the
+trainer's logging.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: the statistics reported through a trainer's logger, under ``grace/<name>``
+LOGGED = (
+    "steps",
+    "bytes_sent",
+    "bytes_received",
+    "dense_bytes",
+    "compression_ratio",
+    "bytes_per_step",
+    "wait_seconds",
+)
+
+
+def logged_stats(stats: dict[str, Any]) -> dict[str, float]:
+    """The numbers of :meth:`Grace.stats` a trainer logs: :data:`LOGGED` and every phase's
+    ``*_seconds``, as floats under ``grace/<name>``."""
+    keys = [k for k in stats if k in LOGGED or k.endswith("_seconds")]
+    return {f"grace/{k}": float(stats[k]) for k in keys if isinstance(stats[k], (int, float))}
