@@ -636,9 +636,9 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def plot(rows: Sequence[Mapping[str, Any]], path: str) -> str:
-    from grace_survey.report.writer import _plt, _save
+    from grace_survey.report.plots import pyplot, save
 
-    plt = _plt()
+    plt = pyplot()
     bandwidths = sorted({r["bandwidth_bps"] for r in rows})
     latencies = sorted({r["latency_ms"] for r in rows})
     fig, axes = plt.subplots(
@@ -656,7 +656,7 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str) -> str:
         ax.set_ylabel("projected speedup over dense allreduce")
         ax.set_title(f"{format_rate(bandwidth)}, α = {subset[0]['latency_ms']:g} ms")
         ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save(plt, fig, path)
 
 
 def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
