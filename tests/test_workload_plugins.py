@@ -69,6 +69,15 @@ METHODS = [
 
 
 @pytest.fixture
+def fresh_registry(monkeypatch):
+    """The workload registry as it is, restored after the test (what it registers is forgotten)."""
+    for attribute in ("_entries", "_aliases", "broken"):
+        monkeypatch.setattr(wl.WORKLOADS, attribute, dict(getattr(wl.WORKLOADS, attribute)))
+    monkeypatch.setattr(wl.WORKLOADS, "_plugins_loaded", wl.WORKLOADS._plugins_loaded)
+    return wl.WORKLOADS
+
+
+@pytest.fixture
 def plugin_dir(tmp_path, monkeypatch):
     """``my_workloads.py`` in a folder on sys.path (spawned ranks inherit it)."""
     folder = tmp_path / "user"
@@ -86,9 +95,7 @@ def _survey(raw, out, source="<config>"):
 
 
 # -- the contract -------------------------------------------------------------------------------
-def test_register_workload_decorator_builds_through_get_workload(monkeypatch):
-    monkeypatch.setattr(wl, "_FACTORIES", dict(wl._FACTORIES))
-
+def test_register_workload_decorator_builds_through_get_workload(fresh_registry):
     @register_workload("Tiny-Teacher")
     def tiny(seed: int, width: int = 4) -> Workload:  # no data_dir: the contract lets it leave it out
         x = torch.randn(64, width, generator=torch.Generator().manual_seed(seed))
@@ -118,8 +125,7 @@ def test_register_workload_decorator_builds_through_get_workload(monkeypatch):
         ({"loader_workers": -1}, "loader_workers=-1 is out of range"),
     ],
 )
-def test_contract_errors_say_what_was_wrong_and_what_is_accepted(monkeypatch, fields, message):
-    monkeypatch.setattr(wl, "_FACTORIES", dict(wl._FACTORIES))
+def test_contract_errors_say_what_was_wrong_and_what_is_accepted(fresh_registry, fields, message):
     x = torch.zeros(8, 2)
     base = {"train": (x, torch.zeros(8, dtype=torch.long)), "test": (x, torch.zeros(8, dtype=torch.long)),
             "make_model": lambda: torch.nn.Linear(2, 2)}  # fmt: skip
@@ -146,7 +152,7 @@ def test_module_and_file_specs_import_with_clear_errors(plugin_dir, tmp_path):
         get_workload("broken_mod:make")
 
 
-def test_entry_point_workloads_register_and_a_broken_one_is_named(plugin_dir, tmp_path, monkeypatch):
+def test_entry_point_workloads_register_and_a_broken_one_is_named(plugin_dir, tmp_path, monkeypatch, fresh_registry):
     from conftest import install_dummy_distribution
 
     install_dummy_distribution(
@@ -156,9 +162,7 @@ def test_entry_point_workloads_register_and_a_broken_one_is_named(plugin_dir, tm
         "[grace_dgc.workloads]\nmy-teacher = my_workloads:make\nbroken-net = no_such_module:make\n"
         "digits-mlp = my_workloads:make\n",
     )
-    monkeypatch.setattr(wl, "_FACTORIES", dict(wl._FACTORIES))
-    monkeypatch.setattr(wl, "_BROKEN", {})
-    monkeypatch.setattr(wl, "_plugins_loaded", False)
+    monkeypatch.setattr(fresh_registry, "_plugins_loaded", False)
     with pytest.warns(UserWarning) as warned:
         names = list_workloads()
     messages = " ".join(str(w.message) for w in warned)
@@ -170,6 +174,36 @@ def test_entry_point_workloads_register_and_a_broken_one_is_named(plugin_dir, tm
     assert "my-teacher        my_workloads:make" in workloads_table()
     with pytest.raises(GraceConfigError, match=r"plugin 'broken-net' \(no_such_module:make, from my-workloads\)"):
         get_workload("broken-net")
+
+
+def test_a_plugin_naming_a_built_in_itself_is_no_clash_and_a_non_callable_one_is_named(
+    plugin_dir, tmp_path, monkeypatch, fresh_registry
+):
+    """The one Registry's rules (issue 41): the same factory declared again loads silently, a
+    plugin that is not a factory is remembered as broken, by name."""
+    import warnings
+
+    from conftest import install_dummy_distribution
+
+    (plugin_dir / "not_a_factory.py").write_text("WIDTH = 3\n")
+    install_dummy_distribution(
+        tmp_path,
+        monkeypatch,
+        "more-workloads",
+        "[grace_dgc.workloads]\nmnist1d-mlp = grace_survey.workloads.builtin:_mnist1d_mlp\n"
+        "width = not_a_factory:WIDTH\n",
+    )
+    monkeypatch.setattr(fresh_registry, "_plugins_loaded", False)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        names = list_workloads()
+    assert [str(w.message) for w in warned] == [
+        "grace_dgc: the workload plugin 'width' (not_a_factory:WIDTH, from more-workloads) could not be registered: "
+        "GraceConfigError: workload 'width': the factory must be callable, got 3; the other workloads work"
+    ]
+    assert "mnist1d-mlp" in names and "width" not in names
+    with pytest.raises(GraceConfigError, match=r"plugin 'width' \(not_a_factory:WIDTH.*must be callable"):
+        get_workload("width")
 
 
 # -- metric and loss functions --------------------------------------------------------------------

@@ -171,9 +171,9 @@ class SurveyConfig:
         return path, list(args), sha
 
     def _check_hyper(self) -> None:
-        from grace_survey.workloads.registry import _checked
+        from grace_survey.workloads.contract import check_hyper_parameters
 
-        _checked({k: v for k, v in self.hyper.items()})  # raises naming the key and range
+        check_hyper_parameters({k: v for k, v in self.hyper.items()})  # raises naming the key and range
 
     def _networks(self, networks: list[Any]) -> list[Network]:
         out = []

@@ -220,54 +220,14 @@ def build_workload(
     """The ``pydoc-gpt`` workload: a character-level GPT on Python's help text (see the module
     docstring). ``data_dir`` and ``seed`` are unused: the corpus ships with Python and is the
     same for every seed. ``train_chars`` keeps the first N characters of the train split."""
-    context = check_range("context", context, 1, None, kind=int)
-    d_model = check_range("d_model", d_model, 1, None, kind=int)
-    n_layer = check_range("n_layer", n_layer, 1, None, kind=int)
-    n_head = check_range("n_head", n_head, 1, None, kind=int)
-    if d_model % n_head:
-        raise GraceConfigError(
-            f"d_model={d_model} must be divisible by n_head={n_head} (each head gets d_model / n_head "
-            f"dimensions); accepted: n_head among the divisors of d_model"
-        )
+    context, d_model, n_layer, n_head = _checked_shape(context, d_model, n_layer, n_head)
     text = corpus_text()
     vocab = vocabulary(text)
-    tokens = encode(text, vocab)
-    train_end, valid_end = split_bounds(len(text))
-    if train_chars is not None:
-        train_chars = check_range("train_chars", train_chars, context + 1, train_end, kind=int)
-    train_tokens = tokens[: train_chars if train_chars is not None else train_end]
-    valid_tokens, test_tokens = tokens[train_end:valid_end], tokens[valid_end:]
-    shortest = min(len(valid_tokens), len(test_tokens))
-    if shortest < context + 1:
-        raise GraceConfigError(
-            f"context={context} is out of range: the valid/test splits have {shortest} characters; "
-            f"accepted: [1, {shortest - 1}]"
-        )
+    train_tokens, valid_tokens, test_tokens = _split_tokens(encode(text, vocab), context, train_chars)
     vocab_size = len(vocab)
     make_model = functools.partial(CharTransformer, vocab_size, context, d_model, n_layer, n_head)
-    digest = text_sha256(text)[:16]
-    info = {
-        "source": "pydoc_data.topics.topics (Python's help text, shipped with the interpreter)",
-        "python_version": platform.python_version(),
-        "text_sha256": digest,
-        "text_chars": len(text),
-        "vocab_size": vocab_size,
-        "vocabulary": vocab,
-        "tokenization": "character (vocabulary = the sorted set of the text's characters)",
-        "split_chars": {
-            "train": len(train_tokens),
-            "valid": len(valid_tokens),
-            "test": len(test_tokens),
-        },
-        "split_offsets": {
-            "train": [0, len(train_tokens)],
-            "valid": [train_end, valid_end],
-            "test": [valid_end, len(text)],
-        },
-        "context": context,
-        "bptt": context,
-        "model": {"d_model": d_model, "n_layer": n_layer, "n_head": n_head, "tied_embeddings": False},
-    }
+    info = _facts(text, vocab, (train_tokens, valid_tokens, test_tokens), context, d_model, n_layer, n_head)
+    digest = info["text_sha256"]
     return Workload(
         name="pydoc-gpt",
         train=windows(train_tokens, context),
@@ -293,3 +253,70 @@ def build_workload(
         grad_clip=1.0,
         info=info,
     )
+
+
+def _checked_shape(context: int, d_model: int, n_layer: int, n_head: int) -> tuple[int, int, int, int]:
+    """The model's sizes, each checked (and ``d_model`` divisible by ``n_head``)."""
+    context = check_range("context", context, 1, None, kind=int)
+    d_model = check_range("d_model", d_model, 1, None, kind=int)
+    n_layer = check_range("n_layer", n_layer, 1, None, kind=int)
+    n_head = check_range("n_head", n_head, 1, None, kind=int)
+    if d_model % n_head:
+        raise GraceConfigError(
+            f"d_model={d_model} must be divisible by n_head={n_head} (each head gets d_model / n_head "
+            f"dimensions); accepted: n_head among the divisors of d_model"
+        )
+    return context, d_model, n_layer, n_head
+
+
+def _split_tokens(tokens: Tensor, context: int, train_chars: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The corpus's train, valid and test tokens (:data:`SPLIT_FRACTIONS`, the train split cut
+    to ``train_chars``); every split holds at least one window of ``context`` tokens."""
+    train_end, valid_end = split_bounds(len(tokens))
+    if train_chars is not None:
+        train_chars = check_range("train_chars", train_chars, context + 1, train_end, kind=int)
+    train_tokens = tokens[: train_chars if train_chars is not None else train_end]
+    valid_tokens, test_tokens = tokens[train_end:valid_end], tokens[valid_end:]
+    shortest = min(len(valid_tokens), len(test_tokens))
+    if shortest < context + 1:
+        raise GraceConfigError(
+            f"context={context} is out of range: the valid/test splits have {shortest} characters; "
+            f"accepted: [1, {shortest - 1}]"
+        )
+    return train_tokens, valid_tokens, test_tokens
+
+
+def _facts(
+    text: str,
+    vocab: str,
+    splits: tuple[Tensor, Tensor, Tensor],
+    context: int,
+    d_model: int,
+    n_layer: int,
+    n_head: int,
+) -> dict[str, Any]:
+    """The workload's ``info``: the corpus, its tokenization and splits, the model's shape."""
+    train_tokens, valid_tokens, test_tokens = splits
+    train_end, valid_end = split_bounds(len(text))
+    return {
+        "source": "pydoc_data.topics.topics (Python's help text, shipped with the interpreter)",
+        "python_version": platform.python_version(),
+        "text_sha256": text_sha256(text)[:16],
+        "text_chars": len(text),
+        "vocab_size": len(vocab),
+        "vocabulary": vocab,
+        "tokenization": "character (vocabulary = the sorted set of the text's characters)",
+        "split_chars": {
+            "train": len(train_tokens),
+            "valid": len(valid_tokens),
+            "test": len(test_tokens),
+        },
+        "split_offsets": {
+            "train": [0, len(train_tokens)],
+            "valid": [train_end, valid_end],
+            "test": [valid_end, len(text)],
+        },
+        "context": context,
+        "bptt": context,
+        "model": {"d_model": d_model, "n_layer": n_layer, "n_head": n_head, "tied_embeddings": False},
+    }
