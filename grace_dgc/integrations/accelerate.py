@@ -1,0 +1,118 @@
+"""Hugging Face Accelerate: grace_dgc in one call after ``accelerator.prepare``.
+
+    from grace_dgc.integrations.accelerate import attach
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    grace = attach(accelerator, model, "topk", "residual", "allgather", optimizer=optimizer, compress_ratio=0.01)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_of(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+        grace.log_stats(step)                          # grace/<stat> through accelerator.log
+
+Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes its own enum only (fp16,
+bf16, PowerSGD); :func:`attach` registers :func:`grace_dgc.ddp_comm_hook` on the prepared
+model instead, and registers the returned :class:`GraceAccelerate` with
+``accelerator.register_for_checkpointing``: ``save_state`` (every process calls it) gathers
+every rank's grace state into the file the main process writes, and ``load_state`` gives
+each rank its own part back, refusing another method, settings or world size by name.
+Accelerate itself saves the main process's custom state only, so a residual would otherwise be
+lost. ``accelerator.accumulate`` runs the micro-batches under DDP's ``no_sync``: grace runs
+once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..checkpoint import gather_state, load_gathered_state
+from ..ddp import GraceHookState, ddp_comm_hook
+from ..errors import GraceConfigError
+from ..grace import Grace, build
+from . import logged_stats
+
+log = logging.getLogger(__name__)
+
+
+class GraceAccelerate:
+    """The Grace on an Accelerate-prepared model, its hook state, and its checkpointing.
+
+    ``state_dict()`` is collective (every process calls it in ``save_state``): the main
+    process's holds every rank's state (:func:`grace_dgc.gather_state`), the others' hold
+    None; ``load_state_dict`` loads each rank's own part (a rank that read None receives its
+    part from the main process)."""
+
+    def __init__(self, accelerator: Any, grace: Grace, hook_state: GraceHookState | None) -> None:
+        self.accelerator = accelerator
+        self.grace = grace
+        self.hook_state = hook_state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"grace_dgc": gather_state(self.grace)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or "grace_dgc" not in state:
+            raise GraceConfigError(
+                f"not a grace_dgc checkpoint entry (a dict with 'grace_dgc'), got {type(state).__name__}: "
+                "was the state saved with grace_dgc.integrations.accelerate.attach registered?"
+            )
+        load_gathered_state(self.grace, state["grace_dgc"])
+
+    def stats(self) -> dict[str, Any]:
+        return self.grace.stats()
+
+    def log_stats(self, step: int | None = None) -> None:
+        """``grace/<stat>`` (bytes, ratio, phase times) through ``accelerator.log`` (its trackers)."""
+        self.accelerator.log(logged_stats(self.grace.stats()), step=step)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Hand the epoch to the parts that follow one (DGC's warm-up)."""
+        self.grace.set_epoch(epoch)
+
+
+def attach(
+    accelerator: Any,
+    model: torch.nn.Module,
+    compressor: str = "none",
+    memory: str = "none",
+    communicator: str = "allreduce",
+    *,
+    optimizer: Any = None,
+    grace: Callable[[], Grace] | None = None,
+    nonfinite: str = "skip",
+    **params: Any,
+) -> GraceAccelerate:
+    """Compress the gradients of ``model`` (as ``accelerator.prepare`` returned it) with a
+    grace_dgc method, named as in :func:`grace_dgc.build` (or ``grace``: a function returning
+    a built Grace, e.g. ``grace_survey.cell_grace``). ``optimizer``: the prepared optimizer,
+    for memories that take over its momentum (``momentum``). Registers the returned object
+    for ``save_state``/``load_state``. One process: nothing is exchanged, so no hook is
+    registered (a warning says so)."""
+    if grace is not None and ((compressor, memory, communicator) != ("none", "none", "allreduce") or params):
+        raise GraceConfigError("attach takes the method by name or a grace function, not both")
+    if not isinstance(model, DistributedDataParallel):
+        if accelerator.num_processes > 1:
+            raise GraceConfigError(
+                f"attach needs the model accelerator.prepare returned, a DistributedDataParallel; got "
+                f"{type(model).__name__} under {accelerator.num_processes} processes (call attach after prepare)"
+            )
+        log.warning("one process: nothing to exchange, so grace_dgc's hook is not registered")
+    made = grace() if grace is not None else None
+    if made is None:
+        engine = "torch" if isinstance(model, DistributedDataParallel) else "local"
+        made = build(compressor, memory, communicator, engine=engine, nonfinite=nonfinite, **params)
+    if not isinstance(made, Grace):
+        raise GraceConfigError(f"grace= must return a Grace, returned {type(made).__name__}")
+    hook_state = None
+    if isinstance(model, DistributedDataParallel):
+        hook_state, hook = ddp_comm_hook(made, model, getattr(optimizer, "optimizer", optimizer))
+        model.register_comm_hook(hook_state, hook)
+    attached = GraceAccelerate(accelerator, made, hook_state)
+    accelerator.register_for_checkpointing(attached)
+    return attached
