@@ -1,15 +1,17 @@
 """The report's "How to read this" notes (:func:`explanations`), each computed from the records
 and written only where its case occurs: a method that keeps a smaller share of each gradient
-yet sends more bytes, fewer bytes but no faster step on an unshaped loopback, fastest to the
+yet sends more bytes (and why, as the method itself tells: its compressor's
+``bytes_notes``), fewer bytes but no faster step on an unshaped loopback, fastest to the
 target but not most accurate at the end, and "no significant difference" read as "equal"."""
 
-import inspect
 import statistics
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
+from grace_dgc.errors import GraceConfigError
+from grace_dgc.interfaces import Compressor, MeasuredBytes
+from grace_dgc.registry import COMPRESSORS
 from grace_survey.report.grouping import Group, baseline_of, combos, peers
 from grace_survey.report.headline import metric_name, ranked, target_text
 from grace_survey.report.significance import ALPHA, difference_interval, welch_test
@@ -42,15 +44,6 @@ def _bytes(group: Group) -> float:
     return float("nan") if value is None else value
 
 
-def _dgc_setting(params: Mapping[str, Any], name: str) -> Any:
-    """A DGC setting as the run had it: its parameter, else the compressor's default."""
-    if name in params:
-        return params[name]
-    from grace_dgc.compressors.dgc import DGCCompressor
-
-    return inspect.signature(DGCCompressor).parameters[name].default
-
-
 def _explain_bytes(groups: Sequence[Group]) -> list[str]:
     """(a) a method that keeps a smaller share of the gradient but sends more bytes."""
     out = []
@@ -70,48 +63,29 @@ def _explain_bytes(groups: Sequence[Group]) -> list[str]:
                     f"(compression ratio {a.mean('compression_ratio'):.4g}) against {human_bytes(bb)} "
                     f"({b.mean('compression_ratio'):.4g})."
                 )
-                params = a.runs[0].get("params") or {}
-                if a.runs[0].get("compressor") == "dgc":
-                    text += _dgc_reasons(a, params, ra)
-                else:
-                    text += " Measured bytes count the whole wire format: indices, headers and any tensor sent whole."
-                out.append(text)
+                out.append(text + _method_notes(a, ra))
     return out
 
 
-def _dgc_reasons(group: Group, params: Mapping[str, Any], ratio: float) -> str:
-    """Why a DGC run sent more than its ratio: warm-up and the tensors it sends whole."""
-    text = ""
-    warmup = params.get("warmup_epochs") or params.get("warmup_steps")
-    last = _last_epoch_bytes(group)
-    if warmup and last is not None:
-        what = "epochs" if params.get("warmup_epochs") else "steps"
-        text += (
-            f" Part of it is warm-up: the run average counts {warmup} warm-up {what} of denser exchanges; "
-            f"after them, in the last epoch, it still sent {human_bytes(last)} per step."
-        )
-    rules = []
-    if _dgc_setting(params, "dense_1d"):
-        rules.append("tensors of dim ≤ 1 (biases, norm weights)")
-    minimum = _dgc_setting(params, "min_compress_size")
-    if minimum:
-        rules.append(f"tensors of fewer than {minimum} elements")
-    if not rules:
-        return text
-    width = "fp16" if _dgc_setting(params, "fp16_values") else "fp32"
-    text += f" DGC sends {' and '.join(rules)} whole, in {width}"
-    dense = group.mean("dense_bytes_per_step")
-    sent = last if last is not None else group.mean("bytes_per_step")
-    if dense and sent and sent > 4 * ratio * dense:  # values + indices of the kept share are at most 2×
-        share = ratio * dense
-        text += (
-            f": {ratio:g} of the {human_bytes(dense)} dense gradient is {human_bytes(share)}, so most of the "
-            f"{human_bytes(sent)} it sends per step ({sent / share:.3g}×) is those whole tensors, which on a small "
-            f"model ({group.runs[0].get('parameters', '?')} parameters) outweigh what the ratio saves."
-        )
-    else:
-        text += "."
-    return text
+def _method_notes(group: Group, ratio: float) -> str:
+    """What the method of ``group`` says about why it sent more bytes than its ratio
+    (:meth:`grace_dgc.interfaces.Compressor.bytes_notes`), each sentence after a space; a
+    compressor not registered here (a plugin not installed), or a composite, says what any
+    method would."""
+    run = group.runs[0]
+    try:
+        method = COMPRESSORS.get(run.get("compressor") or "")
+    except GraceConfigError:
+        method = Compressor
+    ask = getattr(method, "bytes_notes", Compressor.bytes_notes)
+    measured = MeasuredBytes(
+        ratio=ratio,
+        per_step=group.mean("bytes_per_step"),
+        last_epoch=_last_epoch_bytes(group),
+        dense=group.mean("dense_bytes_per_step"),
+        parameters=run.get("parameters", "?"),
+    )
+    return "".join(f" {sentence}" for sentence in ask(run.get("params") or {}, measured, human_bytes))
 
 
 def _unshaped(group: Group) -> bool:
