@@ -38,6 +38,16 @@ PROJECT_HELP = "project step time and speedup over dense allreduce to N nodes (Î
 
 
 def add_survey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``survey``'s arguments: what to run (a preset or a config, or a script), the command
+    line's overrides of the config, and how the run goes."""
+    _add_what_to_run(parser)
+    _add_overrides(parser)
+    _add_run_options(parser)
+    return parser
+
+
+def _add_what_to_run(parser: argparse.ArgumentParser) -> None:
+    """--preset or --config, --out, and script mode's --script and --launcher."""
     from grace_survey.config.presets import PRESET_ALIASES, PRESETS
 
     source = parser.add_mutually_exclusive_group(required=True)
@@ -64,6 +74,10 @@ def add_survey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="script mode: 'local' (default) or a command prefix that starts every rank of a cell, e.g. "
         "'horovodrun -np {workers} -H a:2,b:2' or 'torchrun --nproc-per-node {workers} --master-port {port}'",
     )
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    """What the command line overrides in the config: workers, epochs, steps, data, network."""
     parser.add_argument("--workers", metavar="N[,N...]", help="ranks per run (overrides the config)")
     parser.add_argument("--epochs", type=int, help="epochs per run (overrides the config)")
     parser.add_argument("--max-steps", type=int, metavar="S", help="at most S steps per epoch (overrides)")
@@ -81,6 +95,10 @@ def add_survey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--latency", metavar="MS", help="one-way delay in ms added on the shaped loopback (needs the netem qdisc)"
     )
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """How the survey runs and what it writes besides the results; script mode's --script-args last."""
     parser.add_argument(
         "--tensorboard",
         action="store_true",
@@ -100,7 +118,6 @@ def add_survey_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="ARG",
         help="script mode: everything after this goes to the script (give it last)",
     )
-    return parser
 
 
 def _preset(name: str) -> str:

@@ -74,21 +74,7 @@ class SurveyConfig:
         self.source = source
         self.raw = raw
         self.base_dir = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else os.getcwd()
-        self.script, self.script_args, self.script_sha = self._script(raw)
-        self.launcher: str = raw.get("launcher", "local")
-        if self.script is not None:
-            from grace_survey.script.api import check_launcher
-
-            check_launcher(self.launcher)
-            _check_script_mode(raw, source)
-            self.workload = f"script:{os.path.basename(self.script)}"
-        elif "launcher" in raw or "script_args" in raw:
-            raise GraceConfigError(
-                f"{source}: launcher and script_args belong to script mode; give script = 'train.py' "
-                "(or --script) or remove them"
-            )
-        else:
-            self.workload = self._workload(raw)
+        self._what_runs(raw)
         self.name: str = raw.get("name", os.path.splitext(os.path.basename(source))[0] or "survey")
         self.description: str = raw.get("description", "")
         self.workload_options: dict[str, Any] = dict(raw.get("workload_options", {}))
@@ -96,6 +82,33 @@ class SurveyConfig:
         self.data_dir: str | None = raw.get("data_dir") or None
         settings = dict(DEFAULTS, **{k: raw[k] for k in DEFAULTS if k in raw})
         self.data_seed = _positive_int(settings["data_seed"], "data_seed", 0)
+        self._workers_and_seeds(raw, settings)
+        self._run_settings(settings)
+        self._check_hyper()
+        self.networks = self._networks(raw.get("networks", [{}]))
+        self.methods = self._methods(raw.get("methods"))
+
+    def _what_runs(self, raw: dict[str, Any]) -> None:
+        """The script (script mode) and its launcher, or the workload: ``self.script``,
+        ``script_args``, ``script_sha``, ``launcher`` and ``workload``."""
+        self.script, self.script_args, self.script_sha = self._script(raw)
+        self.launcher: str = raw.get("launcher", "local")
+        if self.script is not None:
+            from grace_survey.script.api import check_launcher
+
+            check_launcher(self.launcher)
+            _check_script_mode(raw, self.source)
+            self.workload = f"script:{os.path.basename(self.script)}"
+        elif "launcher" in raw or "script_args" in raw:
+            raise GraceConfigError(
+                f"{self.source}: launcher and script_args belong to script mode; give script = 'train.py' "
+                "(or --script) or remove them"
+            )
+        else:
+            self.workload = self._workload(raw)
+
+    def _workers_and_seeds(self, raw: dict[str, Any], settings: dict[str, Any]) -> None:
+        """The grid's world sizes and seeds: ``self.workers`` and ``self.seeds``."""
         workers = settings["workers"]
         counts = workers if isinstance(workers, list) else [workers]
         self.workers = [_positive_int(w, "workers", high=MAX_WORKERS) for w in counts]
@@ -107,6 +120,9 @@ class SurveyConfig:
         self.seeds = [_positive_int(s, "seeds[]", 0) for s in seeds]
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise GraceConfigError(f"seeds = {seeds!r} must be a non-empty list of distinct ints >= 0")
+
+    def _run_settings(self, settings: dict[str, Any]) -> None:
+        """How every cell runs: steps, tuning, evaluation, timing, timeout, logging, device, backend."""
         self.max_steps = _positive_int(settings["max_steps"], "max_steps", 0)
         self.tune_epochs = _positive_int(settings["tune_epochs"], "tune_epochs", 0)
         self.tune_holdout = float(settings["tune_holdout"])
@@ -131,9 +147,6 @@ class SurveyConfig:
         self.backend: str = settings["backend"]
         if self.backend not in ("auto", "gloo", "nccl"):
             raise GraceConfigError(f"backend = {self.backend!r}; accepted: auto, gloo, nccl")
-        self._check_hyper()
-        self.networks = self._networks(raw.get("networks", [{}]))
-        self.methods = self._methods(raw.get("methods"))
 
     # -- validation ------------------------------------------------------------------
     def _workload(self, raw: dict[str, Any]) -> str:
@@ -189,7 +202,6 @@ class SurveyConfig:
 
     def _methods(self, methods: list[Any] | None) -> list[dict[str, Any]]:
         import grace_dgc
-        from grace_dgc.registry import COMPRESSORS
 
         if not methods:
             raise GraceConfigError(
@@ -200,58 +212,45 @@ class SurveyConfig:
         labels: set[str] = set()
         for i, method in enumerate(methods):
             where = f"methods[{i}]"
-            if not isinstance(method, dict):
-                raise GraceConfigError(f"{where} must be a table with at least 'compressor'")
-            _check_keys(method, METHOD_KEYS, where)
-            if "compressor" not in method:
-                raise GraceConfigError(
-                    f"{where}: 'compressor' is required (one of {', '.join(grace_dgc.list_compressors())})"
-                )
-            compressor = COMPRESSORS.canonical(method["compressor"])
-            summable = COMPRESSORS.get(compressor).summable
-            spec: dict[str, Any] = {
-                "label": method.get("label", compressor),
-                "compressor": compressor,
-                "memory": method.get("memory", "none"),
-                "communicator": method.get("communicator", "allreduce" if summable else "allgather"),
-                "params": dict(method.get("params", {})),
-                "tags": dict(method.get("tags", {})),
-            }
-            for size in self.workers:  # every name and parameter checked by the real builder, on
-                try:  # the world sizes it will run with, on paper (no process, no network)
-                    parts = spec["compressor"], spec["memory"], spec["communicator"]
-                    grace_dgc.build(*parts, engine=PlanEngine(size), **spec["params"])
-                except GraceConfigError as err:
-                    on = f" on {size} workers" if size > 1 else ""
-                    raise GraceConfigError(f"{where} ({spec['label']!r}){on}: {err}") from None
+            spec = self._method(method, where)
             if spec["label"] in labels:
                 raise GraceConfigError(f"{where}: label {spec['label']!r} is used twice; labels must be unique")
             labels.add(spec["label"])
-            for key in ("lr", "momentum", "weight_decay"):
-                if key in method:
-                    low_ok = method[key] > 0 if key == "lr" else method[key] >= 0
-                    if not (low_ok and math.isfinite(method[key])):
-                        raise GraceConfigError(
-                            f"{where}: {key} = {method[key]!r} must be {'> 0' if key == 'lr' else '>= 0'}"
-                        )
-                    spec[key] = float(method[key])
-            if "fusion_bytes" in method:
-                spec["fusion_bytes"] = _positive_int(method["fusion_bytes"], f"{where}: fusion_bytes", low=0)
-            if "schedule" in method:
-                spec["schedule"] = _schedule(method["schedule"], spec, f"{where} ({spec['label']!r})")
-            if "tune_lr" in method:
-                cands = method["tune_lr"]
-                if not cands or not all(
-                    isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c < math.inf for c in cands
-                ):
-                    raise GraceConfigError(
-                        f"{where}: tune_lr = {cands!r} must be a non-empty list of finite learning rates > 0"
-                    )
-                if "lr" in method:
-                    raise GraceConfigError(f"{where}: give lr or tune_lr, not both")
-                spec["tune_lr"] = [float(c) for c in cands]
+            _method_settings(method, spec, where)
             out.append(spec)
         return out
+
+    def _method(self, method: object, where: str) -> dict[str, Any]:
+        """One ``[[methods]]`` table's parts and parameters, checked by the real builder on every
+        world size of the grid, on paper (no process, no network)."""
+        import grace_dgc
+        from grace_dgc.registry import COMPRESSORS
+
+        if not isinstance(method, dict):
+            raise GraceConfigError(f"{where} must be a table with at least 'compressor'")
+        _check_keys(method, METHOD_KEYS, where)
+        if "compressor" not in method:
+            raise GraceConfigError(
+                f"{where}: 'compressor' is required (one of {', '.join(grace_dgc.list_compressors())})"
+            )
+        compressor = COMPRESSORS.canonical(method["compressor"])
+        summable = COMPRESSORS.get(compressor).summable
+        spec: dict[str, Any] = {
+            "label": method.get("label", compressor),
+            "compressor": compressor,
+            "memory": method.get("memory", "none"),
+            "communicator": method.get("communicator", "allreduce" if summable else "allgather"),
+            "params": dict(method.get("params", {})),
+            "tags": dict(method.get("tags", {})),
+        }
+        for size in self.workers:
+            try:
+                parts = spec["compressor"], spec["memory"], spec["communicator"]
+                grace_dgc.build(*parts, engine=PlanEngine(size), **spec["params"])
+            except GraceConfigError as err:
+                on = f" on {size} workers" if size > 1 else ""
+                raise GraceConfigError(f"{where} ({spec['label']!r}){on}: {err}") from None
+        return spec
 
     # -- the grid --------------------------------------------------------------------
     def cells(self, cache_dir: str | None = None, tensorboard_dir: str | None = None) -> list[Cell]:
@@ -401,6 +400,32 @@ def with_overrides(
         raw["networks"] = [network]
     raw.setdefault("name", config.name)
     return SurveyConfig(raw, source=config.source)
+
+
+def _method_settings(method: Mapping[str, Any], spec: dict[str, Any], where: str) -> None:
+    """A method's own training settings, checked into ``spec``: lr, momentum, weight_decay,
+    fusion_bytes, its schedule and its lr candidates (tune_lr)."""
+    for key in ("lr", "momentum", "weight_decay"):
+        if key in method:
+            low_ok = method[key] > 0 if key == "lr" else method[key] >= 0
+            if not (low_ok and math.isfinite(method[key])):
+                raise GraceConfigError(f"{where}: {key} = {method[key]!r} must be {'> 0' if key == 'lr' else '>= 0'}")
+            spec[key] = float(method[key])
+    if "fusion_bytes" in method:
+        spec["fusion_bytes"] = _positive_int(method["fusion_bytes"], f"{where}: fusion_bytes", low=0)
+    if "schedule" in method:
+        spec["schedule"] = _schedule(method["schedule"], spec, f"{where} ({spec['label']!r})")
+    if "tune_lr" in method:
+        cands = method["tune_lr"]
+        if not cands or not all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c < math.inf for c in cands
+        ):
+            raise GraceConfigError(
+                f"{where}: tune_lr = {cands!r} must be a non-empty list of finite learning rates > 0"
+            )
+        if "lr" in method:
+            raise GraceConfigError(f"{where}: give lr or tune_lr, not both")
+        spec["tune_lr"] = [float(c) for c in cands]
 
 
 def _schedule(raw: object, spec: Mapping[str, Any], where: str) -> dict[str, Any]:
