@@ -127,7 +127,7 @@ def register_workload(name: str) -> Callable[[Factory], Factory]:
     return decorator
 
 
-for _name, _factory in BUILTIN.items():  # registered as a user's own are
+for _name, _factory in BUILTIN.items():  # the built-ins go through register_workload, as a user's own do
     register_workload(_name)(_factory)
 
 
