@@ -3,11 +3,12 @@ loop, evaluation. See :mod:`grace_survey.running.runner` for what each measureme
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ from grace_survey.workloads import data
 from grace_survey.workloads.data import Split
 
 if TYPE_CHECKING:
+    from grace_dgc.grace import Grace
     from grace_survey.config.cell import Cell
     from grace_survey.running.context import Context
     from grace_survey.running.results import Record
@@ -183,6 +185,42 @@ def lr_at(workload: Workload, lr: float, epoch: int, step: int, total_steps: int
     return lr * workload.lr_gamma ** sum(epoch >= m for m in workload.lr_milestones)
 
 
+@dataclasses.dataclass
+class _Training:
+    """What the epochs and steps of one :func:`train` share: the model, its optimizer and the
+    Grace that exchanges its gradients, what a step measures, the run's sizes, and the step count."""
+
+    ctx: Context
+    cell: Cell
+    workload: Workload
+    lr: float
+    model: nn.Module
+    grace: Grace
+    optimizer: torch.optim.Optimizer
+    dist_opt: grace_dgc.DistributedOptimizer | OuterSync | AdamSchedule
+    measured: Any  # whose stats a step records: the Adam schedules add their dense exchanges (a second Grace)
+    scheduled: bool  # the method has a schedule (its dense bytes: dense_per_step)
+    dense_per_step: int  # what a step-by-step fp32 allreduce would send: a schedule's ratio is against it
+    score: Objective
+    epochs: int
+    examples: int
+    steps: int  # per epoch
+    scalars: Callable[[int, dict[str, float]], object] | None
+    global_step: int = 0
+
+    @property
+    def per_worker(self) -> int:
+        return self.workload.batch_size
+
+    @property
+    def global_batch(self) -> int:
+        return self.workload.batch_size * self.ctx.size
+
+    def lr_now(self, epoch: int) -> float:
+        """The learning rate of the current step (:func:`lr_at`)."""
+        return lr_at(self.workload, self.lr, epoch, self.global_step, self.epochs * self.steps)
+
+
 def train(
     ctx: Context,
     cell: Cell,
@@ -202,15 +240,84 @@ def train(
     on rank 0); ``scalars(step, {tag: value})``, if given, gets per-step and per-epoch
     scalars on rank 0 (the TensorBoard log). Evaluation time is not training time.
     """
-    seed = cell.seed
+    run, train_split = _start(ctx, cell, workload, lr, train_split, epochs, scalars)
+    reset_peak_rss()
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    bar = _progress_bar(epochs * run.steps, desc, progress and ctx.rank == 0)
+    history: list[Record] = []
+    try:
+        for epoch in range(epochs):
+            elapsed = history[-1]["elapsed_s"] if history else 0.0
+            record = _train_epoch(run, epoch, train_split, eval_split, elapsed, bar)
+            history.append(record)
+            bar.set_postfix(epoch=epoch + 1, test_acc=f"{record['test_accuracy']:.3f}")
+            if on_epoch is not None:
+                on_epoch(record)
+    finally:
+        bar.close()
+        if isinstance(run.dist_opt, grace_dgc.DistributedOptimizer):
+            run.dist_opt.remove_hooks()
+    return history, {
+        "global_batch": run.global_batch,
+        "steps_per_epoch": run.steps,
+        "parameters": sum(p.numel() for p in run.model.parameters()),
+    }
+
+
+def _start(
+    ctx: Context,
+    cell: Cell,
+    workload: Workload,
+    lr: float,
+    train_split: Split,
+    epochs: int,
+    scalars: Callable[[int, dict[str, float]], object] | None,
+) -> tuple[_Training, Split]:
+    """The run's model and method (:func:`_build`), sized (:func:`_epoch_size`), and the
+    training split where the steps read it."""
+    model, grace, optimizer, dist_opt = _build(ctx, cell, workload, lr)
+    train_split, steps = _epoch_size(ctx, cell, workload, train_split)
+    run = _Training(
+        ctx=ctx,
+        cell=cell,
+        workload=workload,
+        lr=lr,
+        model=model,
+        grace=grace,
+        optimizer=optimizer,
+        dist_opt=dist_opt,
+        measured=dist_opt if isinstance(dist_opt, AdamSchedule) else grace,
+        scheduled=cell.method.get("schedule") is not None,
+        dense_per_step=4 * sum(p.numel() for p in model.parameters()),
+        score=objective(workload),
+        epochs=epochs,
+        examples=data.size(train_split),
+        steps=steps,
+        scalars=scalars,
+    )
+    return run, train_split
+
+
+def _progress_bar(total: int, desc: str | None, shown: bool) -> Any:
+    """The steps' progress bar (tqdm; disabled unless ``shown``)."""
+    tqdm = require("tqdm.auto", "the survey's progress bars").tqdm
+    return tqdm(total=total, desc=desc, position=1, leave=False, unit="step", dynamic_ncols=True, disable=not shown)
+
+
+def _build(
+    ctx: Context, cell: Cell, workload: Workload, lr: float
+) -> tuple[nn.Module, Grace, torch.optim.Optimizer, grace_dgc.DistributedOptimizer | OuterSync | AdamSchedule]:
+    """The seeded model (the same initial weights for every method), the cell's Grace, the
+    workload's optimizer and what steps it: a DistributedOptimizer, or the method's schedule."""
     method = cell.method
     params = dict(method["params"])
     from grace_dgc.registry import COMPRESSORS
 
     if "seed" in COMPRESSORS.accepted_params(method["compressor"]) and "seed" not in params:
-        params["seed"] = seed  # a stochastic method's own randomness follows the run seed
+        params["seed"] = cell.seed  # a stochastic method's own randomness follows the run seed
 
-    torch.manual_seed(seed)
+    torch.manual_seed(cell.seed)
     model = workload.make_model().to(ctx.device)
     grace = grace_dgc.build(
         method["compressor"], method["memory"], method["communicator"], engine=ctx.engine_kind, **params
@@ -218,20 +325,25 @@ def train(
     optimizer = make_optimizer(workload, model, lr)
     fusion = {"fusion_bytes": method["fusion_bytes"]} if "fusion_bytes" in method else {}
     schedule = method.get("schedule")
-    dist_opt: grace_dgc.DistributedOptimizer | OuterSync | AdamSchedule
     if schedule is None:
-        dist_opt = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters(), **fusion)
-    else:  # the workload's optimizer steps locally; the Grace carries the outer gradient
-        settings = dict(schedule["params"])
-        if workload.grad_clip and "max_grad_norm" in accepted_schedule_params(schedule["name"]):
-            # the Adam schedules clip the gradient they use (the dense average where they average it)
-            settings.setdefault("max_grad_norm", workload.grad_clip)
-        dist_opt = create_schedule(schedule["name"], optimizer, grace, model.named_parameters(), **fusion, **settings)
-    # whose stats a step records: the Adam schedules add their dense exchanges (a second Grace)
-    measured: Any = dist_opt if isinstance(dist_opt, AdamSchedule) else grace
-    # what a step-by-step fp32 allreduce would send: a schedule's ratio is against it, not per sync
-    dense_per_step = 4 * sum(p.numel() for p in model.parameters())
+        return (
+            model,
+            grace,
+            optimizer,
+            grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters(), **fusion),
+        )
+    # the workload's optimizer steps locally; the Grace carries the outer gradient
+    settings = dict(schedule["params"])
+    if workload.grad_clip and "max_grad_norm" in accepted_schedule_params(schedule["name"]):
+        # the Adam schedules clip the gradient they use (the dense average where they average it)
+        settings.setdefault("max_grad_norm", workload.grad_clip)
+    dist_opt = create_schedule(schedule["name"], optimizer, grace, model.named_parameters(), **fusion, **settings)
+    return model, grace, optimizer, dist_opt
 
+
+def _epoch_size(ctx: Context, cell: Cell, workload: Workload, train_split: Split) -> tuple[Split, int]:
+    """The training split where the steps read it (on the GPU when held as tensors) and the
+    optimizer steps per epoch: whole global batches, at most ``max_steps``."""
     if ctx.device.type == "cuda" and not data.is_streamed(train_split):
         train_split = tuple(t.to(ctx.device) for t in train_split)  # type: ignore[union-attr, assignment]
     examples = data.size(train_split)
@@ -243,137 +355,154 @@ def train(
             f"batch_size {per_worker} × {ctx.size} workers = {global_batch} exceeds the {examples} "
             f"training samples of {workload.name!r}; lower batch_size or workers"
         )
-    score = objective(workload)
     if cell.max_steps:
         steps = min(steps, cell.max_steps)
-    skip = cell.timing_skip_steps
-    reset_peak_rss()
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.device)
+    return train_split, steps
 
-    tqdm = require("tqdm.auto", "the survey's progress bars").tqdm
 
-    bar = tqdm(
-        total=epochs * steps,
-        desc=desc,
-        position=1,
-        leave=False,
-        unit="step",
-        dynamic_ncols=True,
-        disable=not (progress and ctx.rank == 0),
+def _train_epoch(run: _Training, epoch: int, train_split: Split, eval_split: Split, elapsed: float, bar: Any) -> Record:
+    """One epoch's steps, its closing synchronization (a schedule's), the evaluation, and the
+    epoch's record from every rank's totals."""
+    ctx = run.ctx
+    epoch_lr = run.lr_now(epoch)
+    run.grace.set_epoch(epoch)
+    loader, augment_rng = _epoch_batches(run, epoch, train_split)
+    run.model.train()
+    totals = RankTotals()
+    method_stats: dict[str, Any] = {}
+    ctx.sync()
+    epoch_start = time.perf_counter()
+    for _ in range(run.steps):
+        method_stats = _train_step(run, epoch, epoch_lr, loader, augment_rng, totals)
+        bar.update()
+    # a schedule ends the epoch with a synchronization: the evaluated model is the ranks'
+    # common one (its bytes and time count as the epoch's)
+    if isinstance(run.dist_opt, (OuterSync, AdamSchedule)) and run.dist_opt.synchronize_now():
+        stats = run.measured.stats()
+        run.measured.reset_stats()
+        totals.bytes_sent += stats["bytes_sent"]
+        totals.exchanges += stats["tensors"]
+        totals.groups += stats["groups"]
+    ctx.sync()
+    totals.train_time = time.perf_counter() - epoch_start
+    totals.peak_rss_mb, totals.peak_gpu_mb = _peak_memory(ctx)
+    ranks = [RankTotals.from_list(values) for values in ctx.gather(totals.as_list())]
+    test_loss, test_acc = evaluate(ctx, run.model, eval_split, run.cell.eval_batch_size, run.workload)
+    record = epoch_record(
+        ranks, epoch + 1, epoch_lr, run.steps, run.global_batch, elapsed, test_loss, test_acc, method_stats
     )
-    history: list[Record] = []
-    elapsed, global_step = 0.0, 0
-    try:
-        for epoch in range(epochs):
-            epoch_lr = lr_at(workload, lr, epoch, global_step, epochs * steps)
-            grace.set_epoch(epoch)
-            order = torch.randperm(examples, generator=torch.Generator().manual_seed(_mix(seed, epoch)))
-            augment_rng = torch.Generator().manual_seed(_mix(seed, epoch, "augment", ctx.rank))
-            if ctx.device.type == "cuda" and not data.is_streamed(train_split):
-                order = order.to(ctx.device)
-            # this rank's rows of each global batch: the same examples in the same order for
-            # every method, whether the split is held as tensors or streamed from a Dataset
-            mine = [order[step * global_batch + ctx.rank * per_worker :][:per_worker] for step in range(steps)]
-            loader = data.batches(train_split, mine, workload.loader_workers, pin_memory=ctx.device.type == "cuda")
-            model.train()
-            totals = RankTotals()
-            method_stats: dict[str, Any] = {}
-            ctx.sync()
-            epoch_start = time.perf_counter()
-            for _ in range(steps):
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_at(workload, lr, epoch, global_step, epochs * steps)
-                x, y = next(loader)
-                if workload.augment is not None:
-                    x = workload.augment(x, augment_rng)
-                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-                ctx.sync()
-                t0 = time.perf_counter()
-                dist_opt.zero_grad()
-                loss, hits, count = score(model(x), y)
-                loss.backward()
-                ctx.sync()
-                t1 = time.perf_counter()
-                if workload.grad_clip and isinstance(dist_opt, grace_dgc.DistributedOptimizer):
-                    dist_opt.synchronize()  # clip the averaged gradient, then update once
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), workload.grad_clip)
-                    dist_opt.step()  # after synchronize(): no second exchange; a NaN step is skipped
-                else:
-                    if workload.grad_clip and not isinstance(dist_opt, AdamSchedule):
-                        # DiLoCo, local SGD: the local gradient, before the local step
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), workload.grad_clip)
-                    dist_opt.step()
-                ctx.sync()
-                t2 = time.perf_counter()
-                stats = measured.stats()
-                measured.reset_stats()
-                totals.loss += loss.item() * count
-                totals.hits += hits.item()
-                totals.count += count
-                totals.bytes_sent += stats["bytes_sent"]
-                totals.dense_bytes += stats["dense_bytes"] if schedule is None else dense_per_step
-                totals.exchanges += stats["tensors"]
-                totals.groups += stats["groups"]
-                if global_step >= skip:
-                    totals.timed_steps += 1
-                    totals.compute += t1 - t0
-                    totals.wait += t2 - t1
-                    # error feedback's work counts as compression here, as before Grace timed it
-                    # apart: the survey's compress_s (and the projection) keep their meaning
-                    totals.compress += stats["compress_seconds"] + stats["memory_seconds"]
-                    totals.communicate += stats["communicate_seconds"]
-                    totals.decompress += stats["decompress_seconds"]
-                method_stats = {k: v for k, v in stats.items() if k not in GRACE_KEYS}
-                if scalars is not None and ctx.rank == 0:
-                    scalars(
-                        global_step,
-                        {
-                            "train/loss": loss.item(),
-                            "train/bytes_sent": stats["bytes_sent"],
-                            "train/step_s": t2 - t0,
-                            "train/lr": epoch_lr,
-                        },
-                    )
-                global_step += 1
-                bar.update()
-            # a schedule ends the epoch with a synchronization: the evaluated model is the ranks'
-            # common one (its bytes and time count as the epoch's)
-            if isinstance(dist_opt, (OuterSync, AdamSchedule)) and dist_opt.synchronize_now():
-                stats = measured.stats()
-                measured.reset_stats()
-                totals.bytes_sent += stats["bytes_sent"]
-                totals.exchanges += stats["tensors"]
-                totals.groups += stats["groups"]
-            ctx.sync()
-            totals.train_time = time.perf_counter() - epoch_start
-            totals.peak_rss_mb, totals.peak_gpu_mb = _peak_memory(ctx)
-            ranks = [RankTotals.from_list(values) for values in ctx.gather(totals.as_list())]
-            test_loss, test_acc = evaluate(ctx, model, eval_split, cell.eval_batch_size, workload)
-            record = epoch_record(
-                ranks, epoch + 1, epoch_lr, steps, global_batch, elapsed, test_loss, test_acc, method_stats
-            )
-            elapsed = record["elapsed_s"]
-            history.append(record)
-            if scalars is not None and ctx.rank == 0:
-                scalars(
-                    global_step,
-                    {
-                        "epoch/test_accuracy": test_acc,
-                        "epoch/test_loss": test_loss,
-                        "epoch/train_loss": record["train_loss"],
-                        "epoch/bytes_per_step": record["bytes_per_step"],
-                    },
-                )
-            bar.set_postfix(epoch=epoch + 1, test_acc=f"{test_acc:.3f}")
-            if on_epoch is not None:
-                on_epoch(record)
-    finally:
-        bar.close()
-        if isinstance(dist_opt, grace_dgc.DistributedOptimizer):
-            dist_opt.remove_hooks()
-    return history, {
-        "global_batch": global_batch,
-        "steps_per_epoch": steps,
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
+    if run.scalars is not None and ctx.rank == 0:
+        run.scalars(
+            run.global_step,
+            {
+                "epoch/test_accuracy": test_acc,
+                "epoch/test_loss": test_loss,
+                "epoch/train_loss": record["train_loss"],
+                "epoch/bytes_per_step": record["bytes_per_step"],
+            },
+        )
+    return record
+
+
+def _epoch_batches(
+    run: _Training, epoch: int, train_split: Split
+) -> tuple[Iterator[tuple[Tensor, Tensor]], torch.Generator]:
+    """This rank's batches of the epoch (the permutation drawn from (seed, epoch)) and the
+    generator its augmentation draws from (seeded from (seed, epoch, rank))."""
+    ctx, seed = run.ctx, run.cell.seed
+    order = torch.randperm(run.examples, generator=torch.Generator().manual_seed(_mix(seed, epoch)))
+    augment_rng = torch.Generator().manual_seed(_mix(seed, epoch, "augment", ctx.rank))
+    if ctx.device.type == "cuda" and not data.is_streamed(train_split):
+        order = order.to(ctx.device)
+    # this rank's rows of each global batch: the same examples in the same order for
+    # every method, whether the split is held as tensors or streamed from a Dataset
+    start = ctx.rank * run.per_worker
+    mine = [order[step * run.global_batch + start :][: run.per_worker] for step in range(run.steps)]
+    loader = data.batches(train_split, mine, run.workload.loader_workers, pin_memory=ctx.device.type == "cuda")
+    return loader, augment_rng
+
+
+def _train_step(
+    run: _Training,
+    epoch: int,
+    epoch_lr: float,
+    loader: Iterator[tuple[Tensor, Tensor]],
+    augment_rng: torch.Generator,
+    totals: RankTotals,
+) -> dict[str, Any]:
+    """One measured optimizer step, added to ``totals``; returns the method's own stats."""
+    ctx, workload = run.ctx, run.workload
+    for group in run.optimizer.param_groups:
+        group["lr"] = run.lr_now(epoch)
+    x, y = next(loader)
+    if workload.augment is not None:
+        x = workload.augment(x, augment_rng)
+    x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+    ctx.sync()
+    t0 = time.perf_counter()
+    run.dist_opt.zero_grad()
+    loss, hits, count = run.score(run.model(x), y)
+    loss.backward()
+    ctx.sync()
+    t1 = time.perf_counter()
+    _update(run)
+    ctx.sync()
+    t2 = time.perf_counter()
+    stats = run.measured.stats()
+    run.measured.reset_stats()
+    _add_step(run, totals, stats, loss.item() * count, hits.item(), count, t1 - t0, t2 - t1)
+    if run.scalars is not None and ctx.rank == 0:
+        run.scalars(
+            run.global_step,
+            {
+                "train/loss": loss.item(),
+                "train/bytes_sent": stats["bytes_sent"],
+                "train/step_s": t2 - t0,
+                "train/lr": epoch_lr,
+            },
+        )
+    run.global_step += 1
+    return {k: v for k, v in stats.items() if k not in GRACE_KEYS}
+
+
+def _update(run: _Training) -> None:
+    """The step's update, the gradient clipped where the workload asks for it."""
+    dist_opt, grad_clip = run.dist_opt, run.workload.grad_clip
+    if grad_clip and isinstance(dist_opt, grace_dgc.DistributedOptimizer):
+        dist_opt.synchronize()  # clip the averaged gradient, then update once
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), grad_clip)
+        dist_opt.step()  # after synchronize(): no second exchange; a NaN step is skipped
+    else:
+        if grad_clip and not isinstance(dist_opt, AdamSchedule):
+            # DiLoCo, local SGD: the local gradient, before the local step
+            torch.nn.utils.clip_grad_norm_(run.model.parameters(), grad_clip)
+        dist_opt.step()
+
+
+def _add_step(
+    run: _Training,
+    totals: RankTotals,
+    stats: dict[str, Any],
+    loss_sum: float,
+    hits: float,
+    count: int,
+    compute: float,
+    wait: float,
+) -> None:
+    """One step's loss, hits, bytes and (past ``timing_skip_steps``) times into the epoch's totals."""
+    totals.loss += loss_sum
+    totals.hits += hits
+    totals.count += count
+    totals.bytes_sent += stats["bytes_sent"]
+    totals.dense_bytes += run.dense_per_step if run.scheduled else stats["dense_bytes"]
+    totals.exchanges += stats["tensors"]
+    totals.groups += stats["groups"]
+    if run.global_step >= run.cell.timing_skip_steps:
+        totals.timed_steps += 1
+        totals.compute += compute
+        totals.wait += wait
+        # error feedback's work counts as compression here, as before Grace timed it
+        # apart: the survey's compress_s (and the projection) keep their meaning
+        totals.compress += stats["compress_seconds"] + stats["memory_seconds"]
+        totals.communicate += stats["communicate_seconds"]
+        totals.decompress += stats["decompress_seconds"]
