@@ -64,262 +64,70 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grace_dgc.communicators.sparse_allreduce import RADIX_ROUNDS
-
-# the per-communicator steps and bytes are each communicator's own, read through the core's model
-from grace_dgc.costmodel import GTOPK, cost, modelled
 from grace_dgc.errors import GraceConfigError
+from grace_survey.projection.methods import assumed_methods, measured_methods, modelled_name, with_communicators
+from grace_survey.projection.model import (
+    BACKWARD_SHARE,
+    UTILIZATION_TARGETS,
+    Method,
+    Node,
+    Row,
+    allgather,
+    bandwidth_for_utilization,
+    broadcast_each,
+    communication_time,
+    counted_bytes,
+    dense_step,
+    exchanges_per_step,
+    mesh_rows,
+    overlapped_step,
+    project,
+    project_mesh,
+    project_step,
+    ring_allreduce,
+    streaming_step,
+    utilization_rows,
+)
+from grace_survey.report.plots import pyplot, save
+from grace_survey.running.results import read_records
 from grace_survey.units import format_rate, human_bytes, parse_latency, parse_rate
 
-Method = dict[str, Any]  # one measured method: the summary's per-step figures (see project_step)
-Row = dict[str, Any]  # one projected row (see project)
-Node = tuple[int, float]  # (ranks per node, bandwidth or β inside a node)
+__all__ = [  # the command's own, then the model's and the methods' (this module held them before issue 41)
+    "add_project_args",
+    "format_mesh",
+    "format_table",
+    "format_utilization",
+    "main",
+    "plot",
+    "run_project",
+    "BACKWARD_SHARE",
+    "UTILIZATION_TARGETS",
+    "Method",
+    "Node",
+    "Row",
+    "allgather",
+    "assumed_methods",
+    "bandwidth_for_utilization",
+    "broadcast_each",
+    "communication_time",
+    "counted_bytes",
+    "dense_step",
+    "exchanges_per_step",
+    "measured_methods",
+    "mesh_rows",
+    "modelled_name",
+    "overlapped_step",
+    "project",
+    "project_mesh",
+    "project_step",
+    "ring_allreduce",
+    "streaming_step",
+    "utilization_rows",
+    "with_communicators",
+]
 
 
-# -- the cost model ------------------------------------------------------------------------
-def ring_allreduce(nodes: int, nbytes: float, alpha: float, beta: float, messages: float = 1) -> float:
-    if nodes <= 1:
-        return 0.0
-    return messages * 2 * (nodes - 1) * alpha + 2 * (nodes - 1) / nodes * nbytes * beta
-
-
-def allgather(nodes: int, nbytes: float, alpha: float, beta: float, messages: float = 1) -> float:
-    if nodes <= 1:
-        return 0.0
-    return messages * (nodes - 1) * alpha + (nodes - 1) * nbytes * beta
-
-
-def broadcast_each(nodes: int, nbytes: float, alpha: float, beta: float, messages: float = 1) -> float:
-    if nodes <= 1:
-        return 0.0
-    return messages * nodes * math.ceil(math.log2(nodes)) * alpha + nodes * nbytes * beta
-
-
-def counted_bytes(communicator: str, nodes: int, nbytes: float, dense_bytes: float) -> tuple[float, float]:
-    """``(bytes_sent, bytes_received)`` the engine counts on one rank for one exchange of a
-    payload of ``nbytes`` (size headers aside): what a test compares with ``grace.stats()``."""
-    share = (nodes - 1) / nodes
-    if communicator == "allreduce":
-        return nbytes, nbytes
-    if communicator == "allgather":
-        return nbytes, (nodes - 1) * nbytes
-    if communicator == "sparse_allreduce":  # own pairs out; an owner's summed region, gathered
-        region = min(nodes * nbytes, dense_bytes) / nodes
-        return share * nbytes + region, share * nbytes + (nodes - 1) * region
-    if communicator in ("reduce_scatter", GTOPK):  # own share out; the owner's share of the result, gathered
-        histograms = RADIX_ROUNDS * 256 * 4 if communicator == GTOPK else 0  # int32 counts, one tensor
-        return (
-            share * nbytes + nbytes / nodes + histograms,
-            share * nbytes + (nodes - 1) * nbytes / nodes + histograms,
-        )
-    raise GraceConfigError(f"no byte count for communicator {communicator!r}")
-
-
-def communication_time(
-    communicator: str,
-    nodes: int,
-    nbytes: float,
-    exchanges: float,
-    alpha: float,
-    beta: float,
-    dense_bytes: float = math.inf,
-    node: Node | None = None,
-) -> float:
-    """Seconds per step to move ``nbytes`` (this rank's payload, per step) in ``exchanges``
-    exchanges with ``communicator`` among ``nodes`` ranks. ``hierarchical:C`` adds the dense
-    reduce and broadcast inside nodes of ``node = (ranks, β inside)``."""
-    if communicator.startswith("hierarchical:"):
-        ranks, node_beta = node or (1, 0.0)
-        inside = ring_allreduce(ranks, dense_bytes, 0.0, node_beta) + dense_bytes * node_beta * (ranks > 1)
-        outer = communicator.split(":", 1)[1]
-        return inside + communication_time(outer, nodes, nbytes, exchanges, alpha, beta, dense_bytes)
-    terms = cost(communicator, nodes, nbytes, dense_bytes)
-    return exchanges * terms.steps * alpha + terms.wire * beta
-
-
-# -- overlap ------------------------------------------------------------------------------
-BACKWARD_SHARE = 2 / 3  # backward ≈ 2× forward (its two matrix products per layer to forward's one)
-
-
-def overlapped_step(
-    compute_s: float, exchange_s: float, buckets: float, backward_share: float = BACKWARD_SHARE
-) -> float:
-    """Step time when the exchange overlaps the backward pass bucket by bucket (DDP's comm
-    hook): the backward b = share·c produces B equal buckets, bucket i ready at
-    f + i·b/B (f = c − b the forward), and one channel exchanges them in order, each taking
-    X/B (X: the step's whole exchange, codec included). The last bucket ends at
-
-        T = f + max_i (i·b/B + (B − i + 1)·X/B) = f + max(b/B + X, b + X/B)
-
-    (the max of an affine function of i is at i = 1 or i = B): communication-bound, the
-    channel starts after the first bucket and never idles; compute-bound, only the last
-    bucket's exchange is left after backward. B = 1 is no overlap: T = c + X."""
-    backward = backward_share * compute_s
-    forward = compute_s - backward
-    buckets = max(1.0, buckets)
-    return forward + max(backward / buckets + exchange_s, backward + exchange_s / buckets)
-
-
-def streaming_step(
-    compute_s: float, fragment_s: float, inner_steps: int, fragments: int = 1, delay: int = 0, head_start: float = 0.0
-) -> float:
-    """Seconds per inner step of a schedule that exchanges its outer gradient as P =
-    ``fragments`` fragments every H = ``inner_steps`` steps, each exchange (taking
-    ``fragment_s``, codec included) overlapping τ = ``delay`` inner steps:
-
-        T_H = max(H·c + P·max(0, X_f − τ·c − h),  P·X_f),   per step T_H / H
-
-    The training thread waits at a fragment's due step for what τ steps of compute (and a
-    head start h = ``head_start`` of the send step itself) did not hide; the second term is
-    the channel's own limit (P exchanges per H steps, one at a time). DiLoCo is P = 1,
-    τ = 0: (H·c + X)/H. grace_dgc forms Δ after the optimizer step, so h = 0; a layer-wise
-    implementation (Streaming DiLoCo's simulator) starts a fragment's reduction as its
-    layers finish the backward pass, h = the backward's share of c."""
-    waiting = fragments * max(0.0, fragment_s - delay * compute_s - head_start)
-    return max(inner_steps * compute_s + waiting, fragments * fragment_s) / inner_steps
-
-
-def project_step(
-    method: Method, nodes: int, alpha: float, beta: float, node: Node | None = None
-) -> tuple[float, float]:
-    """Projected seconds per step of one measured method (a dict of the summary's
-    per-step figures: compute_s, compress_s, decompress_s, bytes_per_step,
-    exchanges_per_step, rounds, communicator, workers), and the part of it that is not
-    compute. A method run under a schedule (``schedule``: H inner steps, P fragments, delay
-    τ) is projected by :func:`streaming_step` from one fragment's exchange; with
-    ``overlap="backward"`` a per-step method by :func:`overlapped_step` over its buckets."""
-    schedule = method.get("schedule") or {}
-    params = schedule.get("params", {})
-    inner = params.get("inner_steps", 1) if schedule else 1
-    fragments = params.get("fragments", 1) if schedule.get("name") == "streaming_diloco" else 1
-    delay = params.get("delay", 1) if schedule.get("name") == "streaming_diloco" else 0
-    share = inner / fragments  # one fragment's exchange carries this many steps' worth of the averages
-    exchanges = exchanges_per_step(method) * method.get("rounds", 1) * share
-    communicator: str = method["communicator"]
-    comm = communication_time(
-        communicator,
-        nodes,
-        method["bytes_per_step"] * share,
-        exchanges,
-        alpha,
-        beta,
-        method.get("dense_bytes_per_step", math.inf) * share,
-        node,
-    )
-
-    def per_rank(name: str) -> bool:  # one decompression per rank's payload
-        return name.split(":", 1)[-1] in ("allgather", "broadcast")
-
-    decompress = method["decompress_s"]  # measured at W workers: W payloads if per rank
-    if per_rank(method.get("measured_communicator", communicator)):
-        decompress = decompress / method["workers"]
-    if per_rank(communicator):
-        decompress = decompress * nodes
-    exchange = (method["compress_s"] + decompress) * share + comm
-    compute = method["compute_s"]
-    if schedule:
-        head_start = BACKWARD_SHARE * compute if method.get("overlap") == "backward" else 0.0
-        step = streaming_step(compute, exchange, inner, fragments, delay, head_start)
-    elif method.get("overlap") == "backward":
-        step = overlapped_step(compute, exchange, exchanges_per_step(method))
-    else:
-        step = compute + exchange
-    return step, comm * fragments / inner  # the communication per step, hidden or not
-
-
-def exchanges_per_step(method: Method) -> float:
-    """e of the model: the fusion groups the run exchanged per step (each one set of
-    collectives), or its tensors for surveys that predate the groups' count."""
-    return method.get("groups_per_step") or method["exchanges_per_step"]
-
-
-def dense_step(compute_s: float, dense_bytes: float, exchanges: float, nodes: int, alpha: float, beta: float) -> float:
-    return compute_s + ring_allreduce(nodes, dense_bytes, alpha, beta, exchanges)
-
-
-# -- sharded training: an HSDP mesh -------------------------------------------------------------
-def project_mesh(
-    method: Method,
-    shard: int,
-    replicate: int,
-    inter_alpha: float,
-    inter_beta: float,
-    intra_beta: float,
-    seam: str = "shard",
-) -> dict[str, float]:
-    """Seconds per step of a method measured on FSDP2's reduce-scatter (a 1-D run of W ranks,
-    ``examples/survey_fsdp.py``), projected onto an HSDP mesh of S = ``shard`` ranks inside a
-    node (β_intra, latency ignored, as ``hierarchical``) × R = ``replicate`` nodes (α, β):
-
-        G = the fp32 gradient bytes per rank and step (dense_bytes_per_step), r = the measured
-        bytes_sent / G, C = r·G·W/(W−1) one rank's compressed gradient (headers included)
-        all-gather   2 · (S−1)/S · G · β_intra     (FSDP unshards the parameters for forward and backward)
-        reduce-scatter (S−1)/S · C · β_intra       (FSDP's own for ``none``: C = G)
-        replicate    2(R−1)·e·α + 2(R−1)/R · (G/S) · β   (native HSDP: an fp32 ring allreduce of the shard)
-        step         c + s + d + all-gather + reduce-scatter + replicate    (no overlap)
-
-    ``seam="replicate"`` asks what the same compression buys across nodes instead: the
-    reduce-scatter is FSDP's fp32 and the replicate exchange moves the compressed shard, C/S,
-    through ``reduce_scatter``'s ring: 4(R−1)·e·α + 2(R−1)/R · (C/S) · β, the codec time charged there.
-    """
-    workers = method["workers"]
-    dense = method["dense_bytes_per_step"]
-    ratio = method["bytes_per_step"] / dense if dense else 1.0
-    compressed = ratio * dense * workers / (workers - 1) if workers > 1 else dense
-    share = (shard - 1) / shard
-    exchanges = exchanges_per_step(method)
-    if seam == "replicate":
-        moved = 2 * (replicate - 1) / replicate * compressed / shard * inter_beta if replicate > 1 else 0.0
-        across = 4 * (replicate - 1) * exchanges * inter_alpha + moved
-        compressed = dense
-    else:
-        across = ring_allreduce(replicate, dense / shard, inter_alpha, inter_beta, exchanges)
-    parts = {
-        "all_gather": 2 * share * dense * intra_beta,
-        "reduce_scatter": share * compressed * intra_beta,
-        "replicate": across,
-    }
-    parts["step"] = method["compute_s"] + method["compress_s"] + method["decompress_s"] + sum(parts.values())
-    return parts
-
-
-def mesh_rows(
-    methods: Sequence[Method],
-    meshes: Sequence[tuple[int, int]],
-    bandwidths_bps: Sequence[float],
-    latency_ms: float,
-    node_bps: float,
-    seam: str = "shard",
-) -> list[Row]:
-    """:func:`project_mesh` for every reduce-scatter method, mesh and inter-node bandwidth;
-    the speedup is against the ``none`` row on the same mesh."""
-    measured = [m for m in methods if m["communicator"] == "reduce_scatter"]
-    if not measured:
-        raise GraceConfigError(
-            "--mesh projects runs of FSDP2's reduce-scatter (communicator 'reduce_scatter', examples/survey_fsdp.py "
-            "on a 1-D mesh); this survey has none"
-        )
-    rows = []
-    for bandwidth in bandwidths_bps:
-        for shard, replicate in meshes:
-            parts = {
-                m["label"]: project_mesh(m, shard, replicate, latency_ms / 1000, 8 / bandwidth, 8 / node_bps, seam)
-                for m in measured
-            }
-            base = next((parts[m["label"]]["step"] for m in measured if m["compressor"] == "none"), None)
-            for label, part in parts.items():
-                rows.append(
-                    {
-                        "label": label,
-                        "mesh": f"{shard}x{replicate}",
-                        "bandwidth_bps": bandwidth,
-                        **part,
-                        "speedup": base / part["step"] if base else None,
-                    }
-                )
-    return rows
-
-
+# -- tables and plot -----------------------------------------------------------------------
 def format_mesh(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = [
         "| Method | Mesh (shard × replicate) | Inter-node bandwidth | Step | All-gather | Reduce-scatter | Replicate | "
@@ -334,272 +142,6 @@ def format_mesh(rows: Sequence[Mapping[str, Any]]) -> str:
             f"| {speedup} |"
         )
     return "\n".join(lines)
-
-
-# -- from stated assumptions instead of a survey -------------------------------------------
-def assumed_methods(
-    parameters: float,
-    step_s: float,
-    workers: int,
-    inner_steps: int = 100,
-    fragments: int = 2,
-    delay: int = 1,
-    bits: int = 32,
-    outer_bits: int = 4,
-    buckets: int = 25,
-) -> list[Method]:
-    """The methods of Streaming DiLoCo's bandwidth simulation (its Table 4) as projectable
-    methods built from assumptions, no survey: a model of ``parameters`` parameters whose
-    inner step computes for ``step_s`` on each of ``workers`` workers, every exchange a ring
-    allreduce of ``bits`` per parameter (``outer_bits`` for the quantized row), no codec time:
-
-    - data-parallel: every step, overlapped with the backward pass over ``buckets`` buckets;
-    - DiLoCo: every H = ``inner_steps`` steps, the whole model, blocking;
-    - Streaming DiLoCo: P = ``fragments`` fragments, each every H steps, blocking (τ = 0);
-    - … with overlap: each fragment's exchange overlapping τ = ``delay`` inner steps;
-    - … and ``outer_bits``-bit outer gradients (FP4 in the paper)."""
-    full = parameters * bits / 8
-
-    def method(label: str, nbytes: float, schedule: dict[str, Any] | None, **extra: Any) -> Method:
-        every = schedule["params"]["inner_steps"] if schedule else 1
-        return {
-            "label": label,
-            "compute_s": step_s,
-            "compress_s": 0.0,
-            "decompress_s": 0.0,
-            "bytes_per_step": nbytes / every,
-            "dense_bytes_per_step": full / every,
-            "exchanges_per_step": 1.0 / every,
-            "groups_per_step": (buckets if schedule is None else schedule["params"].get("fragments", 1)) / every,
-            "batch_size": None,
-            "workers": workers,
-            "rounds": 1,
-            "compressor": "none",
-            "communicator": "allreduce",
-            "schedule": schedule,
-            **extra,
-        }
-
-    def streaming(delay: int) -> dict[str, Any]:
-        return {
-            "name": "streaming_diloco",
-            "params": {"inner_steps": inner_steps, "fragments": fragments, "delay": delay},
-        }
-
-    return [
-        method("data-parallel", full, None, overlap="backward"),
-        method(f"diloco H={inner_steps}", full, {"name": "diloco", "params": {"inner_steps": inner_steps}}),
-        method(f"streaming diloco P={fragments}", full, streaming(0)),
-        method(f"streaming diloco P={fragments}, overlap τ={delay}", full, streaming(delay)),
-        method(
-            f"streaming diloco P={fragments}, overlap τ={delay}, {outer_bits}-bit",
-            parameters * outer_bits / 8,
-            streaming(delay),
-        ),
-    ]
-
-
-# -- from a survey directory ---------------------------------------------------------------
-def measured_methods(records: Sequence[dict[str, Any]]) -> list[Method]:
-    """One entry per method label: mean over seeds of its unshaped runs at the largest
-    measured worker count (shaped runs are used only when there is no unshaped one)."""
-    from grace_dgc.registry import COMPRESSORS
-    from grace_survey.running.results import latest_summaries
-
-    runs = latest_summaries(records)
-    if not runs:
-        raise GraceConfigError("no finished runs (summary lines) in this directory; run `grace-dgc survey` first")
-    local = [r for r in runs if r.get("network", "local") == "local"] or runs
-    by_label: dict[str, list[dict[str, Any]]] = {}
-    for run in local:
-        by_label.setdefault(run["label"], []).append(run)
-    methods = []
-    for label, rows in by_label.items():
-        workers = max(r["workers"] for r in rows)
-        rows = [r for r in rows if r["workers"] == workers]
-        keys = (
-            "compute_s",
-            "compress_s",
-            "decompress_s",
-            "communicate_s",
-            "bytes_per_step",
-            "dense_bytes_per_step",
-            "exchanges_per_step",
-            "batch_size",
-        )
-        # a script-mode run that reports no samples has no batch size: its projection has no samples/s
-        mean = {k: None if any(r.get(k) is None for r in rows) else sum(r[k] for r in rows) / len(rows) for k in keys}
-        if all(r.get("groups_per_step") for r in rows):  # older surveys lack it
-            mean["groups_per_step"] = sum(r["groups_per_step"] for r in rows) / len(rows)
-        try:
-            rounds = COMPRESSORS.get(rows[0]["compressor"]).rounds
-        except GraceConfigError:
-            rounds = 1
-        methods.append(
-            dict(
-                mean,
-                label=label,
-                workers=workers,
-                rounds=rounds,
-                compressor=rows[0]["compressor"],
-                schedule=rows[0].get("schedule"),
-                communicator=modelled_name(rows[0]["communicator"], rows[0].get("params") or {}),
-            )
-        )
-    return methods
-
-
-def modelled_name(communicator: str, params: Mapping[str, Any]) -> str:
-    """The model's name of a measured run's communicator (gTop-k is a mode of sparse_allreduce)."""
-    return GTOPK if communicator == "sparse_allreduce" and params.get("global_topk") else communicator
-
-
-def with_communicators(methods: Sequence[Method], communicators: Sequence[str]) -> list[Method]:
-    """``methods`` plus, for each method and each of ``communicators`` that can carry its
-    compressor, the same measured method projected with that communicator."""
-    from grace_dgc.registry import COMMUNICATORS, COMPRESSORS
-
-    out, known = list(methods), modelled()  # each registered class asked once, not per method and name
-    for method in methods:
-        if method["compressor"] == "none" and method["communicator"] == "allreduce":
-            continue  # the dense baseline stays what it is
-        for name in communicators:
-            flat = name.split(":", 1)[-1]
-            if flat not in known:
-                raise GraceConfigError(f"no cost model for communicator {name!r}; accepted: {', '.join(known)}")
-            try:
-                fits = COMMUNICATORS.get(flat.split("+", 1)[0]).fits(COMPRESSORS.get(method["compressor"])())
-            except GraceConfigError:
-                fits = False
-            if fits and name != method["communicator"]:
-                out.append(
-                    dict(
-                        method,
-                        label=f"{method['label']} @ {name}",
-                        communicator=name,
-                        measured_communicator=method["communicator"],
-                    )
-                )
-    return out
-
-
-def project(
-    methods: Sequence[Method],
-    nodes_list: Sequence[int],
-    bandwidths_bps: Sequence[float],
-    latency_ms: float,
-    node: Node | None = None,
-) -> list[Row]:
-    """Rows: (label, nodes, bandwidth, step time, communication, dense step time, speedup,
-    samples/s). ``node = (ranks per node, bandwidth inside)`` models ``hierarchical:C``
-    communicators, and the dense baseline as a hierarchical dense allreduce."""
-    dense = next((m for m in methods if m["compressor"] == "none" and m["communicator"] == "allreduce"), None)
-    if dense is not None and node is not None and node[0] > 1:
-        dense = dict(dense, communicator="hierarchical:allreduce", measured_communicator="allreduce")
-    node_model = None if node is None else (node[0], 8 / node[1])
-    alpha = latency_ms / 1000
-    rows = []
-    for bandwidth in bandwidths_bps:
-        beta = 8 / bandwidth
-        for nodes in nodes_list:
-            for method in methods:
-                step, comm = project_step(method, nodes, alpha, beta, node_model)
-                if dense is not None:  # the measured dense run, through the same model
-                    dense_time = project_step(dense, nodes, alpha, beta, node_model)[0]
-                else:
-                    dense_time = dense_step(
-                        method["compute_s"],
-                        method["dense_bytes_per_step"],
-                        exchanges_per_step(method),
-                        nodes,
-                        alpha,
-                        beta,
-                    )
-                rows.append(
-                    {
-                        "label": method["label"],
-                        "nodes": nodes,
-                        "bandwidth_bps": bandwidth,
-                        "latency_ms": latency_ms,
-                        "step_s": step,
-                        "communication_s": comm,
-                        "dense_step_s": dense_time,
-                        "speedup": dense_time / step,
-                        "samples_per_s": None if method["batch_size"] is None else method["batch_size"] * nodes / step,
-                        "utilization": method["compute_s"] / step,
-                        "bytes_per_step": method["bytes_per_step"],
-                        "measured_workers": method["workers"],
-                    }
-                )
-    return rows
-
-
-UTILIZATION_TARGETS = (0.90, 0.95)
-
-
-def bandwidth_for_utilization(
-    method: Method, nodes: int, latency_ms: float, target: float, node: Node | None = None
-) -> float:
-    """The bandwidth (bit/s) at which ``method`` spends ``target`` of its step computing on
-    ``nodes`` nodes: compute c ÷ step time T = target. T is affine in β = 8/bandwidth (every
-    collective's time is α-terms + bytes·β), so T(β) = T₀ + k·β and the largest β that
-    meets c/T ≥ target is (c/target − T₀)/k. ``math.inf`` when no bandwidth reaches it
-    (latency, compression or decompression alone take more than (1/target − 1)·c); 0 when
-    any bandwidth does (nothing travels: one node)."""
-    node_model = None if node is None else (node[0], 8 / node[1])
-    alpha, probe = latency_ms / 1000, 1e-9
-    if method.get("schedule") or method.get("overlap"):  # T(β) is piecewise affine: bisect
-        return _bisect_bandwidth(
-            lambda beta: project_step(method, nodes, alpha, beta, node_model)[0], method["compute_s"], target
-        )
-    base = project_step(method, nodes, alpha, 0.0, node_model)[0]
-    slope = (project_step(method, nodes, alpha, probe, node_model)[0] - base) / probe
-    room = method["compute_s"] / target - base
-    if room < 0:
-        return math.inf
-    return 0.0 if slope <= 0 else 8 * slope / room
-
-
-def _bisect_bandwidth(step: Any, compute_s: float, target: float) -> float:
-    """The least bandwidth (bit/s) with compute_s / step(β) ≥ target, for a step time
-    nondecreasing in β = 8/bandwidth: bisection on log β to a relative 1e-9."""
-    if compute_s / step(0.0) < target:
-        return math.inf
-    low, high = 1e-18, 1e3  # β in s/byte: 8e18 bit/s down to 8 mbit/s … a byte per 1000 s
-    if compute_s / step(high) >= target:
-        return 8 / high
-    for _ in range(200):
-        middle = math.sqrt(low * high)
-        low, high = (middle, high) if compute_s / step(middle) >= target else (low, middle)
-        if high / low < 1 + 1e-9:
-            break
-    return 8 / low
-
-
-def utilization_rows(
-    methods: Sequence[Method],
-    nodes_list: Sequence[int],
-    latencies_ms: Sequence[float],
-    node: Node | None = None,
-    targets: Sequence[float] = UTILIZATION_TARGETS,
-) -> list[Row]:
-    """Per method, node count and latency: the bandwidth each utilization target needs."""
-    return [
-        {
-            "label": method["label"],
-            "nodes": nodes,
-            "latency_ms": latency,
-            **{
-                f"bandwidth_for_{round(target * 100)}pct_bps": bandwidth_for_utilization(
-                    method, nodes, latency, target, node
-                )
-                for target in targets
-            },
-        }
-        for latency in latencies_ms
-        for nodes in nodes_list
-        for method in methods
-    ]
 
 
 def _rate_or_never(bps: float) -> str:
@@ -636,8 +178,6 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def plot(rows: Sequence[Mapping[str, Any]], path: str) -> str:
-    from grace_survey.report.plots import pyplot, save
-
     plt = pyplot()
     bandwidths = sorted({r["bandwidth_bps"] for r in rows})
     latencies = sorted({r["latency_ms"] for r in rows})
@@ -659,7 +199,18 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str) -> str:
     return save(plt, fig, path)
 
 
+# -- the command line ----------------------------------------------------------------------
 def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _add_sweep_args(parser)
+    _add_communication_args(parser)
+    _add_assumption_args(parser)
+    _add_mesh_args(parser)
+    parser.add_argument("--out", help="where to write projection.{md,csv,png} (default: DIR)")
+    return parser
+
+
+def _add_sweep_args(parser: argparse.ArgumentParser) -> None:
+    """What is projected onto what: the survey, the node counts, bandwidths and latencies."""
     parser.add_argument("dir", nargs="?", help="a survey output directory (results.jsonl)")
     parser.add_argument("--nodes", default="8,16,64", help="comma-separated node counts (default 8,16,64)")
     parser.add_argument("--bandwidth", default="1gbit,10gbit", help="comma-separated rates (default 1gbit,10gbit)")
@@ -677,6 +228,10 @@ def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="the low-bandwidth sweep: --bandwidth 0.1gbit,1gbit,10gbit --rtt 1,50,500 (cross-datacenter and "
         "internet settings, where DiLoCo-style training runs)",
     )
+
+
+def _add_communication_args(parser: argparse.ArgumentParser) -> None:
+    """Other communicators, the nodes' insides, overlap and the utilization targets."""
     parser.add_argument(
         "--communicators",
         default="",
@@ -699,6 +254,10 @@ def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default="90,95",
         help="compute-utilization targets in %%, comma-separated, for the bandwidth table (default 90,95)",
     )
+
+
+def _add_assumption_args(parser: argparse.ArgumentParser) -> None:
+    """A model size and a step time instead of a survey (Streaming DiLoCo's simulation)."""
     assume = parser.add_argument_group(
         "assumptions instead of a survey (Streaming DiLoCo's simulation, its Table 4): data-parallel, DiLoCo and "
         "Streaming DiLoCo built from a model size and a step time"
@@ -711,6 +270,10 @@ def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     assume.add_argument("--bits", type=int, default=32, help="bits per parameter exchanged (default 32)")
     assume.add_argument("--outer-bits", type=int, default=4, help="bits of the quantized outer gradient (default 4)")
     assume.add_argument("--buckets", type=int, default=25, help="data-parallel's gradient buckets (default 25)")
+
+
+def _add_mesh_args(parser: argparse.ArgumentParser) -> None:
+    """HSDP meshes for the survey's FSDP2 reduce-scatter runs."""
     parser.add_argument(
         "--mesh",
         help="HSDP meshes SHARDxREPLICATE, comma-separated (e.g. 8x4,8x16): project the survey's FSDP2 reduce-scatter "
@@ -723,22 +286,43 @@ def add_project_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="with --mesh: where the measured compression acts, on FSDP's reduce-scatter inside a node (shard, "
         "as measured) or on the exchange across nodes (replicate)",
     )
-    parser.add_argument("--out", help="where to write projection.{md,csv,png} (default: DIR)")
-    return parser
 
 
 def run_project(args: argparse.Namespace) -> int:
-    from grace_survey.running.results import read_records
-
     assumed = getattr(args, "assume_params", None)
     if assumed is None and (args.dir is None or not os.path.isdir(args.dir)):
         raise GraceConfigError(f"{args.dir!r} is not a directory (give a survey's directory, or --assume-params N)")
+    nodes = _node_counts(args)
+    bandwidths, latencies = _links(args)
+    targets = _utilization_targets(args)
+    methods = _methods(args, nodes)
+    if getattr(args, "mesh", None):
+        return _run_mesh(args, methods, bandwidths, latencies)
+    extra = [c.strip() for c in str(getattr(args, "communicators", "") or "").split(",") if c.strip()]
+    if extra:
+        methods = with_communicators(methods, extra)
+    group = getattr(args, "group_size", 1) or 1
+    if group < 1:
+        raise GraceConfigError(f"--group-size {group} must be >= 1")
+    node = (group, parse_rate(getattr(args, "node_bandwidth", "100gbit")))
+    rows = [row for latency in latencies for row in project(methods, nodes, bandwidths, latency, node)]
+    needs = utilization_rows(methods, nodes, latencies, node, targets)
+    _write_projection(args.out or args.dir or ".", rows, needs, targets)
+    return 0
+
+
+def _node_counts(args: argparse.Namespace) -> list[int]:
     try:
         nodes = [int(n) for n in str(args.nodes).split(",") if n.strip()]
     except ValueError:
         raise GraceConfigError(f"--nodes {args.nodes!r} must be comma-separated integers, e.g. 8,16,64") from None
     if not nodes or min(nodes) < 1:
         raise GraceConfigError(f"--nodes {args.nodes!r} must be integers >= 1")
+    return nodes
+
+
+def _links(args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """The bandwidths (bit/s) and latencies α (ms) swept; ``--low-bandwidth`` sets both."""
     if getattr(args, "low_bandwidth", False):
         args.bandwidth, args.rtt = "0.1gbit,1gbit,10gbit", "1,50,500"
     bandwidths = [parse_rate(b) for b in str(args.bandwidth).split(",") if b.strip()]
@@ -748,15 +332,24 @@ def run_project(args: argparse.Namespace) -> int:
         latencies = [parse_latency(a) for a in str(args.latency).split(",") if a.strip()]
     if not bandwidths or not latencies:
         raise GraceConfigError("--bandwidth and --latency (or --rtt) need at least one value each")
+    return bandwidths, latencies
+
+
+def _utilization_targets(args: argparse.Namespace) -> list[float]:
     try:
         targets = [float(t) / 100 for t in str(getattr(args, "utilization", "90,95")).split(",") if t.strip()]
     except ValueError:
         targets = []
     if not targets or not all(0 < t < 1 for t in targets):
         raise GraceConfigError(f"--utilization {args.utilization!r}: percentages in (0, 100), e.g. 50,90")
-    if assumed is not None:
+    return targets
+
+
+def _methods(args: argparse.Namespace, nodes: Sequence[int]) -> list[Method]:
+    """The methods to project: assumed (``--assume-params``) or the survey's, with ``--overlap``."""
+    if getattr(args, "assume_params", None) is not None:
         methods = assumed_methods(
-            assumed,
+            args.assume_params,
             args.step_time,
             max(nodes),
             args.inner_steps,
@@ -770,18 +363,11 @@ def run_project(args: argparse.Namespace) -> int:
         methods = measured_methods(read_records(args.dir))
     if getattr(args, "overlap", "none") == "backward":
         methods = [dict(m, overlap="backward") for m in methods]
-    if getattr(args, "mesh", None):
-        return _run_mesh(args, methods, bandwidths, latencies)
-    extra = [c.strip() for c in str(getattr(args, "communicators", "") or "").split(",") if c.strip()]
-    if extra:
-        methods = with_communicators(methods, extra)
-    group = getattr(args, "group_size", 1) or 1
-    if group < 1:
-        raise GraceConfigError(f"--group-size {group} must be >= 1")
-    node = (group, parse_rate(getattr(args, "node_bandwidth", "100gbit")))
-    rows = [row for latency in latencies for row in project(methods, nodes, bandwidths, latency, node)]
-    needs = utilization_rows(methods, nodes, latencies, node, targets)
-    out = args.out or args.dir or "."
+    return methods
+
+
+def _write_projection(out: str, rows: Sequence[Row], needs: Sequence[Row], targets: Sequence[float]) -> None:
+    """projection.md (both tables), projection.csv (the rows) and projection.png; the tables printed."""
     os.makedirs(out, exist_ok=True)
     table = format_table(rows) + "\n\n" + format_utilization(needs, targets)
     with open(os.path.join(out, "projection.md"), "w") as f:
@@ -799,7 +385,6 @@ def run_project(args: argparse.Namespace) -> int:
     plot(rows, os.path.join(out, "projection.png"))
     print(table)
     print(f"\nwrote {os.path.join(out, 'projection.md')}, projection.csv, projection.png")
-    return 0
 
 
 def _run_mesh(args: argparse.Namespace, methods: list[Method], bandwidths: list[float], latencies: list[float]) -> int:
