@@ -3,28 +3,26 @@ rank 0 appends to results.jsonl."""
 
 import datetime
 import os
-import platform
 import re
-import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-import grace_dgc
 from grace_dgc.errors import GraceConfigError
 from grace_dgc.launch import Neighbours, conditions, launch_record
 from grace_survey.config.cell import Cell
 from grace_survey.running.context import Context
 from grace_survey.running.results import Record, append_record
+from grace_survey.running.summary import SummaryParts, byte_totals, mean_step_times, summary_record
 from grace_survey.running.train import load_workload, train
 from grace_survey.running.tuning import tune_lr
 from grace_survey.units import shown_path
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
+
+    from grace_survey.workloads.registry import Workload
 
 
 def execute_cell(
@@ -47,6 +45,35 @@ def execute_cell(
     at_start = conditions()  # this rank's threads and the machine's load as training starts
     neighbours, own_cpu = Neighbours(), time.process_time()
     base: Record = cell.record_head(attempt)
+    history, facts = _train_logged(ctx, cell, workload, lr, base, out_dir, progress)
+    launch = _launch(ctx, launcher, at_start, neighbours, own_cpu)
+    timed = [h for h in history if h["timed_steps"]] or history
+    sent, dense = byte_totals(history)
+    parts = SummaryParts(
+        setup=_setup(workload, facts, lr, tuning),
+        steps_per_epoch=facts["steps_per_epoch"],
+        target_accuracy=workload.target_accuracy,
+        samples_per_s=sum(h["steps"] for h in history) * facts["global_batch"] / history[-1]["elapsed_s"],
+        compression_ratio=sent / max(dense, 1),
+        device=str(ctx.device),
+        backend=ctx.backend,
+        engine=ctx.engine_kind,
+        started=started,
+        # per-step means over the run, epochs weighted by their timed steps
+        step_times=mean_step_times(timed, [h["timed_steps"] or 1 for h in timed]),
+        launch=launch,
+    )
+    summary = summary_record(base, cell, history, parts)
+    if ctx.rank == 0:
+        append_record(out_dir, summary)
+        return summary
+    return None
+
+
+def _train_logged(
+    ctx: Context, cell: Cell, workload: "Workload", lr: float, base: Record, out_dir: str, progress: bool
+) -> tuple[list[Record], dict[str, int]]:
+    """:func:`train`, rank 0 appending each epoch's line (and logging its scalars if asked)."""
 
     def on_epoch(record: Record) -> None:
         if ctx.rank == 0:
@@ -54,7 +81,7 @@ def execute_cell(
 
     writer = _tensorboard(cell) if ctx.rank == 0 else None
     try:
-        history, facts = train(
+        return train(
             ctx,
             cell,
             workload,
@@ -70,80 +97,40 @@ def execute_cell(
     finally:
         if writer is not None:
             writer.close()
+
+
+def _launch(
+    ctx: Context, launcher: str, at_start: Mapping[str, Any], neighbours: Neighbours, own_cpu: float
+) -> dict[str, object]:
+    """The launch record: every rank's threads (gathered: every rank calls this) and the share
+    of the machine others used while the ranks, all on this machine, trained."""
     mine = [at_start["threads"], at_start["threads_other"], time.process_time() - own_cpu]
     gathered = ctx.gather(mine)
     ranks = [{"threads": int(t), "threads_other": int(o)} for t, o, _ in gathered]
     ranks[0]["omp_num_threads"] = at_start["omp_num_threads"]
     others = neighbours.share(sum(cpu for _, _, cpu in gathered))  # the ranks share one machine here
-    target = workload.target_accuracy
-    reached = None if target is None else next((h for h in history if h["test_accuracy"] >= target), None)
-    timed = [h for h in history if h["timed_steps"]] or history
-    weights = [h["timed_steps"] or 1 for h in timed]
+    return launch_record(launcher, ranks, at_start, others)
 
-    def mean_step(key: str) -> float:  # per-step mean over the run (epochs weighted by their timed steps)
-        return sum(h[key] * w for h, w in zip(timed, weights)) / sum(weights)
 
-    last = history[-1]
-    total_steps = sum(h["steps"] for h in history)
-    train_time = last["elapsed_s"]
-    summary = dict(
-        base,
-        type="summary",
-        **cell.summary_fields(),
-        workload=shown_path(workload.name),
-        workload_description=workload.description,
-        metric=workload.metric_name,
-        loss=workload.loss if isinstance(workload.loss, str) else "custom",
-        parameters=facts["parameters"],
-        batch_size=workload.batch_size,
-        global_batch=facts["global_batch"],
-        lr=lr,
-        lr_tuning=tuning,
-        optimizer=workload.optimizer,
-        momentum=workload.momentum,
-        betas=list(workload.betas),
-        weight_decay=workload.weight_decay,
-        lr_schedule=workload.lr_schedule,
-        warmup_steps=workload.warmup_steps,
-        epochs=len(history),
-        steps_per_epoch=facts["steps_per_epoch"],
-        steps=total_steps,
-        final_test_accuracy=last["test_accuracy"],
-        final_test_loss=last["test_loss"],
-        final_train_accuracy=last["train_accuracy"],
-        final_train_loss=last["train_loss"],
-        best_test_accuracy=max(h["test_accuracy"] for h in history),
-        target_accuracy=target,
-        epochs_to_target=reached["epoch"] if reached else None,
-        time_to_target_s=reached["elapsed_s"] if reached else None,
-        train_time_s=train_time,
-        samples_per_s=total_steps * facts["global_batch"] / train_time,
-        bytes_per_step=sum(h["bytes_per_step"] * h["steps"] for h in history) / total_steps,
-        dense_bytes_per_step=sum(h["dense_bytes_per_step"] * h["steps"] for h in history) / total_steps,
-        compression_ratio=(
-            sum(h["bytes_per_step"] * h["steps"] for h in history)
-            / max(sum(h["dense_bytes_per_step"] * h["steps"] for h in history), 1)
-        ),
-        exchanges_per_step=last["exchanges_per_step"],
-        groups_per_step=last["groups_per_step"],
-        peak_rss_mb=max(h["peak_rss_mb"] for h in history),
-        peak_gpu_mb=max(h["peak_gpu_mb"] for h in history),
-        device=str(ctx.device),
-        backend=ctx.backend,
-        engine=ctx.engine_kind,
-        **host_fields(),
-        launch=launch_record(launcher, ranks, at_start, others),
-        started=started,
-        finished=datetime.datetime.now().isoformat(timespec="seconds"),
-        method_stats=last["method_stats"],
-        shaping=netem_shaping(),
-    )
-    for key in ("compute_s", "compress_s", "communicate_s", "decompress_s", "wait_s", "step_s"):
-        summary[key] = mean_step(key)
-    if ctx.rank == 0:
-        append_record(out_dir, summary)
-        return summary
-    return None
+def _setup(workload: "Workload", facts: Mapping[str, int], lr: float, tuning: Record | None) -> Record:
+    """What ran, as the summary line says it: the workload, its size and its training settings."""
+    return {
+        "workload": shown_path(workload.name),
+        "workload_description": workload.description,
+        "metric": workload.metric_name,
+        "loss": workload.loss if isinstance(workload.loss, str) else "custom",
+        "parameters": facts["parameters"],
+        "batch_size": workload.batch_size,
+        "global_batch": facts["global_batch"],
+        "lr": lr,
+        "lr_tuning": tuning,
+        "optimizer": workload.optimizer,
+        "momentum": workload.momentum,
+        "betas": list(workload.betas),
+        "weight_decay": workload.weight_decay,
+        "lr_schedule": workload.lr_schedule,
+        "warmup_steps": workload.warmup_steps,
+    }
 
 
 def _tensorboard(cell: Cell) -> "SummaryWriter | None":
@@ -161,22 +148,6 @@ def _scalars(writer: "SummaryWriter") -> Callable[[int, Mapping[str, float]], No
             writer.add_scalar(tag, value, step)
 
     return log
-
-
-def host_fields() -> dict[str, str]:
-    """The software and machine a run's summary records."""
-    return {
-        "torch": torch.__version__,
-        "grace_dgc": grace_dgc.__version__,
-        "host": socket.gethostname(),
-        "python": platform.python_version(),
-    }
-
-
-def netem_shaping() -> dict[str, Any] | None:
-    from grace_survey.running.netem import current_shaping
-
-    return current_shaping()
 
 
 def run_cell(

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Self
 
+from grace_survey.running.summary import COMPUTE_S, MEASURED_TIMES, STEP_S, WAIT_S
+
 
 @dataclasses.dataclass
 class RankTotals:
@@ -28,7 +30,7 @@ class RankTotals:
     decompress: float = 0.0
     wait: float = 0.0
 
-    TIMERS = ("compute", "compress", "communicate", "decompress", "wait")
+    TIMERS = ("compute", "compress", "communicate", "decompress", "wait")  # as summary.MEASURED_TIMES
 
     def as_list(self) -> list[float]:
         return [float(getattr(self, f.name)) for f in dataclasses.fields(self)]
@@ -76,7 +78,7 @@ def epoch_record(
         "peak_gpu_mb": max(r.peak_gpu_mb for r in ranks),
         "method_stats": method_stats,
     }
-    for name in RankTotals.TIMERS:  # per-step means over ranks
-        record[name + "_s"] = sum(getattr(r, name) / max(r.timed_steps, 1) for r in ranks) / n
-    record["step_s"] = record["compute_s"] + record["wait_s"]
+    for name, key in zip(RankTotals.TIMERS, MEASURED_TIMES, strict=True):  # per-step means over ranks
+        record[key] = sum(getattr(r, name) / max(r.timed_steps, 1) for r in ranks) / n
+    record[STEP_S] = record[COMPUTE_S] + record[WAIT_S]
     return record

@@ -9,6 +9,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from grace_survey.running.summary import STEP_TIMES
+
 RESULTS = "results.jsonl"
 SUMMARY_CSV = "summary.csv"
 CONFIG_JSON = "survey_config.json"
@@ -100,12 +102,7 @@ SUMMARY_COLUMNS = [
     "compression_ratio",
     "exchanges_per_step",
     "groups_per_step",
-    "compute_s",
-    "compress_s",
-    "communicate_s",
-    "decompress_s",
-    "wait_s",
-    "step_s",
+    *STEP_TIMES,
     "peak_rss_mb",
     "peak_gpu_mb",
     "device",

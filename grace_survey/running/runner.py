@@ -6,6 +6,7 @@ where the survey's pieces are, one job per module:
     train     the measured training loop        metrics   what a rank measures per epoch
     tuning    per-method lr tuning              execute   one cell: lr, training, summary line
     results   results.jsonl / summary.csv       grid      every cell, shaped networks
+    summary   the summary line, metric names    script    script mode: its API, its supervisor
     config    the TOML schema and grid          presets   the built-in grids
 
 
@@ -56,7 +57,7 @@ from grace_dgc import environment
 from grace_dgc.errors import GraceConfigError
 from grace_survey.config.cell import Cell  # noqa: F401
 from grace_survey.running.context import Context
-from grace_survey.running.execute import execute_cell, netem_shaping, run_cell  # noqa: F401
+from grace_survey.running.execute import execute_cell, run_cell  # noqa: F401
 from grace_survey.running.grid import prepare, resolve_runtime, run_grid  # noqa: F401
 from grace_survey.running.metrics import RankTotals  # noqa: F401
 from grace_survey.running.results import (  # noqa: F401
@@ -70,6 +71,7 @@ from grace_survey.running.results import (  # noqa: F401
     read_records,
     write_summary_csv,
 )
+from grace_survey.running.summary import netem_shaping  # noqa: F401
 from grace_survey.running.train import evaluate, load_workload, train  # noqa: F401
 from grace_survey.running.tuning import holdout_split, tune_lr  # noqa: F401
 

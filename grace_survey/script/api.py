@@ -64,6 +64,16 @@ from grace_dgc.errors import GraceConfigError
 from grace_dgc.launch import Neighbours, launch_record, machine_load
 from grace_dgc.stats import COUNTERS, TIMERS, WAIT
 from grace_survey.running.results import Record, append_record
+from grace_survey.running.summary import (
+    COMPUTE_S,
+    EXCHANGE_TIMERS,
+    STEP_S,
+    WAIT_S,
+    SummaryParts,
+    byte_totals,
+    mean_step_times,
+    summary_record,
+)
 from grace_survey.units import shown_path
 
 if TYPE_CHECKING:
@@ -591,128 +601,100 @@ def compose(
     """The epoch records and the summary of a script-mode run, from every rank's reports:
     rank 0's metrics, bytes and times averaged over ranks, wall time the slowest rank's."""
     base: Record = cell.record_head(attempt)
-    lines = reports[0]
     ranks = [reports[r] for r in sorted(reports)]
     epochs: list[Record] = []
-    for i, line in enumerate(lines):
+    for i, line in enumerate(reports[0]):
         peers = [r[i] for r in ranks]  # the same report on each rank (equal counts: checked)
-        steps = max(1.0, line["measured"]["steps"])
-        sent = _mean([p["measured"]["bytes_sent"] for p in peers])
-        dense = _mean([p["measured"]["dense_bytes"] for p in peers])
-        wall = max(p["wall_s"] for p in peers)
-        samples = [p["metrics"]["samples"] for p in peers if "samples" in p["metrics"]]
-        metrics = dict(line["metrics"])
-        record: Record = {
-            "epoch": line["epoch"] if line["epoch"] is not None else i + 1,
-            "lr": metrics.pop("lr", None),
-            "steps": int(line["measured"]["steps"]),
-            **{key: metrics.pop(key, None) for key in STANDARD if key != "lr"},
-            "epoch_time_s": wall,
-            "elapsed_s": max(p["elapsed_s"] for p in peers),
-            "samples_per_s": sum(samples) / wall if len(samples) == len(peers) and wall > 0 else None,
-            "bytes_per_step": sent / steps,
-            "dense_bytes_per_step": dense / steps,
-            "compression_ratio": sent / dense if dense else 0.0,
-            "exchanges_per_step": line["measured"]["tensors"] / steps,
-            "groups_per_step": line["measured"]["groups"] / steps,
-            "timed_steps": int(line["measured"]["steps"]),
-            "peak_rss_mb": max(p["peak_rss_mb"] for p in peers),
-            "peak_gpu_mb": max(p["peak_gpu_mb"] for p in peers),
-            "method_stats": line["method_stats"],
-            "metrics": {k: v for k, v in metrics.items() if k != "samples"},
-            "timed_by_script": all(p.get("timed_by_script") for p in peers),
-            "backend": line.get("backend"),
-            "engine": line.get("engine", "torch"),
-        }
-        per_step = {
-            "compress_s": ("compress_seconds", "memory_seconds"),
-            "communicate_s": ("communicate_seconds",),
-            "decompress_s": ("decompress_seconds",),
-            "wait_s": (WAIT,),
-        }
-        for key, parts in per_step.items():
-            record[key] = _mean([sum(p["measured"][part] for part in parts) for p in peers]) / steps
-        record["step_s"] = wall / steps
-        record["compute_s"] = max(0.0, record["step_s"] - record["wait_s"])  # forward, backward, data, optimizer
-        epochs.append(dict(base, type="epoch", **record))
+        epochs.append(dict(base, type="epoch", **_epoch(i, line, peers)))
     return dict(_summary(cell, base, epochs, started, backend, device), _epochs=epochs)
 
 
-def _summary(cell: Cell, base: Record, epochs: list[Record], started: str, backend: str, device: str) -> Record:
-    from grace_survey.running.execute import (  # the parent's side only: the script's import stays light
-        host_fields,
-        netem_shaping,
-    )
+def _epoch(i: int, line: Mapping[str, Any], peers: list[dict[str, Any]]) -> Record:
+    """The epoch record of rank 0's report ``line`` (the run's ``i``-th) and every rank's same report."""
+    steps = max(1.0, line["measured"]["steps"])
+    sent = _mean([p["measured"]["bytes_sent"] for p in peers])
+    dense = _mean([p["measured"]["dense_bytes"] for p in peers])
+    wall = max(p["wall_s"] for p in peers)
+    samples = [p["metrics"]["samples"] for p in peers if "samples" in p["metrics"]]
+    metrics = dict(line["metrics"])
+    record: Record = {
+        "epoch": line["epoch"] if line["epoch"] is not None else i + 1,
+        "lr": metrics.pop("lr", None),
+        "steps": int(line["measured"]["steps"]),
+        **{key: metrics.pop(key, None) for key in STANDARD if key != "lr"},
+        "epoch_time_s": wall,
+        "elapsed_s": max(p["elapsed_s"] for p in peers),
+        "samples_per_s": sum(samples) / wall if len(samples) == len(peers) and wall > 0 else None,
+        "bytes_per_step": sent / steps,
+        "dense_bytes_per_step": dense / steps,
+        "compression_ratio": sent / dense if dense else 0.0,
+        "exchanges_per_step": line["measured"]["tensors"] / steps,
+        "groups_per_step": line["measured"]["groups"] / steps,
+        "timed_steps": int(line["measured"]["steps"]),
+        "peak_rss_mb": max(p["peak_rss_mb"] for p in peers),
+        "peak_gpu_mb": max(p["peak_gpu_mb"] for p in peers),
+        "method_stats": line["method_stats"],
+        "metrics": {k: v for k, v in metrics.items() if k != "samples"},
+        "timed_by_script": all(p.get("timed_by_script") for p in peers),
+        "backend": line.get("backend"),
+        "engine": line.get("engine", "torch"),
+    }
+    for key, parts in {**EXCHANGE_TIMERS, WAIT_S: (WAIT,)}.items():  # grace's timers, means over ranks
+        record[key] = _mean([sum(p["measured"][part] for part in parts) for p in peers]) / steps
+    record[STEP_S] = wall / steps
+    record[COMPUTE_S] = max(0.0, record[STEP_S] - record[WAIT_S])  # forward, backward, data, optimizer
+    return record
 
-    target = cell.hyper.get("target_accuracy")
-    scored = [e for e in epochs if e["test_accuracy"] is not None]
-    reached = None if target is None else next((e for e in scored if e["test_accuracy"] >= target), None)
+
+def _summary(cell: Cell, base: Record, epochs: list[Record], started: str, backend: str, device: str) -> Record:
+    """The run's summary line (:func:`~grace_survey.running.summary.summary_record`) from its
+    epoch records: sizes and samples/s from the samples the script reported, if every report did."""
     steps = sum(e["steps"] for e in epochs) or 1
     last = epochs[-1]
-    sent = sum(e["bytes_per_step"] * e["steps"] for e in epochs)
-    dense = sum(e["dense_bytes_per_step"] * e["steps"] for e in epochs)
+    sent, dense = byte_totals(epochs)
     train_time = last["elapsed_s"]
     samples = [e["samples_per_s"] * e["epoch_time_s"] for e in epochs if e["samples_per_s"] is not None]
-
-    def mean_step(key: str) -> float:
-        return sum(e[key] * e["steps"] for e in epochs) / steps
-
-    summary: Record = dict(
-        base,
-        type="summary",
-        **cell.summary_fields(),
-        workload=cell.workload,
-        workload_description=f"script {shown_path(cell.script)} {' '.join(cell.script_args)}".strip(),
-        metric="accuracy",
-        loss="script",
-        script=shown_path(cell.script),
-        script_args=cell.script_args,
-        script_sha=cell.script_sha,
-        parameters=round(last["dense_bytes_per_step"] / 4),  # fp32 gradient elements exchanged per step
-        batch_size=round(sum(samples) / steps / cell.workers) if len(samples) == len(epochs) else None,
-        global_batch=round(sum(samples) / steps) if len(samples) == len(epochs) else None,
-        lr=last["lr"],
-        lr_tuning=None,
-        momentum=None,
-        weight_decay=None,
-        epochs=len(epochs),
+    counted = sum(samples) if len(samples) == len(epochs) else None  # every report gave its samples
+    parts = SummaryParts(
+        setup=_setup(cell, last, counted, steps),
         steps_per_epoch=round(steps / len(epochs)),
-        steps=steps,
-        final_test_accuracy=last["test_accuracy"],
-        final_test_loss=last["test_loss"],
-        final_train_accuracy=last["train_accuracy"],
-        final_train_loss=last["train_loss"],
-        best_test_accuracy=max((e["test_accuracy"] for e in scored), default=None),
-        target_accuracy=target,
-        epochs_to_target=reached["epoch"] if reached else None,
-        time_to_target_s=reached["elapsed_s"] if reached else None,
-        train_time_s=train_time,
-        samples_per_s=sum(samples) / train_time if len(samples) == len(epochs) and train_time > 0 else None,
-        bytes_per_step=sent / steps,
-        dense_bytes_per_step=dense / steps,
+        target_accuracy=cell.hyper.get("target_accuracy"),
+        samples_per_s=counted / train_time if counted is not None and train_time > 0 else None,
         compression_ratio=sent / dense if dense else 0.0,
-        exchanges_per_step=last["exchanges_per_step"],
-        groups_per_step=last["groups_per_step"],
-        peak_rss_mb=max(e["peak_rss_mb"] for e in epochs),
-        peak_gpu_mb=max(e["peak_gpu_mb"] for e in epochs),
         device=device,
-        backend=epochs[-1]["backend"] or backend,
-        engine=epochs[-1]["engine"],
+        backend=last["backend"] or backend,
+        engine=last["engine"],
+        started=started,
+        step_times=mean_step_times(epochs, [e["steps"] for e in epochs]),
         timing=(
             "the script's train_time_s"
             if all(e["timed_by_script"] for e in epochs)
             else "wall time between reports (the script's evaluation and data loading included)"
         ),
-        **host_fields(),
-        started=started,
-        finished=datetime.datetime.now().isoformat(timespec="seconds"),
-        method_stats=last["method_stats"],
         metrics=last["metrics"],
-        shaping=netem_shaping(),
     )
-    for key in ("compute_s", "compress_s", "communicate_s", "decompress_s", "wait_s", "step_s"):
-        summary[key] = mean_step(key)
-    return summary
+    return summary_record(base, cell, epochs, parts)
+
+
+def _setup(cell: Cell, last: Record, samples: float | None, steps: int) -> Record:
+    """What ran, as the summary line says it: the script, its size (``samples``: the run's
+    samples, if every report gave them), its last lr; the training settings are the script's."""
+    return {
+        "workload": cell.workload,
+        "workload_description": f"script {shown_path(cell.script)} {' '.join(cell.script_args)}".strip(),
+        "metric": "accuracy",
+        "loss": "script",
+        "script": shown_path(cell.script),
+        "script_args": cell.script_args,
+        "script_sha": cell.script_sha,
+        "parameters": round(last["dense_bytes_per_step"] / 4),  # fp32 gradient elements exchanged per step
+        "batch_size": round(samples / steps / cell.workers) if samples is not None else None,
+        "global_batch": round(samples / steps) if samples is not None else None,
+        "lr": last["lr"],
+        "lr_tuning": None,
+        "momentum": None,
+        "weight_decay": None,
+    }
 
 
 def _tensorboard(cell: Cell, epochs: list[Record]) -> None:
