@@ -58,6 +58,7 @@ class GraceHookState:
                     f"model must be a torch.nn.Module or its DDP wrapper, got {type(model).__name__}"
                 )
             self.names = {param: name for name, param in module.named_parameters()}
+            _check_group_is_grace_alone(grace, model)
             # e.g. the momentum memory takes over SGD's momentum (optimizer None: nothing to take over)
             grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self.names.items()})
             grace.watch({n: p for p, n in self.names.items()}, optimizer)
@@ -104,6 +105,27 @@ class GraceHookState:
         raise TypeError(
             "GraceHookState holds a live Grace (threads, process group) and is not picklable; "
             "checkpoint state.state_dict() and restore it with load_state_dict()"
+        )
+
+
+def _check_group_is_grace_alone(grace: Grace, model: torch.nn.Module) -> None:
+    """DDP(find_unused_parameters=True) allreduces its map of used parameters during backward,
+    from autograd's thread; grace's exchanges run on its own thread. On one process group the
+    two orders can differ between ranks, and then both collectives wait forever: refuse it."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or not model.find_unused_parameters:
+        return
+    import torch.distributed as dist
+
+    engine = grace.engine.resolve() if hasattr(grace.engine, "resolve") else grace.engine  # "auto": chosen now
+    group = getattr(engine, "group", False)  # TorchEngine: its group (None: the default one)
+    if group is False:
+        return
+    if (group or dist.distributed_c10d._get_default_group()) is model.process_group:
+        raise GraceConfigError(
+            "DistributedDataParallel(find_unused_parameters=True) reduces its used-parameter map on its process "
+            "group during backward, while grace exchanges on the same group from its own thread: the ranks could "
+            "order the two differently and wait forever. Build grace on a group of its own: "
+            "grace_dgc.build(..., process_group=torch.distributed.new_group()) (every rank, in the same order)"
         )
 
 

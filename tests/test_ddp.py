@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import grace_dgc
 from grace_dgc.ddp import grace_hook
+from grace_dgc.errors import GraceConfigError
 from grace_dgc.launch import run_local
 
 WORLD, STEPS = 2, 5
@@ -319,3 +320,28 @@ def test_ddp_join_with_the_grace_hook_runs_uneven_inputs_to_the_end():
     (params0, steps0), (params1, steps1) = run_local(ddp_join_job, 2, timeout=120)
     assert steps0 == steps1 == 5  # rank 0 shadowed rank 1's last three steps
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+
+
+def find_unused_job(rank, world_size):
+    """DDP(find_unused_parameters=True) and grace on one group: refused by name (it used to hang
+    whenever the ranks ordered DDP's used-parameter allreduce and grace's exchange differently);
+    grace on a group of its own trains."""
+    import torch.distributed as dist
+
+    model = DDP(make_model(), find_unused_parameters=True)
+    try:
+        grace_dgc.ddp_comm_hook(grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.3), model)
+        refused = None
+    except GraceConfigError as error:
+        refused = str(error)
+    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.3, process_group=dist.new_group())
+    model.register_comm_hook(*grace_dgc.ddp_comm_hook(grace, model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(model, opt, batches(rank))
+    return refused, flat(model.parameters())
+
+
+def test_find_unused_parameters_needs_grace_on_a_group_of_its_own():
+    (refused, a), (_, b) = run_local(find_unused_job, 2)
+    assert refused is not None and "find_unused_parameters=True" in refused and "new_group" in refused
+    assert torch.equal(a, b)

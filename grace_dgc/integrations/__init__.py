@@ -31,6 +31,16 @@ LOGGED = (
 )
 
 
+def own_group() -> Any:
+    """A process group over every rank for grace alone (``new_group``: collective, so every rank
+    calls it at the same point of its set-up). The trainer's own collectives during backward
+    (DDP's used-parameter map with ``find_unused_parameters``, which the Trainer turns on for
+    plain modules) and grace's, issued from its thread, then never compete for one order."""
+    import torch.distributed as dist
+
+    return dist.new_group()
+
+
 def logged_stats(stats: dict[str, Any]) -> dict[str, float]:
     """The numbers of :meth:`Grace.stats` a trainer logs: :data:`LOGGED` and every phase's
     ``*_seconds``, as floats under ``grace/<name>``."""

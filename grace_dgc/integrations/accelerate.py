@@ -35,7 +35,7 @@ from ..checkpoint import gather_state, load_gathered_state
 from ..ddp import GraceHookState, ddp_comm_hook
 from ..errors import GraceConfigError
 from ..grace import Grace, build
-from . import logged_stats
+from . import logged_stats, own_group
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,8 @@ def attach(
         log.warning("one process: nothing to exchange, so grace_dgc's hook is not registered")
     made = grace() if grace is not None else None
     if made is None:
+        if isinstance(model, DistributedDataParallel):
+            params["process_group"] = own_group()
         engine = "torch" if isinstance(model, DistributedDataParallel) else "local"
         made = build(compressor, memory, communicator, engine=engine, nonfinite=nonfinite, **params)
     if not isinstance(made, Grace):

@@ -49,7 +49,7 @@ from ..checkpoint import gather_state, load_gathered_state
 from ..ddp import GraceHookState, ddp_comm_hook
 from ..errors import GraceConfigError
 from ..grace import Grace, build
-from . import logged_stats
+from . import logged_stats, own_group
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,9 @@ class GraceDDPStrategy(DDPStrategy):
             if not isinstance(self.grace, Grace):
                 raise GraceConfigError(f"grace= must return a Grace, returned {type(self.grace).__name__}")
         else:
-            self.grace = build(*self.method, engine="torch", nonfinite=self.nonfinite, **self.method_params)
+            self.grace = build(
+                *self.method, engine="torch", process_group=own_group(), nonfinite=self.nonfinite, **self.method_params
+            )
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # DDP wraps the model; the optimizers exist
