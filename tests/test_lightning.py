@@ -147,3 +147,36 @@ def test_the_strategy_refuses_a_second_hook_and_a_method_given_twice():
         GraceDDPStrategy(ddp_comm_hook=lambda state, bucket: None)
     with pytest.raises(GraceConfigError, match="not both"):
         GraceDDPStrategy("topk", grace=lambda: None)
+
+
+def test_lightning_cli_builds_the_strategy_from_its_class_path(tmp_path):
+    """A LightningCLI YAML names the strategy by class path, the method by its init_args."""
+    pytest.importorskip("jsonargparse")
+    import lightning.pytorch as pl
+    from lightning.pytorch.cli import LightningCLI
+
+    from grace_dgc.integrations.lightning import GraceDDPStrategy
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  devices: 1\n"
+        "  strategy:\n"
+        "    class_path: grace_dgc.integrations.lightning.GraceDDPStrategy\n"
+        "    init_args:\n"
+        "      compressor: topk\n"
+        "      memory: residual\n"
+        "      communicator: allgather\n"
+        "      params: {compress_ratio: 0.01}\n"
+    )
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+    cli = LightningCLI(Module, run=False, args=["--config", str(config)], save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, GraceDDPStrategy)
+    assert strategy.method == ("topk", "residual", "allgather") and strategy.method_params == {"compress_ratio": 0.01}
