@@ -23,7 +23,7 @@ from grace_survey.running.results import (
     write_summary_csv,
 )
 from grace_survey.running.train import load_workload
-from grace_survey.script.api import run_script_cell
+from grace_survey.script.supervisor import run_script_cell
 from grace_survey.workloads.data import size
 
 if TYPE_CHECKING:
