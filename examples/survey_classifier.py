@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
 import grace_dgc
-from grace_dgc import survey
+import grace_survey as survey
 
 
 def digits(seed):

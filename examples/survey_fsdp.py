@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import grace_dgc
-from grace_dgc import survey
+import grace_survey as survey
 from grace_survey.workloads.text import CharTransformer, corpus_text, encode, split_bounds, vocabulary, windows
 
 

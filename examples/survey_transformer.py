@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import grace_dgc
-from grace_dgc import survey
+import grace_survey as survey
 from grace_survey.workloads.text import CharTransformer, corpus_text, encode, split_bounds, vocabulary, windows
 
 
