@@ -1,6 +1,7 @@
 """The grid driver: every unfinished cell of a config, each in its own process group on this
 machine (:func:`grace_dgc.launch.run_local`), shaped networks in a network namespace."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -10,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grace_dgc.errors import GraceConfigError
+from grace_dgc.launch import RankPool, run_local
 from grace_survey.config.cell import Cell
 from grace_survey.extras import require
+from grace_survey.running import netem
 from grace_survey.running.execute import run_cell
 from grace_survey.running.results import (
     CONFIG_JSON,
@@ -91,32 +94,20 @@ def run_grid(
     starts ranks for each run instead. Returns (summaries, failures)."""
     tqdm = require("tqdm.auto", "the survey's progress bars").tqdm
 
-    from grace_dgc.launch import RankPool, run_local
-    from grace_survey.running import netem
-
     # a shaped-network child runs a share of a grid its parent has already checked
     cells, _ = prepare(config, out_dir, check_workload=network_tag is None and config.script is None)
     if network_tag is not None:
         cells = [c for c in cells if c.network["tag"] == network_tag]
     done = finished_runs(out_dir)
-    summaries: list[Record] = []
-    failures: list[tuple[str, str]] = []
     inside = netem.current_shaping()
     by_network: dict[str, list[Cell]] = {}
     for cell in cells:
         by_network.setdefault(cell.network["tag"], []).append(cell)
-
-    def is_shaped(net: Mapping[str, Any]) -> bool:
-        return bool(net["bandwidth_bps"]) or net["latency_ms"] > 0
-
-    for group in by_network.values():  # fail fast: before any run, not after hours
-        net = group[0].network
-        if is_shaped(net) and inside is None and any(done.get(c.run_id) != c.cell_hash for c in group):
-            netem.probe(net["bandwidth_bps"], net["latency_ms"])
+    _probe_shaped_networks(by_network, done, inside)
     bar = tqdm(
         total=len(cells), desc=f"survey {config.name}", position=0, unit="run", dynamic_ncols=True, disable=not progress
     )
-    pools: dict[tuple[int, str], RankPool] = {}  # (workers, backend) -> its ranks, kept up across runs
+    grid = _GridRun(config, out_dir, progress, fresh_ranks, log, bar)
     try:
         for tag, group in by_network.items():
             net = group[0].network
@@ -124,83 +115,105 @@ def run_grid(
             bar.update(len(group) - len(todo))
             if not todo:
                 continue
-            shaped = is_shaped(net)
+            shaped = _is_shaped(net)
             if shaped and (inside is None or inside.get("tag") != tag):
-                if inside is not None:
-                    raise GraceConfigError(
-                        f"already inside a shaped network ({inside.get('tag')}); cannot "
-                        f"run cells of network {tag!r} here"
-                    )
-                log(f"[survey] network {tag}: running {len(todo)} run(s) in a shaped network namespace")
-                bar.clear()
-                code = netem.run_shaped(
-                    [
-                        sys.executable,
-                        "-m",
-                        "grace_survey.cli",
-                        "survey",
-                        "--config",
-                        os.path.join(out_dir, CONFIG_JSON),
-                        "--out",
-                        out_dir,
-                        "--network-tag",
-                        tag,
-                    ]
-                    + ([] if progress else ["--no-progress"])
-                    + (["--fresh-ranks"] if fresh_ranks else []),
-                    bandwidth_bps=net["bandwidth_bps"],
-                    latency_ms=net["latency_ms"],
-                    check_first=False,
-                )
-                finished = {r["run_id"]: r for r in latest_summaries(read_records(out_dir))}
-                for cell in todo:
-                    if finished.get(cell.run_id, {}).get("cell_hash") == cell.cell_hash:
-                        summaries.append(finished[cell.run_id])
-                    else:
-                        failures.append((cell.run_id, f"shaped-network child exited with {code}"))
-                bar.update(len(todo))
+                grid.run_shaped_child(tag, net, todo, inside)
                 continue
             for cell in todo:
-                backend, device = resolve_runtime(config, cell.workers, shaped)
-                bar.set_postfix_str(cell.run_id)
-                try:
-                    summary: Record | None
-                    if cell.script is not None:  # script mode: the user's script is the training
-                        summary = run_script_cell(cell, out_dir, config.timeout, backend, device)
-                    elif fresh_ranks:
-                        args = (cell, out_dir, progress, device, "survey")
-                        summary = run_local(run_cell, cell.workers, args, backend=backend, timeout=config.timeout)[0]
-                    else:
-                        pool = pools.setdefault((cell.workers, backend), RankPool(cell.workers, backend))
-                        args = (cell, out_dir, progress, device, "survey-pool")
-                        summary = pool.run(run_cell, args, timeout=config.timeout)[0]
-                    assert summary is not None, "rank 0 returns the cell's summary"
-                    summaries.append(summary)
-                    bar.write(
-                        f"[survey] {cell['run_id']}: test acc {_shown(summary['final_test_accuracy'])}, "
-                        f"{summary['bytes_per_step']:.0f} B/step, ratio {summary['compression_ratio']:.4g}, "
-                        f"{summary['train_time_s']:.1f} s"
-                    )
-                except Exception as err:  # one broken run does not stop the survey
-                    message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
-                    failures.append((cell.run_id, str(err)))
-                    append_record(
-                        out_dir,
-                        {
-                            "type": "error",
-                            "run_id": cell.run_id,
-                            "cell_hash": cell.cell_hash,
-                            "message": str(err)[-4000:],
-                        },
-                    )
-                    bar.write(f"[survey] {cell['run_id']} FAILED: {message}")
-                bar.update(1)
+                grid.run_cell(cell, shaped)
     finally:
-        for pool in pools.values():
+        for pool in grid.pools.values():
             pool.close()
         bar.close()
         write_summary_csv(out_dir)
-    return summaries, failures
+    return grid.summaries, grid.failures
+
+
+def _is_shaped(net: Mapping[str, Any]) -> bool:
+    return bool(net["bandwidth_bps"]) or net["latency_ms"] > 0
+
+
+def _probe_shaped_networks(
+    by_network: Mapping[str, list[Cell]], done: Mapping[str, str | None], inside: Mapping[str, Any] | None
+) -> None:
+    """Fail fast: a shaped network this machine cannot make is named before any run, not after hours."""
+    for group in by_network.values():
+        net = group[0].network
+        if _is_shaped(net) and inside is None and any(done.get(c.run_id) != c.cell_hash for c in group):
+            netem.probe(net["bandwidth_bps"], net["latency_ms"])
+
+
+@dataclasses.dataclass
+class _GridRun:
+    """What the cells of one :func:`run_grid` share: where and how they run, the progress bar,
+    the rank pools kept up across runs, and the summaries and failures so far."""
+
+    config: "SurveyConfig"
+    out_dir: str
+    progress: bool
+    fresh_ranks: bool
+    log: Callable[[str], object]
+    bar: Any
+    summaries: list[Record] = dataclasses.field(default_factory=list)
+    failures: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    pools: dict[tuple[int, str], RankPool] = dataclasses.field(default_factory=dict)  # (workers, backend) -> ranks
+
+    def run_shaped_child(
+        self, tag: str, net: Mapping[str, Any], todo: list[Cell], inside: Mapping[str, Any] | None
+    ) -> None:
+        """Run ``todo``, the unfinished cells of shaped network ``tag``, in a child survey in a
+        shaped network namespace; its summaries are read back from results.jsonl."""
+        if inside is not None:
+            raise GraceConfigError(
+                f"already inside a shaped network ({inside.get('tag')}); cannot run cells of network {tag!r} here"
+            )
+        self.log(f"[survey] network {tag}: running {len(todo)} run(s) in a shaped network namespace")
+        self.bar.clear()
+        command = [sys.executable, "-m", "grace_survey.cli", "survey", "--config"]
+        command += [os.path.join(self.out_dir, CONFIG_JSON), "--out", self.out_dir, "--network-tag", tag]
+        command += ([] if self.progress else ["--no-progress"]) + (["--fresh-ranks"] if self.fresh_ranks else [])
+        code = netem.run_shaped(
+            command, bandwidth_bps=net["bandwidth_bps"], latency_ms=net["latency_ms"], check_first=False
+        )
+        finished = {r["run_id"]: r for r in latest_summaries(read_records(self.out_dir))}
+        for cell in todo:
+            if finished.get(cell.run_id, {}).get("cell_hash") == cell.cell_hash:
+                self.summaries.append(finished[cell.run_id])
+            else:
+                self.failures.append((cell.run_id, f"shaped-network child exited with {code}"))
+        self.bar.update(len(todo))
+
+    def run_cell(self, cell: Cell, shaped: bool) -> None:
+        """Run one cell here (one broken run does not stop the survey: its error is recorded)."""
+        backend, device = resolve_runtime(self.config, cell.workers, shaped)
+        self.bar.set_postfix_str(cell.run_id)
+        try:
+            summary = self._train(cell, backend, device)
+            assert summary is not None, "rank 0 returns the cell's summary"
+            self.summaries.append(summary)
+            self.bar.write(
+                f"[survey] {cell['run_id']}: test acc {_shown(summary['final_test_accuracy'])}, "
+                f"{summary['bytes_per_step']:.0f} B/step, ratio {summary['compression_ratio']:.4g}, "
+                f"{summary['train_time_s']:.1f} s"
+            )
+        except Exception as err:  # one broken run does not stop the survey
+            message = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+            self.failures.append((cell.run_id, str(err)))
+            error = {"type": "error", "run_id": cell.run_id, "cell_hash": cell.cell_hash, "message": str(err)[-4000:]}
+            append_record(self.out_dir, error)
+            self.bar.write(f"[survey] {cell['run_id']} FAILED: {message}")
+        self.bar.update(1)
+
+    def _train(self, cell: Cell, backend: str, device: str) -> Record | None:
+        """The cell's summary: its script's ranks (script mode), ranks started for it, or the pool's."""
+        if cell.script is not None:  # script mode: the user's script is the training
+            return run_script_cell(cell, self.out_dir, self.config.timeout, backend, device)
+        if self.fresh_ranks:
+            args = (cell, self.out_dir, self.progress, device, "survey")
+            return run_local(run_cell, cell.workers, args, backend=backend, timeout=self.config.timeout)[0]
+        pool = self.pools.setdefault((cell.workers, backend), RankPool(cell.workers, backend))
+        args = (cell, self.out_dir, self.progress, device, "survey-pool")
+        return pool.run(run_cell, args, timeout=self.config.timeout)[0]
 
 
 def _shown(value: float | None) -> str:
