@@ -24,7 +24,7 @@ from grace_dgc.errors import GraceConfigError
 from grace_survey.projection.project import add_project_args, run_project
 from grace_survey.report.writer import add_report_args, run_report
 from grace_survey.running.results import CONFIG_JSON, RESULTS, SUMMARY_CSV
-from grace_survey.script.api import SCRIPT_RUNS
+from grace_survey.script.protocol import SCRIPT_RUNS
 
 if TYPE_CHECKING:
     from grace_survey.config.settings import SurveyConfig

@@ -39,7 +39,7 @@ BEFORE_THE_SPLIT = [
 def test_every_public_name_of_the_old_module_is_in_the_package(name):
     assert name in script.__all__
     owner = next(module for module in (api, protocol, supervisor) if name in vars(module))
-    assert getattr(script, name) is getattr(owner, name) or name == "check_launcher"
+    assert getattr(script, name) is getattr(owner, name)
 
 
 def test_each_side_holds_its_own_program():
@@ -51,16 +51,8 @@ def test_each_side_holds_its_own_program():
     # the package's face and the names its other modules import from the API module
     for name in ("cell", "cell_grace", "cell_seed", "report_metrics"):
         assert getattr(grace_survey, name) is getattr(api, name)
-    assert api.SCRIPT_RUNS == protocol.SCRIPT_RUNS == "script-runs"
+    assert script.SCRIPT_RUNS == protocol.SCRIPT_RUNS == "script-runs"
     assert api.CELL_ENV == supervisor.CELL_ENV == "GRACE_DGC_CELL"
-
-
-def test_the_api_module_still_checks_a_launcher():
-    assert api.check_launcher("local") == "local"
-    from grace_dgc.errors import GraceConfigError
-
-    with pytest.raises(GraceConfigError, match="not on PATH"):
-        api.check_launcher("no-such-launcher-here -n {workers}")
 
 
 def test_the_script_side_does_not_import_the_supervisor_itself():

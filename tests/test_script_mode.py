@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     import sys, time
     import torch, torch.distributed as dist, torch.nn.functional as F
     import grace_dgc
-    from grace_dgc import survey
+    import grace_survey as survey
 
     MODE = sys.argv[1] if len(sys.argv) > 1 else "ok"
     if MODE == "abort-at-exit":  # after grace's own exit handler (atexit runs them last in, first out)

@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent(
     import sys
     import torch, torch.distributed as dist
     import grace_dgc
-    from grace_dgc import survey
+    import grace_survey as survey
 
     dist.init_process_group("gloo")
     torch.manual_seed(survey.cell_seed())

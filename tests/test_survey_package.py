@@ -33,9 +33,9 @@ def test_the_old_name_warns_and_gives_the_same_api():
 @pytest.mark.parametrize(
     ("old", "new"),
     [
-        ("grace_dgc.survey.workloads", "grace_survey.workloads.registry"),
-        ("grace_dgc.survey.script", "grace_survey.script.api"),
-        ("grace_dgc.survey.report", "grace_survey.report.writer"),
+        ("grace_dgc.survey.workloads", "grace_survey.workloads"),
+        ("grace_dgc.survey.script", "grace_survey.script"),
+        ("grace_dgc.survey.report", "grace_survey.report"),
         ("grace_dgc.survey.config", "grace_survey.config.settings"),
     ],
 )
@@ -50,6 +50,9 @@ def test_an_old_module_is_the_moved_module_itself(old, new):
 def test_registering_through_the_old_name_reaches_the_new_registry():
     old, _ = _fresh_import("grace_dgc.survey.workloads")
     assert old.register_workload is grace_survey.workloads.registry.register_workload
+    script, _ = _fresh_import("grace_dgc.survey.script")
+    assert script.run_script_cell is importlib.import_module("grace_survey.script.supervisor").run_script_cell
+    assert script.cell_grace is grace_survey.cell_grace
 
 
 def test_the_old_command_module_still_runs():
@@ -61,3 +64,19 @@ def test_the_old_command_module_still_runs():
     )
     assert done.returncode == 0, done.stderr
     assert "survey" in done.stdout and "report" in done.stdout
+
+
+def test_no_function_in_the_library_or_the_survey_is_over_60_lines():
+    """Issue 41: every function reads on one screen (``def`` to its last line, docstring included)."""
+    import ast
+    import pathlib
+
+    import grace_dgc
+
+    long = []
+    for package in (pathlib.Path(grace_dgc.__file__).parent, pathlib.Path(grace_survey.__file__).parent):
+        for path in sorted(package.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                    long.append(f"{path.relative_to(package.parent)}:{node.lineno} {node.name}")
+    assert not long

@@ -53,7 +53,7 @@ HOOK_SCRIPT = textwrap.dedent(
     """
     import torch, torch.distributed as dist, torch.nn.functional as F
     import grace_dgc
-    from grace_dgc import survey
+    import grace_survey as survey
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)

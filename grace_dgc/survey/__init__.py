@@ -38,15 +38,15 @@ MOVED = {
     "models": "grace_survey.workloads.models",
     "presets": "grace_survey.config.presets",
     "project": "grace_survey.projection.project",
-    "report": "grace_survey.report.writer",
+    "report": "grace_survey.report",
     "results": "grace_survey.running.results",
     "schema": "grace_survey.config.schema",
-    "script": "grace_survey.script.api",
+    "script": "grace_survey.script",
     "text": "grace_survey.workloads.text",
     "train": "grace_survey.running.train",
     "tuning": "grace_survey.running.tuning",
     "units": "grace_survey.units",
-    "workloads": "grace_survey.workloads.registry",
+    "workloads": "grace_survey.workloads",
 }
 # cli, netem and runner stay files here: ``python -m grace_dgc.survey.runner`` needs code to run
 

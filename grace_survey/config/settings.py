@@ -94,7 +94,7 @@ class SurveyConfig:
         self.script, self.script_args, self.script_sha = self._script(raw)
         self.launcher: str = raw.get("launcher", "local")
         if self.script is not None:
-            from grace_survey.script.api import check_launcher
+            from grace_survey.script.supervisor import check_launcher
 
             check_launcher(self.launcher)
             _check_script_mode(raw, self.source)

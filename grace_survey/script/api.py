@@ -57,7 +57,6 @@ from grace_survey.script.protocol import (
     STARTED,
     report_file,
 )
-from grace_survey.script.protocol import SCRIPT_RUNS as SCRIPT_RUNS  # where the CLI finds it
 
 if TYPE_CHECKING:
     from grace_dgc.grace import Grace
@@ -287,10 +286,3 @@ def _every_rank_reports(session: _Session) -> None:
 
 def _plain(value: object) -> bool:
     return isinstance(value, (int, float, str, bool)) or value is None
-
-
-def check_launcher(launcher: object) -> str:
-    """:func:`grace_survey.script.supervisor.check_launcher`, where the config's check finds it."""
-    from grace_survey.script.supervisor import check_launcher as check
-
-    return check(launcher)
