@@ -100,7 +100,7 @@ class AdamSchedule(WrappingOptimizer):
         self.exp_avg: dict[str, Tensor] = {}  # m, per parameter name
         self.exp_avg_sq: dict[str, Tensor] = {}  # v
         self._stat_steps = self._stat_skipped = 0
-        grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self._names.items()})
+        grace.attach_optimizer(optimizer, {n: p for p, n in self._names.items()})
         hyper = [{k: group[k] for k in ("betas", "eps", "weight_decay")} for group in optimizer.param_groups]
         for part in (grace, self.dense):  # the ranks compare these at each Grace's first exchange
             part.wrapper = {"schedule": self.name, **self.settings(), "adam": repr(hyper)}

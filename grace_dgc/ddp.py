@@ -60,7 +60,7 @@ class GraceHookState:
             self.names = {param: name for name, param in module.named_parameters()}
             _check_group_is_grace_alone(grace, model)
             # e.g. the momentum memory takes over SGD's momentum (optimizer None: nothing to take over)
-            grace.memory.attach_optimizer(optimizer, grace, {n: p for p, n in self.names.items()})
+            grace.attach_optimizer(optimizer, {n: p for p, n in self.names.items()})
             grace.watch({n: p for p, n in self.names.items()}, optimizer)
         elif optimizer is not None:
             raise GraceConfigError("ddp_comm_hook(grace, model, optimizer): optimizer needs the model")

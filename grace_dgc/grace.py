@@ -14,6 +14,7 @@ compressed and remembered on its own, and their payloads share each collective.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -22,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -149,6 +150,21 @@ class Grace:
         self._watched, self._watched_optimizer = dict(params), optimizer
         if optimizer is not None:
             warn_of_error_feedback_under_adam(self.compressor, self.memory, optimizer)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer | None, named_parameters: Mapping[str, Tensor]) -> None:
+        """Hand the memory the optimizer (or None) and ``{name: parameter}``
+        (:meth:`Memory.attach_optimizer`; the optimizer wrappers and the DDP hook call this)."""
+        attach = self.memory.attach_optimizer
+        if len(inspect.signature(attach).parameters) == 3:  # a plugin written for (optimizer, grace, params)
+            warnings.warn(
+                f"{type(self.memory).__qualname__}.attach_optimizer(optimizer, grace, named_parameters): the grace "
+                "argument is gone; define attach_optimizer(optimizer, named_parameters)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            cast(Any, attach)(optimizer, self, dict(named_parameters))
+        else:
+            attach(optimizer, dict(named_parameters))
 
     def expect_groups(self, groups: Sequence[Sequence[tuple[str, Tensor]]]) -> None:
         """Declare the fusion groups of one step, in order, as (name, tensor) pairs: the

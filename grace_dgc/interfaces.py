@@ -24,7 +24,6 @@ from .workspace import Workspace
 
 if TYPE_CHECKING:
     from .engines.base import Engine
-    from .grace import Grace
 
 Payload = list[Tensor]  # the tensors one compressor puts on the wire for one gradient
 # a fusion group on the data path: per tensor, its payload, its ctx, its output
@@ -449,12 +448,12 @@ class Memory(Part):
         """Called by Grace with its engine (see :meth:`Compressor.bind`); e.g. the momentum
         memory's clipping threshold scales with the world size."""
 
-    def attach_optimizer(
-        self, optimizer: torch.optim.Optimizer | None, grace: Grace, named_parameters: dict[str, Tensor]
-    ) -> None:
-        """Called by ``DistributedOptimizer`` and the DDP hook with the optimizer (or None)
-        and ``{name: parameter}``: for memories that read parameters or take over the
-        optimizer's momentum (``momentum``)."""
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer | None, named_parameters: dict[str, Tensor]) -> None:
+        """Called (through :meth:`Grace.attach_optimizer`) by ``DistributedOptimizer``, the DDP
+        hook and the schedules with the optimizer (or None) and ``{name: parameter}``: for
+        memories that read parameters or take over the optimizer's momentum (``momentum``).
+        A plugin written for the earlier ``(optimizer, grace, named_parameters)`` is still
+        called so, with a DeprecationWarning."""
 
 
 class Cost(NamedTuple):

@@ -212,7 +212,7 @@ class DistributedOptimizer(WrappingOptimizer):
 
     def _attach_memory(self) -> None:
         # e.g. the momentum memory takes over SGD's momentum
-        self.grace.memory.attach_optimizer(self.optimizer, self.grace, {n: p for p, n in self._names.items()})
+        self.grace.attach_optimizer(self.optimizer, {n: p for p, n in self._names.items()})
 
     # -- the exchange ------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:

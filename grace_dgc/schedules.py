@@ -210,7 +210,7 @@ class OuterSync(WrappingOptimizer):
         self.steps = 0  # inner steps in all
         self.syncs = 0  # synchronizations in all
         self._stat_steps = self._stat_syncs = self._stat_skipped = 0  # since reset_stats()
-        grace.memory.attach_optimizer(self.outer_optimizer, grace, {n: p for p, n in self._names.items()})
+        grace.attach_optimizer(self.outer_optimizer, {n: p for p, n in self._names.items()})
         # the ranks compare these (and every group of a round) at the first synchronization
         grace.wrapper = {"schedule": self.name, **self.settings()}
         grace.expect_groups([[(self._names[p], p) for p in group] for group in self._groups])

@@ -255,7 +255,7 @@ def test_momentum_memory_matches_reference(nesterov, clip):
     )
     grace.memory.bind(FakeEngine(world))  # clipping threshold scales with N^-1/2
     param = torch.zeros(n)
-    grace.memory.attach_optimizer(None, grace, {"w": param})  # the parameters only (weight decay)
+    grace.attach_optimizer(None, {"w": param})  # the parameters only (weight decay)
     for g, w, want in zip(grads, weights, expected):
         param.copy_(torch.from_numpy(w))
         out = grace.step(torch.from_numpy(g).float(), "w")

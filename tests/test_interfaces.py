@@ -257,3 +257,28 @@ def test_no_import_circles_in_the_package():
     for module in sorted(graph):
         if module not in seen:
             visit(module, [module])
+
+
+def test_a_plugin_memory_of_the_earlier_attach_optimizer_form_is_still_called_and_warned():
+    """attach_optimizer lost its unused ``grace`` argument; a plugin still written for
+    ``(optimizer, grace, named_parameters)`` gets it, with a DeprecationWarning."""
+    seen = {}
+
+    class Old(grace_dgc.Memory):
+        def attach_optimizer(self, optimizer, grace, named_parameters):
+            seen["old"] = (optimizer, grace, sorted(named_parameters))
+
+    class New(grace_dgc.Memory):
+        def attach_optimizer(self, optimizer, named_parameters):
+            seen["new"] = (optimizer, sorted(named_parameters))
+
+    grace = grace_dgc.build(engine="local")
+    grace.memory = Old()
+    with pytest.warns(DeprecationWarning, match="the grace argument is gone"):
+        grace.attach_optimizer(None, {"w": torch.zeros(1)})
+    assert seen["old"] == (None, grace, ["w"])
+    grace.memory = New()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grace.attach_optimizer(None, {"w": torch.zeros(1)})
+    assert seen["new"] == (None, ["w"])

@@ -28,7 +28,6 @@ from .residual import ResidualMemory
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from ..grace import Grace
 
 log = logging.getLogger("grace_dgc")
 
@@ -52,9 +51,7 @@ class DemoMemory(ResidualMemory):
     def __init__(self, beta: float = 0.999) -> None:
         super().__init__(beta=check_range("beta", beta, 0, 1, high_open=True), gamma=1.0)
 
-    def attach_optimizer(
-        self, optimizer: torch.optim.Optimizer | None, grace: Grace, named_parameters: dict[str, Tensor]
-    ) -> None:
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer | None, named_parameters: dict[str, Tensor]) -> None:
         """Warn about an optimizer momentum on top of this one (not the method)."""
         if optimizer is None:
             return

@@ -13,7 +13,6 @@ from ..registry import register_memory
 
 if TYPE_CHECKING:
     from ..engines.base import Engine
-    from ..grace import Grace
 
 log = logging.getLogger("grace_dgc")
 
@@ -81,7 +80,7 @@ class MomentumMemory(Memory):
         """Called by Grace: clipping scales its threshold by the world size."""
         self.world_size = engine.size
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer | None, grace: Grace, named_parameters: Any) -> None:
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer | None, named_parameters: Any) -> None:
         """Called by DistributedOptimizer: learn the parameters; take over SGD's momentum."""
         self.parameters = dict(named_parameters)
         if optimizer is None:  # the DDP hook without an optimizer: nothing to take over
@@ -147,7 +146,7 @@ class MomentumMemory(Memory):
                 raise GraceConfigError(
                     f"weight_decay needs the parameter {name!r}: wrap the optimizer with "
                     f"DistributedOptimizer(optimizer, grace, model.named_parameters()) or call "
-                    f"memory.attach_optimizer(optimizer, grace, dict(model.named_parameters()))"
+                    f"grace.attach_optimizer(optimizer, dict(model.named_parameters()))"
                 )
             grad = grad + decay * self.parameters[name].detach().reshape(grad.shape)
         if name not in self.momentums:
