@@ -5,56 +5,7 @@ names and ``module:factory`` specs (:mod:`~grace_survey.workloads.registry`), th
 Every public name of the single module the workloads once were is here (and still in
 :mod:`grace_survey.workloads.registry`)."""
 
-from grace_survey.workloads.registry import (
-    ENTRY_POINT_GROUP,
-    FC_HEAVY_SIZES,
-    HYPER_PARAMETERS,
-    LOSSES,
-    LR_SCHEDULES,
-    MAX_EPOCHS,
-    OPTIMIZERS,
-    WORKLOADS,
-    Factory,
-    LossFn,
-    MetricFn,
-    MissingDataError,
-    Split,
-    Workload,
-    check_split,
-    get_workload,
-    is_spec,
-    list_workloads,
-    parameter_count,
-    register_workload,
-    resolve_spec,
-    size,
-    workload_factory,
-    workloads_table,
-)
+from grace_survey.workloads import registry as _registry
+from grace_survey.workloads.registry import *  # noqa: F403  (the registry module's names are the package's)
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "FC_HEAVY_SIZES",
-    "HYPER_PARAMETERS",
-    "LOSSES",
-    "LR_SCHEDULES",
-    "MAX_EPOCHS",
-    "OPTIMIZERS",
-    "WORKLOADS",
-    "Factory",
-    "LossFn",
-    "MetricFn",
-    "MissingDataError",
-    "Split",
-    "Workload",
-    "check_split",
-    "get_workload",
-    "is_spec",
-    "list_workloads",
-    "parameter_count",
-    "register_workload",
-    "resolve_spec",
-    "size",
-    "workload_factory",
-    "workloads_table",
-]
+__all__ = list(_registry.__all__)
