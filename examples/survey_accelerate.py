@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from survey_classifier import digits, model
+from survey_classifier import loaders, model
 
 import grace_survey as survey
 from grace_survey.script.accelerate import survey_attach, survey_log
@@ -43,18 +43,11 @@ def main():
 
     accelerator = Accelerator(cpu=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // accelerator.num_processes))
-    x, y, x_test, y_test = digits(seed=0)
     seed = survey.cell_seed()
     torch.manual_seed(seed)  # the same initial weights on every rank and for every method
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
-    shuffled = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y),
-        batch_size=args.batch,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    test = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_test, y_test), batch_size=256)
+    shuffled, test = loaders(args.batch, seed)
     net, optimizer, shuffled, test = accelerator.prepare(net, optimizer, shuffled, test)
     survey_attach(accelerator, net, "topk", "residual", "allgather", optimizer=optimizer, compress_ratio=0.01)
     for epoch in range(1, args.epochs + 1):

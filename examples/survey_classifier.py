@@ -38,6 +38,19 @@ def digits(seed):
     return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
 
 
+def loaders(batch, seed):
+    """(train, test) DataLoaders over :func:`digits`, the training one shuffled from ``seed``: what the
+    Lightning and Accelerate examples feed their trainers (which shard them over the ranks)."""
+    x, y, x_test, y_test = digits(seed=0)  # the data is the same for every seed
+    shuffled = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y),
+        batch_size=batch,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    return shuffled, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_test, y_test), batch_size=256)
+
+
 def model():
     return torch.nn.Sequential(
         torch.nn.Conv2d(1, 16, 3, padding=1),

@@ -15,7 +15,7 @@ import os
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from survey_classifier import digits, model
+from survey_classifier import loaders, model
 
 import grace_survey as survey
 from grace_survey.script.lightning import SurveyReporter, survey_strategy
@@ -51,17 +51,10 @@ def main():
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's (torchrun, the survey)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    x, y, x_test, y_test = digits(seed=0)
     seed = survey.cell_seed()
     torch.manual_seed(seed)  # the same initial weights on every rank and for every method
     net = Classifier(args.lr)
-    shuffled = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y),
-        batch_size=args.batch,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    test = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_test, y_test), batch_size=256)
+    shuffled, test = loaders(args.batch, seed)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,

@@ -19,6 +19,12 @@ import torch
 
 pytest.importorskip("accelerate")
 
+from trainer_checks import (
+    assert_in_sync_and_resumed_bit_for_bit,
+    assert_none_is_the_trainers_own_ddp,
+    assert_refused_naming,
+)
+
 from grace_dgc.errors import GraceConfigError
 from grace_dgc.launch import run_local
 
@@ -129,15 +135,11 @@ def results(tmp_path_factory):
 
 
 def test_none_equals_accelerates_ddp_bit_for_bit(results):
-    for rank in results:
-        assert torch.equal(rank["none"], rank["ddp"])
+    assert_none_is_the_trainers_own_ddp(results, "ddp")
 
 
 def test_topk_ranks_in_sync_and_resume_equals_the_uninterrupted_run(results):
-    assert torch.equal(results[0]["topk"], results[1]["topk"])
-    assert not torch.equal(results[0]["topk"], results[0]["ddp"])
-    for rank in results:
-        assert torch.equal(rank["resumed"], rank["topk"])
+    assert_in_sync_and_resumed_bit_for_bit(results, "ddp")
 
 
 def test_accumulation_exchanges_once_per_optimizer_step_and_stats_reach_the_trackers(results):
@@ -148,5 +150,4 @@ def test_accumulation_exchanges_once_per_optimizer_step_and_stats_reach_the_trac
 
 
 def test_another_methods_state_is_refused_by_name(results):
-    for rank in results:
-        assert rank["refused"] is not None and "randomk" in rank["refused"] and "topk" in rank["refused"]
+    assert_refused_naming(results, "refused", "randomk", "topk")

@@ -18,6 +18,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from trainer_checks import (
+    assert_in_sync_and_resumed_bit_for_bit,
+    assert_none_is_the_trainers_own_ddp,
+    assert_refused_naming,
+)
+
 from grace_dgc.errors import GraceConfigError
 from grace_dgc.launch import run_local
 
@@ -104,15 +110,11 @@ def results(tmp_path_factory):
 
 
 def test_none_equals_the_plain_trainer_bit_for_bit(results):
-    for rank in results:
-        assert torch.equal(rank["none"], rank["plain"])
+    assert_none_is_the_trainers_own_ddp(results, "plain")
 
 
 def test_topk_ranks_in_sync_and_resume_equals_the_uninterrupted_run(results):
-    assert torch.equal(results[0]["topk"], results[1]["topk"])
-    assert not torch.equal(results[0]["topk"], results[0]["plain"])
-    for rank in results:
-        assert torch.equal(rank["resumed"], rank["topk"])
+    assert_in_sync_and_resumed_bit_for_bit(results, "plain")
 
 
 def test_accumulation_exchanges_once_per_optimizer_step_and_stats_reach_the_logs(results):
@@ -123,6 +125,5 @@ def test_accumulation_exchanges_once_per_optimizer_step_and_stats_reach_the_logs
 
 
 def test_a_resume_without_grace_state_or_of_another_method_is_refused_by_name(results):
-    for rank in results:
-        assert rank["refused_method"] is not None and "randomk" in rank["refused_method"]
-        assert rank["refused_missing"] is not None and "grace_dgc.pt" in rank["refused_missing"]
+    assert_refused_naming(results, "refused_method", "randomk")
+    assert_refused_naming(results, "refused_missing", "grace_dgc.pt")

@@ -20,6 +20,12 @@ import torch
 
 pytest.importorskip("lightning")
 
+from trainer_checks import (
+    assert_in_sync_and_resumed_bit_for_bit,
+    assert_none_is_the_trainers_own_ddp,
+    assert_refused_naming,
+)
+
 from grace_dgc.errors import GraceConfigError
 from grace_dgc.launch import run_local
 
@@ -116,15 +122,11 @@ def results(tmp_path_factory):
 
 
 def test_none_equals_lightnings_ddp_bit_for_bit(results):
-    for rank in results:
-        assert torch.equal(rank["none"], rank["ddp"])
+    assert_none_is_the_trainers_own_ddp(results, "ddp")
 
 
 def test_topk_ranks_in_sync_and_resume_equals_the_uninterrupted_run(results):
-    assert torch.equal(results[0]["topk"], results[1]["topk"])
-    assert not torch.equal(results[0]["topk"], results[0]["ddp"])  # the method did act
-    for rank in results:
-        assert torch.equal(rank["resumed"], rank["topk"])
+    assert_in_sync_and_resumed_bit_for_bit(results, "ddp")
 
 
 def test_accumulation_exchanges_once_per_optimizer_step_and_stats_are_logged(results):
@@ -136,8 +138,7 @@ def test_accumulation_exchanges_once_per_optimizer_step_and_stats_are_logged(res
 
 
 def test_a_checkpoint_of_another_method_is_refused_by_name(results):
-    for rank in results:
-        assert rank["refused"] is not None and "randomk" in rank["refused"] and "topk" in rank["refused"]
+    assert_refused_naming(results, "refused", "randomk", "topk")
 
 
 def test_the_strategy_refuses_a_second_hook_and_a_method_given_twice():

@@ -1,0 +1,25 @@
+"""What the trainer integrations' tests assert of their jobs' results (tests/test_lightning.py,
+test_accelerate.py, test_hf_trainer.py): per rank, the parameters after the trainer's own DDP run
+(``reference``), after ``none``, after top-k + residual uninterrupted (``topk``) and resumed from the
+trainer's checkpoint half-way (``resumed``), and the refusals' messages."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_none_is_the_trainers_own_ddp(results: list[dict], reference: str) -> None:
+    for rank in results:
+        assert torch.equal(rank["none"], rank[reference])
+
+
+def assert_in_sync_and_resumed_bit_for_bit(results: list[dict], reference: str) -> None:
+    assert torch.equal(results[0]["topk"], results[1]["topk"])
+    assert not torch.equal(results[0]["topk"], results[0][reference])  # the method did act
+    for rank in results:
+        assert torch.equal(rank["resumed"], rank["topk"])
+
+
+def assert_refused_naming(results: list[dict], key: str, *named: str) -> None:
+    for rank in results:
+        assert rank[key] is not None and all(word in rank[key] for word in named), rank[key]
