@@ -9,13 +9,12 @@ gradients compressed by grace_dgc, attached in one call after ``prepare``.
 ``survey_log`` reports each epoch to the survey (every rank) and to Accelerate's trackers.
 """
 
-import argparse
 import os
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from survey_classifier import loaders, model
+from survey_classifier import arguments, loaders, model
 
 import grace_survey as survey
 from grace_survey.script.accelerate import survey_attach, survey_log
@@ -35,11 +34,7 @@ def evaluate(accelerator, net, loader):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
-    parser.add_argument("--lr", type=float, default=0.05)
-    args = parser.parse_args()
+    args = arguments(__doc__)
 
     accelerator = Accelerator(cpu=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // accelerator.num_processes))

@@ -38,6 +38,15 @@ def digits(seed):
     return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
 
 
+def arguments(doc):
+    """The options of the digits examples (this one, the Lightning and the Accelerate one)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    parser.add_argument("--lr", type=float, default=0.05)
+    return parser.parse_args()
+
+
 def loaders(batch, seed):
     """(train, test) DataLoaders over :func:`digits`, the training one shuffled from ``seed``: what the
     Lightning and Accelerate examples feed their trainers (which shard them over the ranks)."""
@@ -81,11 +90,7 @@ def evaluate(net, x, y, rank, world_size):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
-    parser.add_argument("--lr", type=float, default=0.05)
-    args = parser.parse_args()
+    args = arguments(__doc__)
 
     dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -9,13 +9,12 @@ gradients compressed by grace_dgc through the strategy (no hook or report by han
 reports each epoch's validation metrics to the survey on every rank.
 """
 
-import argparse
 import os
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from survey_classifier import loaders, model
+from survey_classifier import arguments, loaders, model
 
 import grace_survey as survey
 from grace_survey.script.lightning import SurveyReporter, survey_strategy
@@ -43,11 +42,7 @@ class Classifier(pl.LightningModule):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
-    parser.add_argument("--lr", type=float, default=0.05)
-    args = parser.parse_args()
+    args = arguments(__doc__)
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's (torchrun, the survey)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
