@@ -577,7 +577,7 @@ def test_the_report_shows_the_loss_gap_to_dense_in_nats():
 
     from scipy import stats
 
-    from grace_survey.report.writer import Group, general_table, loss_gap
+    from grace_survey.report import Group, general_table, loss_gap
 
     def group(label, compressor, losses, seeds=(0, 1, 2)):
         g = Group(label, 2, "local")

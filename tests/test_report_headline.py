@@ -11,7 +11,7 @@ import statistics
 import pytest
 from scipy import stats
 
-from grace_survey.report import writer as report
+from grace_survey import report
 from grace_survey.units import human_bytes
 
 TARGET = 0.6

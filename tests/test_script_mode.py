@@ -15,10 +15,9 @@ import time
 import pytest
 
 from grace_dgc.errors import GraceConfigError
-from grace_survey import cell_grace, cell_seed, cli, report_metrics
+from grace_survey import cell_grace, cell_seed, cli, report, report_metrics
 from grace_survey.config import settings as cfg
 from grace_survey.projection import project
-from grace_survey.report import writer as report
 from grace_survey.running import runner
 from grace_survey.running.results import read_records
 

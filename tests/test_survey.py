@@ -11,10 +11,9 @@ import os
 import pytest
 
 from grace_dgc.errors import GraceConfigError
-from grace_survey import cli
+from grace_survey import cli, report
 from grace_survey.config import settings as cfg
 from grace_survey.projection import project
-from grace_survey.report import writer as report
 from grace_survey.running import runner
 from grace_survey.units import human_bytes, parse_latency, parse_rate
 

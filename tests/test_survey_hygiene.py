@@ -14,9 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grace_survey import cli
+from grace_survey import cli, report
 from grace_survey.config import settings as cfg
-from grace_survey.report import writer as report
 from grace_survey.running import runner
 from grace_survey.running.results import read_records
 
@@ -130,4 +129,4 @@ def test_a_file_workload_imports_its_neighbours(tmp_path):
 
 @pytest.mark.parametrize("values", [[1.0, 2.0], [3.0]])
 def test_too_few_seeds_say_so(values):
-    assert report._interval(values)[1].startswith("too few seeds")
+    assert report.mean_and_interval(values)[1].startswith("too few seeds")

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from grace_dgc.errors import GraceConfigError
-from grace_survey import Workload, get_workload, list_workloads, register_workload
+from grace_survey import Workload, get_workload, list_workloads, register_workload, report
 from grace_survey.config import settings as cfg
 from grace_survey.projection import project
-from grace_survey.report import writer as report
 from grace_survey.running import runner
 from grace_survey.running.results import read_records
 from grace_survey.running.train import objective

@@ -28,8 +28,8 @@ Sections, in order:
    outcomes, plots (matplotlib, Agg: test accuracy and loss per epoch, accuracy vs measured
    compression ratio, time split per step as stacked bars), failed runs, definitions.
 
-The names this module held before the report was split into a package (issue 41) stay
-importable from it.
+The names the single module held before the report was split (issue 41) are importable from
+the package, :mod:`grace_survey.report`.
 """
 
 import argparse
@@ -41,75 +41,32 @@ from typing import Any
 
 from grace_dgc.errors import GraceConfigError
 from grace_survey.report.conditions import launch_lines
-from grace_survey.report.grouping import TIME_PARTS, Group, gather
+from grace_survey.report.grouping import Group, gather
 from grace_survey.report.headline import (
     RANKING_RULE,
-    Reach,
     headline_table,
     is_language_model,
-    mean_and_interval,
     metric_name,
-    ranked,
     retarget,
     target_text,
 )
 from grace_survey.report.notes import explanations
-from grace_survey.report.plots import PLOTS, plot_accuracy_vs_ratio, plot_curves, plot_time_split, write_plots
+from grace_survey.report.plots import PLOTS, write_plots
 from grace_survey.report.significance import (
-    ALPHA,
-    MIN_SEEDS_FOR_INTERVAL,
-    confidence_interval,
-    positive_interval,
     scipy_stats,
     significance_table,
-    too_few,
-    welch_test,
 )
 from grace_survey.report.tables import (
     general_table,
     kpercent_tables,
-    loss_gap,
     methods_table,
     target_table,
     tuning_table,
 )
 from grace_survey.running.results import CONFIG_JSON, Record, read_records
 
-__all__ = [  # this module's own, then what it held before the split (issue 41)
-    "DEFINITIONS",
-    "add_report_args",
-    "main",
-    "run_report",
-    "write_report",
-    "ALPHA",
-    "MIN_SEEDS_FOR_INTERVAL",
-    "RANKING_RULE",
-    "TIME_PARTS",
-    "Group",
-    "Reach",
-    "confidence_interval",
-    "explanations",
-    "gather",
-    "general_table",
-    "headline_table",
-    "is_language_model",
-    "kpercent_tables",
-    "loss_gap",
-    "metric_name",
-    "plot_accuracy_vs_ratio",
-    "plot_curves",
-    "plot_time_split",
-    "positive_interval",
-    "ranked",
-    "retarget",
-    "significance_table",
-    "target_table",
-    "too_few",
-    "tuning_table",
-    "welch_test",
-]
+__all__ = ["DEFINITIONS", "add_report_args", "main", "run_report", "write_report"]
 
-_interval = mean_and_interval  # its name before the split
 
 DEFINITIONS = """\
 - **Test acc / loss**: after the last epoch, on the workload's test split (mean ± sample std over seeds).
