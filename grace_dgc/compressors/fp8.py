@@ -8,8 +8,9 @@ from ..registry import register_compressor
 from .packed import PackedCompressor, Shaped
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-# every code's fp32 value, for decoding on a CPU: torch's fp8 -> fp32 cast is scalar code
-# there, and a lookup (int32 indices) takes a quarter of its time; the same bits, NaN codes too
+# every code's fp32 value, for decoding on a CPU: torch's fp8 -> fp32 cast is scalar code there
+# (so is its uint8 -> int32 cast, which a torch lookup would need); numpy indexes the table with
+# the uint8 codes directly, about a third of the cast's time. The same bits, NaN codes too.
 DECODED = {name: torch.arange(256, dtype=torch.uint8).view(dtype).float() for name, dtype in FORMATS.items()}
 
 
@@ -84,10 +85,13 @@ class FP8Compressor(PackedCompressor):
             except kernels.Unavailable:
                 pass
         if codes.device.type == "cpu":
-            values = DECODED[self.format].index_select(0, codes.view(torch.uint8).int())
+            values = torch.from_numpy(DECODED[self.format].numpy()[codes.view(torch.uint8).numpy()])
         else:
             values = codes.view(self.dtype).float()
         pad = (-n) % block
+        if not pad and out.dtype == values.dtype and out.is_contiguous():  # one pass, straight into out
+            torch.mul(values.view(-1, block), scales[:, None], out=out.view(-1, block))
+            return out
         if pad:
             values = torch.nn.functional.pad(values, (0, pad))
         out.view(-1).copy_(values.view(-1, block).mul_(scales[:, None]).view(-1)[:n])
