@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import grace_dgc
+import grace_survey
 from grace_dgc import environment
 from grace_dgc.errors import GraceConfigError
 from grace_dgc.interfaces import Part
@@ -183,13 +184,14 @@ def test_hierarchical_state_of_one_group_size_is_refused_by_another(monkeypatch)
 
 # -- the environment ---------------------------------------------------------------------
 
-SOURCE = pathlib.Path(grace_dgc.__file__).parent
+SOURCES = (pathlib.Path(grace_dgc.__file__).parent, pathlib.Path(grace_survey.__file__).parent)  # the survey reads some
 
 
 def variables_read():
-    """Names the library's source reads from os.environ (literal names and NAME = "..." constants)."""
+    """Names the library's and the survey's source reads from os.environ (literal names and
+    NAME = "..." constants)."""
     found = set()
-    for path in SOURCE.rglob("*.py"):
+    for path in (path for source in SOURCES for path in source.rglob("*.py")):
         text = path.read_text()
         found |= set(re.findall(r"environ(?:\.get)?[\[(]\s*\"([A-Z_][A-Z0-9_]*)\"", text))
         found |= set(re.findall(r"\"([A-Z_][A-Z0-9_]*)\" in os\.environ", text))
