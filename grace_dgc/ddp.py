@@ -17,13 +17,15 @@ iteration). Grace averages over ranks, which is the division DDP's built-in allr
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
 
 from .errors import GraceConfigError
+from .workspace import flat_span
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -68,6 +70,29 @@ class GraceHookState:
         # the training thread's wait on this backward's exchanges (see _end_of_backward)
         self._timing = False
         self._pending: list[torch.futures.Future[Tensor]] = []
+        self._buckets: dict[int, _Bucket] = {}  # DDP's bucket index -> what the hook needs of it
+        self._seen: dict[int, weakref.ref[Tensor]] = {}  # DDP's bucket index -> its buffer, seen once
+
+    def bucket(self, bucket: GradBucket) -> _Bucket:
+        """The gradient views, names and flat span of DDP's ``bucket`` (DDP's ``gradients()``
+        makes a view per parameter on every call), kept once its buffer is seen a second time:
+        DDP rebuilds its buckets after the first iteration, and keeping the first ones would
+        hold their buffers (the whole gradient) past it. A bucket index that turns up with
+        another buffer later drops everything kept."""
+        buffer, index = bucket.buffer(), bucket.index()
+        known = self._buckets.get(index)
+        if known is not None and known.buffer is buffer:
+            return known
+        if known is not None:
+            self._buckets.clear()
+        grads = bucket.gradients()
+        known = _Bucket(buffer, grads, [self.name_of(param) for param in bucket.parameters()], flat_span(grads))
+        seen = self._seen.get(index)
+        if seen is not None and seen() is buffer:  # DDP's buckets are settled
+            self._buckets[index] = known
+        else:
+            self._seen[index] = weakref.ref(buffer)
+        return known
 
     def _end_of_backward(self) -> None:
         """Queued on autograd's engine at a backward's first bucket, so it runs at the end of
@@ -108,6 +133,13 @@ class GraceHookState:
         )
 
 
+class _Bucket(NamedTuple):
+    buffer: Tensor  # DDP's flat buffer of the bucket (the same object every iteration)
+    grads: list[Tensor]  # the parameters' gradient views into it
+    names: list[str]
+    span: Tensor | None  # the views as one flat tensor, when they lie back to back
+
+
 def _check_group_is_grace_alone(grace: Grace, model: torch.nn.Module) -> None:
     """DDP(find_unused_parameters=True) allreduces its map of used parameters during backward,
     from autograd's thread; grace's exchanges run on its own thread. On one process group the
@@ -137,7 +169,8 @@ def grace_hook(state, bucket):  # type: (GraceHookState, GradBucket) -> torch.fu
     Returns a Future of the bucket's flat buffer, overwritten with the averaged gradients;
     it completes on grace's communication thread when the bucket's exchange is done.
     """
-    grads, params = bucket.gradients(), bucket.parameters()
+    known = state.bucket(bucket)
+    grads, buffer = known.grads, known.buffer
     if not state._timing:  # the first bucket of this backward: time the wait at its end
         try:
             torch.autograd.Variable._execution_engine.queue_callback(state._end_of_backward)
@@ -146,8 +179,9 @@ def grace_hook(state, bucket):  # type: (GraceHookState, GradBucket) -> torch.fu
             pass
     # Views into DDP's flat bucket buffer, handed over: grace writes the averages into them
     # (and sums them where they lie when nothing else reads them).
-    group = state.grace.step_group_async(grads, [state.name_of(param) for param in params], inplace=True)
-    buffer = bucket.buffer()
+    group = state.grace.step_group_async(
+        grads, known.names, inplace=True, span=known.span, overlap=not bucket.is_last()
+    )
     result: torch.futures.Future[Tensor] = torch.futures.Future()
 
     # ``done``, not ``group``: a closure over the future would make a cycle that keeps a
@@ -156,7 +190,7 @@ def grace_hook(state, bucket):  # type: (GraceHookState, GradBucket) -> torch.fu
         try:
             copied = False
             for grad, average in zip(grads, done.result()):
-                if average.data_ptr() != grad.data_ptr():
+                if average is not grad and average.data_ptr() != grad.data_ptr():
                     grad.copy_(average)
                     copied = True
             # DDP reads the buffer on its own thread's stream; the exchange synchronized its

@@ -19,10 +19,12 @@ import logging
 import math
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
+from operator import attrgetter
 from typing import Any, cast
 
 import torch
@@ -127,7 +129,8 @@ class Grace:
         self.expected_world_size = world_size  # checked against the engine's when bound
         self.skipped = 0  # groups skipped for a non-finite gradient (on any rank)
         self._bound = False
-        self._agreed: set[tuple] = set()  # group signatures the ranks agreed on (see handshake)
+        # names of a group -> the layout the ranks agreed on (see handshake), and its dense bytes
+        self._agreed: dict[tuple[str, ...], tuple[list[tuple[torch.Size, torch.dtype]], int]] = {}
         self.plan = ""  # every group of one step, when declared (see expect_groups)
         self.wrapper: dict[str, Any] = {}  # the optimizer wrapper's settings (DistributedOptimizer's)
         self.params: dict[str, dict[str, Any]] = {}  # constructor parameters per part, as build() routed them
@@ -139,6 +142,7 @@ class Grace:
         if not isinstance(engine, AutoEngine) or engine.name in ("torch", "horovod"):
             self.bind()
         self._worker: ThreadPoolExecutor | None = None
+        self._last_submitted: Future[Any] | None = None  # the latest task handed to the thread
         self._rides = False  # see _prepare
         self._audited = False  # the parts' declarations checked against what they keep
         self._watched: dict[str, Tensor] = {}  # see watch: compared across ranks at the next exchange
@@ -195,7 +199,13 @@ class Grace:
         return single
 
     def step_group_async(
-        self, tensors: Sequence[Tensor], names: Sequence[str], inplace: bool = False, finite: bool = False
+        self,
+        tensors: Sequence[Tensor],
+        names: Sequence[str],
+        inplace: bool = False,
+        finite: bool = False,
+        span: Tensor | None = None,
+        overlap: bool = True,
     ) -> Future[list[Tensor]]:
         """Exchange a fusion group: each tensor is compressed (and remembered) on its own,
         their payloads travel together (one size exchange and one data collective per round).
@@ -211,21 +221,36 @@ class Grace:
 
         ``finite=True``: the caller has asked :meth:`nonfinite_ranks` for these tensors (every
         rank alike) and none holds a NaN/Inf, so the group's own flag exchange is left out.
+
+        ``span``: with ``inplace=True``, a flat tensor whose memory the tensors are, back to back
+        in this order (a fusion bucket's buffer, which the caller made): saves looking for it.
+
+        ``overlap=False``: nothing is left for this exchange to overlap with (the step's last
+        group): it runs on the caller's thread once the groups before it are done, without the
+        hand-off to the communication thread and back (see :meth:`run_in_order`).
         """
         ready = None
-        if any(t.is_cuda for t in tensors):  # the gradients are produced on the caller's stream
+        if any(map(_is_cuda, tensors)):  # the gradients are produced on the caller's stream
             ready = torch.cuda.Event()
             ready.record()
-        return self.run_in_order(partial(self._exchange_or_fail, list(tensors), list(names), inplace, ready, finite))
+        return self.run_in_order(
+            partial(self._exchange_or_fail, list(tensors), list(names), inplace, ready, finite, span), overlap
+        )
 
-    def run_in_order(self, fn: Any) -> Future[Any]:
+    def run_in_order(self, fn: Any, overlap: bool = True) -> Future[Any]:
         """Run ``fn()`` on the communication thread after the groups submitted before it:
         a collective of the caller's own (a flag, a broadcast) stays in the same order on
-        every rank as grace's exchanges. On one rank ``fn`` runs here, now (unless
-        :attr:`thread_on_one_rank`): there is nothing to overlap, and the hand-off to the thread
-        cost more than the exchange (host-bound steps on one rank: the DDP hook 1.29× DDP's step on the
-        thread, 1.16× inline)."""
-        if self.engine.size == 1 and not self.thread_on_one_rank:
+        every rank as grace's exchanges.
+
+        ``fn`` runs here instead, on the caller's thread, where there is nothing to overlap
+        (unless :attr:`thread_on_one_rank`): on one rank, and with ``overlap=False`` (the step's
+        last group), then after the groups before it are done. The hand-off to the thread and
+        back costs more than a small exchange (host-bound steps on one rank: the DDP hook
+        1.29× DDP's step on the thread, 1.16× inline)."""
+        if not self.thread_on_one_rank and (self.engine.size == 1 or not overlap):
+            if self._last_submitted is not None:  # the groups before it go first, on the thread
+                wait([self._last_submitted])
+                self._last_submitted = None
             done: Future[Any] = Future()
             try:
                 done.set_result(fn())
@@ -234,17 +259,24 @@ class Grace:
             return done
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grace-comm")
-        return self._worker.submit(fn)
+        self._last_submitted = self._worker.submit(fn)
+        return self._last_submitted
 
     def _exchange_or_fail(
-        self, tensors: list[Tensor], names: list[str], inplace: bool, ready: Any, finite: bool = False
+        self,
+        tensors: list[Tensor],
+        names: list[str],
+        inplace: bool,
+        ready: Any,
+        finite: bool = False,
+        span: Tensor | None = None,
     ) -> list[Tensor]:
         """:meth:`_exchange`; an error that this rank alone meets (a bug, a bad view, a
         collective that failed) is handed to the engine, which tells the other ranks and
         wakes them from the collective they wait in: every rank gets a named error now,
         instead of one error here and a timeout there."""
         try:
-            averages = self._exchange(tensors, names, inplace, ready, finite)
+            averages = self._exchange(tensors, names, inplace, ready, finite, span)
             if ready is not None:
                 # the averages (a NaN fill of a skip, a copy back into a non-contiguous input
                 # included) are complete before the Future is: its consumer may read them on
@@ -258,60 +290,71 @@ class Grace:
             raise
 
     def _exchange(
-        self, tensors: list[Tensor], names: list[str], inplace: bool = False, ready: Any = None, finite: bool = False
+        self,
+        tensors: list[Tensor],
+        names: list[str],
+        inplace: bool = False,
+        ready: Any = None,
+        finite: bool = False,
+        span: Tensor | None = None,
     ) -> list[Tensor]:
         """The data path of one fusion group (module docstring). The averages land in the
         inputs when they are handed over (a non-contiguous one through a temporary), else in
         new tensors; a NaN/Inf on any rank skips the group alike on every rank."""
         if ready is not None:
             torch.cuda.current_stream(tensors[0].device).wait_event(ready)
-        self._prepare(tensors, names)
+        dense_bytes = self._prepare(tensors, names)
         comp, memory, comm = self.wire, self.memory, self.communicator
-        outputs = [
-            t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            for t in tensors
-        ]
         if not (self._rides or finite):  # ranks learn of a NaN/Inf before any state changes (one allgather)
             bad = self._nonfinite_ranks(tensors)
             if bad:
-                return self._skip(tensors, outputs, names, inplace, bad)
-        sources, keys, outputs, consume = self._sources(tensors, names, outputs, inplace)
+                return self._skip(tensors, _outputs(tensors, inplace), names, inplace, bad)
+        sources, keys, outputs, consume = self._sources(tensors, names, inplace, span)
         guard = self._guard(tensors, keys)
         with self._clock.running():
             with self._communicating():  # hierarchical: the node's sum
                 sources = comm.prereduce(sources, keys)  # (auto: an owner's stranded error folded in)
-            with self._timed("memory"):
-                compensated = [memory.compensate(t, n) for t, n in zip(sources, keys)]
+            if memory.identity:  # compensate returns its input, update and decode_average do nothing
+                compensated = sources
+            else:
+                with self._timed("memory"):
+                    compensated = [memory.compensate(t, n) for t, n in zip(sources, keys)]
             if comp.prerounds:  # e.g. THC's scale, agreed over ranks before anyone compresses
                 with self._communicating():
                     comp.preround(compensated, keys, self.engine)
             with self._timed("compress"):
                 payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, keys))))
             consume = consume and not _shares_storage(payloads, tensors, inplace)
-            outputs = [_apart(out, c, memory) for out, c in zip(outputs, compensated)]
+            if not memory.identity:
+                outputs = [_apart(out, c, memory) for out, c in zip(outputs, compensated)]
             with self._communicating():
                 sent, sent_ctxs = comm.aggregate_into(comp, payloads, ctxs, keys, outputs, consume)
-            with self._timed("memory"):
-                for c, n, payload, ctx in zip(compensated, keys, sent, sent_ctxs):
-                    memory.update(c, n, comp, payload, ctx)
+            if not memory.identity:
+                with self._timed("memory"):
+                    for c, n, payload, ctx in zip(compensated, keys, sent, sent_ctxs):
+                        memory.update(c, n, comp, payload, ctx)
             if comp.average and self.engine.size > 1:  # x / 1 is x: no pass over memory for it
                 for out in outputs:
                     out.div_(self.engine.size)
-            with self._timed("memory"):  # EF21: the shared estimate plus the averaged change
-                for out, n in zip(outputs, keys):
-                    memory.decode_average(out, n)
-        return self._finish(tensors, outputs, names, keys, inplace, guard)
+            if not memory.identity:
+                with self._timed("memory"):  # EF21: the shared estimate plus the averaged change
+                    for out, n in zip(outputs, keys):
+                        memory.decode_average(out, n)
+        return self._finish(tensors, outputs, names, keys, inplace, guard, dense_bytes)
 
-    def _prepare(self, tensors: list[Tensor], names: list[str]) -> None:
+    def _prepare(self, tensors: list[Tensor], names: list[str]) -> int:
         """Before a group's exchange: bind at the first one, agree with the other ranks on a
-        group not seen before, follow a compressor or memory assigned after binding."""
+        group not seen before, follow a compressor or memory assigned after binding. Returns
+        the group's dense (fp32) bytes."""
         if not self._bound:
             self.bind()
-        signature = tuple((n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors))
-        if signature not in self._agreed:  # first exchange of this group: do ranks agree?
+        # keyed by the names (strings hash once), the shapes compared: runs every group, every step
+        key, layout = tuple(names), [(t.shape, t.dtype) for t in tensors]
+        agreed = self._agreed.get(key)
+        if agreed is None or agreed[0] != layout:  # first exchange of this group: do ranks agree?
             with self._controlling():
                 handshake.agree(self, tensors, names)
-            self._agreed.add(signature)
+            agreed = self._agreed[key] = (layout, 4 * sum(t.numel() for t in tensors))
         if self._watched:  # once, before anything is stepped: the same model on every rank?
             watched, self._watched = self._watched, {}
             with self._controlling():
@@ -332,6 +375,7 @@ class Grace:
                         "Name it in STATE (or RANK_LOCAL, with why), or override state_dict and reset",
                         stacklevel=2,
                     )
+        return agreed[1]
 
     def _warn_of_a_partial_resume(self) -> None:
         """A run whose optimizer state was restored while grace's was not (or was another
@@ -357,7 +401,7 @@ class Grace:
             )
 
     def _sources(
-        self, tensors: list[Tensor], names: list[str], outputs: list[Tensor], inplace: bool
+        self, tensors: list[Tensor], names: list[str], inplace: bool, span: Tensor | None = None
     ) -> tuple[list[Tensor], list[str], list[Tensor], bool]:
         """What gets compressed, under which names, into which outputs, and whether the
         payloads may be consumed by an in-place reduction (nothing reads a single-round
@@ -368,10 +412,10 @@ class Grace:
         on its strides (its average goes back in its own layout, :meth:`_finish`)."""
         consume = self.wire.rounds == 1 and self.memory.identity
         if inplace and consume and self.wire.elementwise and len(tensors) > 1:
-            flat = flat_span(tensors)
+            flat = span if span is not None else flat_span(tensors)
             if flat is not None:
                 return [flat], [names[0] + "…"], [flat], consume
-        return [wire.dense(t) for t in tensors], names, outputs, consume
+        return [wire.dense(t) for t in tensors], names, _outputs(tensors, inplace), consume
 
     def _guard(self, tensors: list[Tensor], keys: list[str]) -> dict[str, dict[str, Any]] | None:
         """A finite gradient may still overflow on the wire (fp16: beyond ±65504): then the
@@ -389,13 +433,13 @@ class Grace:
         keys: list[str],
         inplace: bool,
         guard: dict[str, dict[str, Any]] | None,
+        dense_bytes: int,
     ) -> list[Tensor]:
         """Count the group, catch a non-finite average, and hand the averages back."""
         self._stats["groups"] += 1
-        for tensor, name in zip(tensors, names):
-            self._stats["tensors"] += 1
-            self._stats["dense_bytes"] += tensor.numel() * 4
-            self._steps[name] = self._steps.get(name, 0) + 1
+        self._stats["tensors"] += len(tensors)
+        self._stats["dense_bytes"] += dense_bytes
+        self._steps.update(names)
         # every rank holds the same average, so all see this alike: a NaN/Inf that rode along,
         # or a payload that overflowed (fp16 beyond ±65504) after the inputs passed the check
         if not all_finite(outputs):
@@ -506,7 +550,7 @@ class Grace:
     def reset_stats(self) -> None:
         self._stats: dict[str, float] = dict.fromkeys(COUNTERS + CONTROL, 0)
         self._clock = Clock()
-        self._steps: dict[str, int] = {}
+        self._steps: Counter[str] = Counter()  # exchanges per tensor name
         self._wait_seconds = 0.0
 
     def count_exchange(self, tensor: Tensor, name: str, sent: int, received: int) -> None:
@@ -517,7 +561,7 @@ class Grace:
         self._stats["dense_bytes"] += tensor.numel() * 4
         self._stats["bytes_sent"] += sent
         self._stats["bytes_received"] += received
-        self._steps[name] = self._steps.get(name, 0) + 1
+        self._steps[name] += 1
 
     def add_wait(self, seconds: float) -> None:
         """Charge ``seconds`` the training thread spent blocked on this Grace's exchanges
@@ -711,6 +755,17 @@ def _shares_storage(payloads: list[Payload], tensors: list[Tensor], inplace: boo
         return False
     inputs = {t.untyped_storage().data_ptr() for t in tensors}
     return any(p.untyped_storage().data_ptr() in inputs for payload in payloads for p in payload)
+
+
+_is_cuda = attrgetter("is_cuda")
+
+
+def _outputs(tensors: list[Tensor], inplace: bool) -> list[Tensor]:
+    """Where the averages go: the handed-over tensors themselves, else (or when one is not
+    contiguous) new ones."""
+    return [
+        t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors
+    ]
 
 
 def _apart(output: Tensor, compensated: Tensor, memory: Memory) -> Tensor:

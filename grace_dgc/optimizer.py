@@ -104,9 +104,10 @@ class DistributedOptimizer(WrappingOptimizer):
        dtype on one device, and the gradients of a bucket of several parameters live in one
        flat buffer: ``p.grad`` is a view into it (as DDP's ``gradient_as_bucket_view``).
     2. A post-accumulate-grad hook on each parameter counts backward passes; once every
-       parameter of a bucket has had its ``backward_passes_per_step``-th, its gradient is
-       moved into its view if it is not there yet (after ``zero_grad(set_to_none=True)``
-       autograd makes a new tensor: one copy, as DDP does) and the bucket goes to
+       parameter of a bucket has had its ``backward_passes_per_step``-th, the gradients not
+       yet in their views are moved there (after ``zero_grad(set_to_none=True)`` autograd
+       makes new tensors: one batched copy per bucket, as DDP's ``batched_grad_copy``) and the
+       bucket goes to
        ``grace.step_group_async(..., inplace=True)``: each gradient is compressed on its own
        (an elementwise compressor with no memory compresses the flat buffer at once), the
        payloads travel together, and the averages are written back into the buffer
@@ -164,9 +165,12 @@ class DistributedOptimizer(WrappingOptimizer):
         # parameter per backward pass on the training thread
         self._bucket_of = {id(p): i for i, bucket in enumerate(self._buckets) for p in bucket}
         self._bucket_names = [[self._names[p] for p in bucket] for bucket in self._buckets]
-        self._views = self._bucket_views(self._buckets)
+        # per bucket of several parameters: its flat gradient buffer and the parameters' views
+        # into it (None for a lone parameter, whose gradient stays where autograd put it)
+        self._flats, self._views = self._bucket_views(self._buckets)
         self._passes: dict[int, int] = {}  # id(param) -> backward passes since the last exchange
-        self._ready: dict[int, set[int]] = {}  # bucket index -> id() of its parameters whose gradients are final
+        self._final: set[int] = set()  # id() of the parameters whose gradients are final this step
+        self._finals = [0] * len(self._buckets)  # per bucket: how many of its gradients are final
         self._pending: dict[int, Future] = {}  # bucket index -> Future of its averaged gradients
         self._synchronized = False  # averaged gradients are in p.grad, awaiting step()
         self._skipped_mark = grace.skipped
@@ -185,30 +189,50 @@ class DistributedOptimizer(WrappingOptimizer):
         return cls._fusion_groups(list(reversed(params)), fusion_bytes)  # reverse order, as DDP
 
     @staticmethod
-    def _bucket_views(buckets: list[list[torch.nn.Parameter]]) -> Any:
-        """param -> its gradient's view into its bucket's flat buffer (zeros), for buckets of
-        several parameters; a lone parameter's own gradient is already flat."""
-        views = {}
+    def _bucket_views(
+        buckets: list[list[torch.nn.Parameter]],
+    ) -> tuple[list[torch.Tensor | None], list[list[torch.Tensor] | None]]:
+        """Per bucket of several parameters, a flat buffer (zeros) and each parameter's
+        gradient view into it; None for a lone parameter, whose own gradient is already flat."""
+        flats: list[torch.Tensor | None] = []
+        views: list[list[torch.Tensor] | None] = []
         for bucket in buckets:
             if len(bucket) == 1:
+                flats.append(None)
+                views.append(None)
                 continue
             flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-            for param, view in zip(bucket, flat.split([p.numel() for p in bucket])):
-                views[param] = view.view_as(param)
-        return views
+            flats.append(flat)
+            views.append([view.view_as(p) for p, view in zip(bucket, flat.split([p.numel() for p in bucket]))])
+        return flats, views
 
-    def _to_view(self, param: torch.nn.Parameter) -> None:
-        """Make ``param.grad`` its bucket view (zeros if there is no gradient)."""
-        view, grad = self._views.get(param), param.grad
-        if view is None:  # a bucket of its own: the gradient stays where autograd put it
-            if grad is None:
+    def _gradients(self, bucket: int) -> list[torch.Tensor]:
+        """Make every ``param.grad`` of ``bucket`` its view into the bucket's buffer (zeros
+        where there is no gradient) and return them. After ``zero_grad(set_to_none=True)``
+        autograd made new tensors: they are copied in by one ``_foreach_copy_`` for the bucket
+        (as DDP's ``batched_grad_copy``), not one copy per parameter as each gradient arrives."""
+        params, views = self._buckets[bucket], self._views[bucket]
+        if views is None:  # a bucket of its own: the gradient stays where autograd put it
+            (param,) = params
+            if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            elif not grad.is_contiguous():
-                param.grad = grad.contiguous()
-        elif grad is None:
-            param.grad = view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            param.grad = view.copy_(grad)
+            elif not param.grad.is_contiguous():
+                param.grad = param.grad.contiguous()
+            return [param.grad]
+        sources, targets = [], []
+        for param, view in zip(params, views):
+            grad = param.grad
+            if grad is view:
+                continue
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                sources.append(grad)
+                targets.append(view)
+            param.grad = view
+        if sources:
+            torch._foreach_copy_(targets, sources)
+        return views
 
     def _attach_memory(self) -> None:
         # e.g. the momentum memory takes over SGD's momentum
@@ -223,10 +247,7 @@ class DistributedOptimizer(WrappingOptimizer):
             )
         key = id(param)
         bucket = self._bucket_of[key]
-        ready = self._ready.get(bucket)
-        if ready is None:
-            ready = self._ready[bucket] = set()
-        if key in ready or bucket in self._pending:
+        if key in self._final or bucket in self._pending:
             raise RuntimeError(
                 f"gradient of {self._names[param]!r} was computed again before step()/synchronize(); "
                 f"use backward_passes_per_step={self.backward_passes_per_step + 1} to accumulate passes"
@@ -236,10 +257,10 @@ class DistributedOptimizer(WrappingOptimizer):
             self._passes[key] = count
             if count < self.backward_passes_per_step:
                 return
-        self._to_view(param)
-        ready.add(key)
+        self._final.add(key)
+        self._finals[bucket] += 1
         # only a bucket completed next in line can let buckets go (they go out in order)
-        if len(ready) == len(self._buckets[bucket]) and bucket == len(self._pending):
+        if self._finals[bucket] == len(self._buckets[bucket]) and bucket == len(self._pending):
             self._submit_in_order()
 
     def _submit_in_order(self) -> None:
@@ -249,7 +270,7 @@ class DistributedOptimizer(WrappingOptimizer):
         exchanges zeros for it)."""
         while len(self._pending) < len(self._buckets):
             bucket = len(self._pending)  # buckets go out as 0, 1, 2, ...
-            if len(self._ready.get(bucket, ())) < len(self._buckets[bucket]):
+            if self._finals[bucket] < len(self._buckets[bucket]):
                 break
             self._submit(bucket)
 
@@ -257,11 +278,13 @@ class DistributedOptimizer(WrappingOptimizer):
         joining = self._joining
         if bucket == 0 and joining is not None and not joining.shadowing:  # a step begins: "still here"
             joining.active = self.grace.run_in_order(lambda: self._count_active(still_here=True))
-        params = self._buckets[bucket]
-        for param in params:  # unused this step (on every rank): exchange zeros
-            self._to_view(param)
+        # a parameter unused this step (on every rank) exchanges zeros
         self._pending[bucket] = self.grace.step_group_async(
-            cast(list[torch.Tensor], [p.grad for p in params]), self._bucket_names[bucket], inplace=True
+            self._gradients(bucket),
+            self._bucket_names[bucket],
+            inplace=True,
+            span=self._flats[bucket],
+            overlap=bucket < len(self._buckets) - 1,  # the last one: backward is over, nothing to overlap
         )
 
     def synchronize(self) -> None:
@@ -273,12 +296,11 @@ class DistributedOptimizer(WrappingOptimizer):
         for bucket, future in self._pending.items():
             for param, average in zip(self._buckets[bucket], future.result()):
                 grad = cast(torch.Tensor, param.grad)  # _submit gave every parameter one
-                if average.data_ptr() != grad.data_ptr():  # written in place: already there
+                if average is not grad and average.data_ptr() != grad.data_ptr():  # in place: already there
                     grad.copy_(average)
         self.grace.add_wait(time.perf_counter() - started)
         self._pending.clear()
-        self._ready.clear()
-        self._passes.clear()
+        self._clear_counts()
         self._synchronized = True
         joining = self._joining
         if joining is not None and not joining.shadowing:
@@ -385,10 +407,14 @@ class DistributedOptimizer(WrappingOptimizer):
             raise RuntimeError(
                 "zero_grad() called while gradient exchanges are in flight; call step() or synchronize() first"
             )
-        self._passes.clear()
-        self._ready.clear()
+        self._clear_counts()
         self._synchronized = False
         return self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _clear_counts(self) -> None:
+        self._passes.clear()
+        self._final.clear()
+        self._finals = [0] * len(self._buckets)
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus grace's compressor and memory state."""

@@ -196,21 +196,24 @@ _POOL = _ChunkPool()
 def flat_span(tensors: Sequence[Tensor]) -> Tensor | None:
     """A 1-D tensor over the memory of ``tensors`` when they are contiguous, of one dtype and
     device, and lie back to back in one storage in this order (the views of a fusion
-    bucket's flat buffer, or DDP's bucket); else None."""
+    bucket's flat buffer, or DDP's bucket); else None.
+
+    Called once per fusion group per step, so it reads only addresses: each tensor must
+    start where the one before it ends, and the whole span must lie inside the first one's
+    storage (allocations do not overlap, so memory inside it is its memory)."""
     first = tensors[0]
     if not first.is_contiguous():
         return None
-    storage, offset, total = first.untyped_storage(), first.storage_offset(), 0
-    for tensor in tensors:
-        if (
-            tensor.dtype != first.dtype
-            or tensor.device != first.device
-            or not tensor.is_contiguous()
-            or tensor.untyped_storage().data_ptr() != storage.data_ptr()
-            or tensor.storage_offset() != offset + total
-        ):
-            return None
-        total += tensor.numel()
     if len(tensors) == 1:
         return first.view(-1)
+    dtype, itemsize = first.dtype, first.element_size()
+    start = end = first.data_ptr()
+    for tensor in tensors:
+        if tensor.dtype is not dtype or tensor.data_ptr() != end or not tensor.is_contiguous():
+            return None
+        end += tensor.numel() * itemsize
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    total = (end - start) // itemsize
+    if (offset + total) * itemsize > storage.nbytes():
+        return None  # adjacent in memory, but another allocation
     return first.new_empty(0).set_(storage, offset, (total,))  # type: ignore[call-overload]  # stub: stride required

@@ -243,6 +243,12 @@ def test_flat_span_finds_back_to_back_views_only():
     assert span.data_ptr() == flat.data_ptr() and span.numel() == 10
     assert flat_span([a, c]) is None and flat_span([b, a]) is None
     assert flat_span([a, torch.zeros(3)]) is None and flat_span([flat[::2]]) is None
+    assert flat_span([a, flat[3:5].view(torch.int32)]) is None  # back to back, another dtype
+    assert flat_span([a, flat[3:9:2]]) is None  # starts where a ends, strided
+    # back to back in memory but two storages (numpy's halves): no span past the first storage
+    halves = np.zeros(8, dtype=np.float32)
+    first, second = torch.from_numpy(halves[:4]), torch.from_numpy(halves[4:])
+    assert second.data_ptr() == first.data_ptr() + 16 and flat_span([first, second]) is None
 
 
 @pytest.mark.parametrize("name", ["none", "fp16", "bf16", "randomk", "topk", "qsgd"])

@@ -252,8 +252,8 @@ def test_bad_input_and_pickling():
 class FakeBucket:
     """What the hook reads from DDP's GradBucket: a flat buffer and per-parameter views."""
 
-    def __init__(self, params):
-        self._params = params
+    def __init__(self, params, index=0):
+        self._params, self._index = params, index
         self._buffer = torch.cat([torch.arange(p.numel(), dtype=torch.float32) - 2.5 for p in params])
         sizes = [p.numel() for p in params]
         self._grads = [v.view(p.shape) for v, p in zip(self._buffer.split(sizes), params)]
@@ -266,6 +266,12 @@ class FakeBucket:
 
     def parameters(self):
         return self._params
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return False
 
 
 def test_hook_writes_each_parameters_exchange_into_the_bucket_and_reports_errors():
@@ -287,9 +293,17 @@ def test_hook_writes_each_parameters_exchange_into_the_bucket_and_reports_errors
     def broken(tensor, name):
         raise ValueError(f"compensate failed for {name}")
 
+    # a bucket's views and names are kept from the second time its buffer is seen (DDP's first
+    # buckets, rebuilt after one iteration, are not kept alive); a rebuilt bucket (another
+    # buffer under the same index) drops what was kept of the old ones
+    assert state.bucket(bucket).grads is state.bucket(bucket).grads
+    rebuilt = FakeBucket([a])
+    assert state.bucket(rebuilt).names == ["param.1"] and not state._buckets
+    assert state.bucket(rebuilt).buffer is rebuilt.buffer() and state._buckets[0].buffer is rebuilt.buffer()
+
     state.grace.memory.compensate = broken
     with pytest.raises(ValueError, match="compensate failed for param.1"):
-        hook(state, FakeBucket([a])).wait()
+        hook(state, FakeBucket([a], index=1)).wait()
 
 
 def ddp_join_job(rank, world_size):

@@ -917,3 +917,11 @@ def test_an_nccl_collective_that_never_completes_times_out_with_a_named_error(mo
     with pytest.raises(GraceCommError, match=r"allgather: TimeoutError: no completion within 0.05 s"):
         engine._run("allgather", lambda: work)
     assert work.checks > 1 and not work.waits
+
+
+def test_a_bound_set_by_another_parameter_names_both():
+    """demo's topk is at most chunk²: a small chunk with the default topk names chunk too
+    (hypothesis found ``chunk=1`` answered only "topk=32 is out of range; accepted: [1, 1]")."""
+    with pytest.raises(GraceConfigError, match=r"topk=32 exceeds a chunk=1 block's 1 coefficients"):
+        construct("compressor", "demo", chunk=1)
+    assert construct("compressor", "demo", chunk=2, topk=4).topk == 4

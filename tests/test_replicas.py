@@ -141,3 +141,27 @@ def test_the_fingerprint_is_equal_for_equal_values_in_any_order_and_layout(value
     as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
     changed.view(as_int)[0] += 1  # one element one representable step away
     assert fingerprint(changed) != fingerprint(tensor)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 3 * 64 + 5),
+    st.sampled_from([torch.float32, torch.float16, torch.float64, torch.int8]),
+    st.integers(0, 2**31),
+)
+def test_a_fingerprint_summed_in_pieces_is_the_whole_sum(numel, dtype, seed):
+    """Large tensors are fingerprinted in pieces (an int64 sum copies what it sums): the same
+    number as one sum of the bit patterns, computed here with numpy's wrapping int64 sum."""
+    import numpy as np
+
+    import grace_dgc.handshake as handshake
+
+    values = (torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e3).to(dtype)
+    bits = values.numpy().view({1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[values.element_size()])
+    expected = int(bits.astype(np.int64).sum(dtype=np.int64))
+    saved, handshake.FINGERPRINT_CHUNK = handshake.FINGERPRINT_CHUNK, 64  # pieces of 64: up to 4 here
+    try:
+        assert int(fingerprint(values)) == expected
+        assert int(fingerprint(values.view(-1, 1).expand(numel, 2)[:, 0])) == expected  # strided
+    finally:
+        handshake.FINGERPRINT_CHUNK = saved

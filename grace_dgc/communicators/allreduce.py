@@ -41,6 +41,9 @@ class Allreduce(ExchangeCommunicator):
             if span is None:  # a copy: the inputs stay intact
                 span = torch.cat([payload[i].reshape(-1) for i in members])
             span = self.engine.allreduce(span)
+            if len(members) == 1:  # a fusion bucket's flat buffer: nothing to split
+                summed[members[0]] = span.view(payload[members[0]].shape)
+                continue
             for i, part in zip(members, span.split([payload[i].numel() for i in members])):
                 summed[i] = part.view(payload[i].shape)
         return [summed]

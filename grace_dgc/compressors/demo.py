@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..errors import check_bool, check_range
+from ..errors import GraceConfigError, check_bool, check_range
 from ..interfaces import Compressor, Payload
 from ..registry import register_compressor
 
@@ -99,7 +99,12 @@ class DemoCompressor(Compressor):
 
     def __init__(self, chunk: int = 64, topk: int = 32, sign: bool = True) -> None:
         self.chunk = check_range("chunk", chunk, 1, kind=int)
-        self.topk = check_range("topk", topk, 1, self.chunk * self.chunk, kind=int)  # ≤ a c×c block
+        self.topk = check_range("topk", topk, 1, kind=int)
+        if self.topk > self.chunk * self.chunk:  # name both: either may be the one to change
+            raise GraceConfigError(
+                f"topk={topk} exceeds a chunk={chunk} block's {self.chunk * self.chunk} coefficients; "
+                "accepted: topk <= chunk * chunk"
+            )
         self.sign = check_bool("sign", sign)
         self._bases: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
