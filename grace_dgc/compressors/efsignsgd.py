@@ -7,6 +7,7 @@ from .. import wire
 from ..errors import GraceConfigError
 from ..interfaces import Payload
 from ..registry import register_compressor
+from ..workspace import for_chunks
 from .packed import PackedCompressor, Shaped
 
 
@@ -64,12 +65,22 @@ class EFSignSGDCompressor(PackedCompressor):
                 norm = torch.linalg.vector_norm(tensor, dtype=torch.float64)
             scale = (norm / math.sqrt(max(numel, 1))).float()
         else:
-            magnitude = torch.abs(tensor, out=self.workspace.like("abs", tensor))
-            total = magnitude.sum(dtype=torch.float32)
+            total = self._l1(tensor.reshape(-1), torch.float32)
             if not bool(torch.isfinite(total)):  # fp32 overflowed on finite values: sum in fp64
-                total = magnitude.sum(dtype=torch.float64)
+                total = self._l1(tensor.reshape(-1), torch.float64)
             scale = (total / max(numel, 1)).float()
         return [wire.pack_signs(tensor, self.workspace), scale.reshape(1)], (tensor.shape, tensor.dtype)
+
+    def _l1(self, flat: Tensor, dtype: torch.dtype) -> Tensor:
+        """‖flat‖₁ in ``dtype``: each chunk's sum on a chunk worker (for_chunks: no fork-join of
+        torch's threads over the whole tensor, which a competing process stalls), then theirs."""
+
+        def chunk(start: int, stop: int) -> Tensor:
+            scratch = self.workspace.get("abs", stop - start, flat.dtype, flat.device)
+            return torch.abs(flat[start:stop], out=scratch).sum(dtype=dtype)
+
+        partial = for_chunks(chunk, flat.numel(), flat.device)
+        return torch.stack(partial).sum() if partial else flat.new_zeros((), dtype=dtype)
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         scale: Tensor | float  # the payload's fp32 tensor, then its value
