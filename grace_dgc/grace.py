@@ -106,9 +106,9 @@ class Grace:
     was measured; ``state_dict()`` carries the compressor's and memory's state.
     """
 
-    #: one rank exchanges on the communication thread too (as on several): only to watch the
-    #: overlap machinery work without a second rank; by default one rank runs exchanges inline
-    thread_on_one_rank = False
+    #: every exchange runs on the communication thread, also where nothing is left to overlap
+    #: (one rank; the step's last group): only to watch the overlap machinery work in a test
+    always_thread = False
 
     def __init__(
         self,
@@ -243,11 +243,11 @@ class Grace:
         every rank as grace's exchanges.
 
         ``fn`` runs here instead, on the caller's thread, where there is nothing to overlap
-        (unless :attr:`thread_on_one_rank`): on one rank, and with ``overlap=False`` (the step's
+        (unless :attr:`always_thread`): on one rank, and with ``overlap=False`` (the step's
         last group), then after the groups before it are done. The hand-off to the thread and
         back costs more than a small exchange (host-bound steps on one rank: the DDP hook
         1.29× DDP's step on the thread, 1.16× inline)."""
-        if not self.thread_on_one_rank and (self.engine.size == 1 or not overlap):
+        if not self.always_thread and (self.engine.size == 1 or not overlap):
             if self._last_submitted is not None:  # the groups before it go first, on the thread
                 wait([self._last_submitted])
                 self._last_submitted = None

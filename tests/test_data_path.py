@@ -301,13 +301,14 @@ def test_state_dict_hands_out_copies():
     assert torch.equal(*results)
 
 
-def optimizer_views_job(rank, world_size):
+def optimizer_views_job(rank, world_size, fusion_bytes=4 * 2**20):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
     opt = grace_dgc.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1),
         grace_dgc.build("none", "none", "allreduce"),
         model.named_parameters(),
+        fusion_bytes=fusion_bytes,
     )
     out = []
     for step in range(3):
@@ -320,20 +321,52 @@ def optimizer_views_job(rank, world_size):
         model(x).square().sum().backward()
         opt.synchronize()
         grads = [p.grad for p in model.parameters()]
-        spans = flat_span(grads[::-1])  # one bucket: reverse registration order, back to back
+        # reverse registration order, back to back: one bucket, or (100 bytes) three of them and w1 alone
+        spans = flat_span(grads[::-1] if fusion_bytes > 100 else grads[:0:-1])
         out.append({"local": local, "averaged": [g.clone() for g in grads], "one_buffer": spans is not None})
         opt.step()
     return out
 
 
-def test_optimizer_gradients_live_in_one_flat_buffer_and_are_averaged():
-    per_rank = run_local(optimizer_views_job, 2)
+@pytest.mark.parametrize("fusion_bytes", [4 * 2**20, 100])
+def test_optimizer_gradients_live_in_one_flat_buffer_and_are_averaged(fusion_bytes):
+    """One bucket (the last one, exchanged inline), and two (the first on the communication
+    thread): set_to_none=True and False alike, every gradient in its bucket's buffer."""
+    per_rank = run_local(optimizer_views_job, 2, args=(fusion_bytes,))
     for step in range(3):
         for rank in range(2):
             assert per_rank[rank][step]["one_buffer"]
             for i, averaged in enumerate(per_rank[rank][step]["averaged"]):
                 expected = (per_rank[0][step]["local"][i] + per_rank[1][step]["local"][i]) / 2
                 assert torch.equal(averaged, expected)
+
+
+def last_group_job(rank, world_size):
+    """Groups handed to the communication thread, then one with overlap=False: it runs on the
+    caller's thread, after them (a slow first group must be done before it starts)."""
+    import threading
+    import time
+
+    grace = grace_dgc.build("none", "none", "allreduce")
+    events = []
+
+    def slow():
+        time.sleep(0.3)
+        events.append(("slow", threading.current_thread().name))
+
+    grace.run_in_order(slow)
+    first = grace.step_group_async([torch.full((3,), float(rank))], ["a"])
+    last = grace.run_in_order(lambda: events.append(("last", threading.current_thread().name)), overlap=False)
+    assert last.done()  # ran here, now
+    caller = threading.current_thread().name
+    return events, caller, first.result()[0].tolist()
+
+
+def test_the_last_group_runs_on_the_callers_thread_after_the_ones_before_it():
+    for events, caller, average in run_local(last_group_job, 2):
+        assert [what for what, _ in events] == ["slow", "last"]
+        assert events[0][1].startswith("grace-comm") and events[1][1] == caller
+        assert average == [0.5] * 3
 
 
 @pytest.mark.parametrize("name", ["none", "topk", "fp16"])

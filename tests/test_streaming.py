@@ -109,7 +109,7 @@ def test_the_exchange_overlaps_the_next_inner_step():
     the next inner step runs, and only the due step waits for it."""
     model = make_model()
     sched = build(model, inner_steps=4, fragments=2, delay=1)
-    sched.grace.thread_on_one_rank = True  # one rank would exchange inline: nothing to overlap
+    sched.grace.always_thread = True  # one rank would exchange inline: nothing to overlap
     data = batches(0, 3)
     opt_step(model, sched, *data[0])  # no fragment's turn at step 1
     gate = threading.Event()
