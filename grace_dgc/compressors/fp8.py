@@ -1,3 +1,5 @@
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -5,13 +7,18 @@ from .. import kernels
 from ..errors import GraceConfigError, check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
+from ..workspace import for_chunks
 from .packed import PackedCompressor, Shaped
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-# every code's fp32 value, for decoding on a CPU: torch's fp8 -> fp32 cast is scalar code there
-# (so is its uint8 -> int32 cast, which a torch lookup would need); numpy indexes the table with
-# the uint8 codes directly, about a third of the cast's time. The same bits, NaN codes too.
-DECODED = {name: torch.arange(256, dtype=torch.uint8).view(dtype).float() for name, dtype in FORMATS.items()}
+# Decoding on a CPU, where torch's fp8 -> fp32 cast is scalar code: each code's bits moved into
+# an fp16's (vectorized int16 ops, then the vectorized fp16 -> fp32 cast). e5m2 is the top byte of
+# an fp16; e4m3's bits SEEEEMMM go to S0EEEEMMM0000000, the fp16 of its value · 2^-8 (normal and
+# subnormal alike), so the block's scale is taken · 2^8 (exact). e4m3 has no inf, and its NaN
+# codes (S1111111) come out as the cast's NaN bits (NAN_BITS), fixed up where they occur.
+FP16_SHIFT = {"e4m3": 7, "e5m2": 8}
+FP16_FACTOR = {"e4m3": 2.0**8, "e5m2": 1.0}
+NAN_BITS = {127: 0x7FF00000, -1: -0x100000}  # e4m3's NaN codes (as int8) -> torch's cast's fp32 bits
 
 
 @register_compressor("fp8", aliases=("float8",))
@@ -68,12 +75,31 @@ class FP8Compressor(PackedCompressor):
                 return [codes, scales], (tensor.shape, tensor.dtype)
             except kernels.Unavailable:  # warned; the torch ops below
                 pass
-        pad = (-n) % block
-        blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, block) if pad else flat.view(-1, block)
-        scales = blocks.abs().amax(dim=1).div_(self.largest)
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = (blocks / scales[:, None]).to(self.dtype).view(-1)[:n]
+        codes = torch.empty(n, dtype=self.dtype, device=flat.device)
+        scales = flat.new_empty(-(-n // block))
+        for_chunks(partial(self._encode_chunk, flat, codes, scales), n, flat.device, block)
         return [codes.view(torch.uint8), scales], (tensor.shape, tensor.dtype)
+
+    def _encode_chunk(self, flat: Tensor, codes: Tensor, scales: Tensor, start: int, stop: int) -> None:
+        """Elements ``start:stop`` (whole blocks, but for the tensor's last): their blocks'
+        scales and codes, the temporaries in this worker's scratch (they stay in cache)."""
+        block = self.block
+        first, count = start // block, -(-(stop - start) // block)
+        magnitude = self.workspace.get("abs", count * block, flat.dtype, flat.device)
+        torch.abs(flat[start:stop], out=magnitude[: stop - start])
+        magnitude[stop - start :].zero_()  # the tensor's last, partial block: zeros never raise a max
+        mine = scales[first : first + count]
+        torch.amax(magnitude.view(count, block), dim=1, out=mine).div_(self.largest)
+        mine.masked_fill_(torch.gt(mine, 0).logical_not_(), 1.0)  # an all-zero block (or NaN): 1
+        whole = (stop - start) // block
+        scaled = torch.div(
+            flat[start : start + whole * block].view(whole, block),
+            mine[:whole, None],
+            out=magnitude[: whole * block].view(whole, block),
+        )
+        codes[start : start + whole * block].copy_(scaled.view(-1))
+        if whole < count:
+            codes[start + whole * block : stop].copy_(flat[start + whole * block : stop] / mine[whole])
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         codes, scales = payload
@@ -84,10 +110,10 @@ class FP8Compressor(PackedCompressor):
                 return out
             except kernels.Unavailable:
                 pass
-        if codes.device.type == "cpu":
-            values = torch.from_numpy(DECODED[self.format].numpy()[codes.view(torch.uint8).numpy()])
-        else:
-            values = codes.view(self.dtype).float()
+        if codes.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
+            for_chunks(partial(self._decode_chunk, codes.view(torch.int8), scales, out.view(-1)), n, "cpu", block)
+            return out
+        values = codes.view(self.dtype).float()
         pad = (-n) % block
         if not pad and out.dtype == values.dtype and out.is_contiguous():  # one pass, straight into out
             torch.mul(values.view(-1, block), scales[:, None], out=out.view(-1, block))
@@ -96,6 +122,25 @@ class FP8Compressor(PackedCompressor):
             values = torch.nn.functional.pad(values, (0, pad))
         out.view(-1).copy_(values.view(-1, block).mul_(scales[:, None]).view(-1)[:n])
         return out
+
+    def _decode_chunk(self, codes: Tensor, scales: Tensor, out: Tensor, start: int, stop: int) -> None:
+        """Elements ``start:stop`` (whole blocks, but for the tensor's last) on a CPU, through
+        their fp16 bit patterns (see :data:`FP16_SHIFT`): the cast's bits for every code."""
+        mine, block = codes[start:stop], self.block
+        bits = self.workspace.get("fp16 bits", stop - start, torch.int16, codes.device)
+        bits.copy_(mine).bitwise_left_shift_(FP16_SHIFT[self.format])  # int8 -> int16 sign-extends
+        if self.format == "e4m3":
+            bits.bitwise_and_(~0x4000)  # the sign's copy that sign extension left in bit 14
+        piece = out[start:stop].copy_(bits.view(torch.float16))
+        first, whole = start // block, (stop - start) // block
+        factor = FP16_FACTOR[self.format]
+        if whole:
+            piece[: whole * block].view(whole, block).mul_(scales[first : first + whole, None] * factor)
+        if whole * block < stop - start:  # the tensor's last, partial block
+            piece[whole * block :].mul_(scales[first + whole] * factor)
+        if self.format == "e4m3" and bool(torch.eq(mine.bitwise_and(0x7F), 0x7F).any()):
+            for code, nan in NAN_BITS.items():
+                piece.view(torch.int32).masked_fill_(torch.eq(mine, code), nan)
 
     def _fused(self, tensor: Tensor) -> bool:
         return self.block <= kernels.FP8_LARGEST_BLOCK and kernels.enabled(tensor.device, kernel="fp8")
