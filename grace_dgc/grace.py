@@ -246,8 +246,10 @@ class Grace:
         (unless :attr:`always_thread`): on one rank, and with ``overlap=False`` (the step's
         last group), then after the groups before it are done. The hand-off to the thread and
         back costs more than a small exchange (host-bound steps on one rank: the DDP hook
-        1.29× DDP's step on the thread, 1.16× inline)."""
+        1.29× DDP's step on the thread, 1.16× inline). The caller is held meanwhile: that time
+        is its wait (``wait_seconds``), as a wait on the thread's Future would be."""
         if not self.always_thread and (self.engine.size == 1 or not overlap):
+            started = time.perf_counter()
             if self._last_submitted is not None:  # the groups before it go first, on the thread
                 wait([self._last_submitted])
                 self._last_submitted = None
@@ -256,6 +258,7 @@ class Grace:
                 done.set_result(fn())
             except BaseException as error:
                 done.set_exception(error)
+            self._wait_seconds += time.perf_counter() - started  # the caller was held all along
             return done
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grace-comm")
