@@ -201,13 +201,20 @@ class TorchEngine(Engine):
         # rank): only a stopped store host keeps a store call from returning
         others = self.size - 1
         limit = patience * others + 10 + ((patience + 5) * others if self._global(self.rank) == 0 else 0)
+        stopped_host = (
+            f"{what}; the store (hosted by rank 0) does not answer either: rank 0 is stopped or hung (or "
+            "its machine is unreachable): look at rank 0's log"
+        )
+        try:  # a live store answers at once: a stopped host is told in `patience`, not the meeting's limit
+            bounded(lambda: store.check([f"{LEFT_KEY}{self._global(self.rank)}"]), patience)
+        except TimeoutError:
+            return stopped_host
+        except Exception:  # gone, not stopped: the meeting below says which
+            pass
         try:
             return bounded(lambda: self._meet_in_store(store, what, patience), limit)
         except TimeoutError:
-            return (
-                f"{what}; the store (hosted by rank 0) does not answer either: rank 0 is stopped or hung (or "
-                "its machine is unreachable): look at rank 0's log"
-            )
+            return stopped_host
         except Exception as store_error:
             return (
                 f"{what}; the store (hosted by rank 0) is unreachable too ({type(store_error).__name__}): rank 0 "
