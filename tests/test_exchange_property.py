@@ -188,7 +188,10 @@ def check(case, results, world):
                 assert torch.equal(out, outs[0]), f"{where}: rank {rank} differs from rank 0"
             out = outs[0].double().reshape(-1)
             assert bool(torch.isfinite(out).all()), f"{where}: not finite"
-            if comp in EXACT:
+            # against the inputs' average only where nothing was carried into them: a residual holds the last
+            # step's rounding, which may dwarf this step's tolerance when its inputs are smaller (hypothesis found
+            # one: bf16, residual, a 1-element tensor); what was sent is checked against exactly below
+            if comp in EXACT and (case["memory"] == "none" or step == 0):
                 exact = x.mean(dim=0)
                 tol = tolerance(dtype, wire_dtype(comp, dtype), world, maxabs(x))
                 error = maxabs(out - exact)
