@@ -14,11 +14,21 @@ FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # Decoding on a CPU, where torch's fp8 -> fp32 cast is scalar code: each code's bits moved into
 # an fp16's (vectorized int16 ops, then the vectorized fp16 -> fp32 cast). e5m2 is the top byte of
 # an fp16; e4m3's bits SEEEEMMM go to S0EEEEMMM0000000, the fp16 of its value · 2^-8 (normal and
-# subnormal alike), so the block's scale is taken · 2^8 (exact). e4m3 has no inf, and its NaN
-# codes (S1111111) come out as the cast's NaN bits (NAN_BITS), fixed up where they occur.
+# subnormal alike), so the block's scale is taken · 2^8 (exact). NaN codes (e4m3: S1111111; e5m2:
+# S11111MM, MM ≠ 0) get the cast's own NaN bits afterwards: torch's fp16 -> fp32 cast gives NaNs
+# other bits in its scalar tail than in its vector body.
 FP16_SHIFT = {"e4m3": 7, "e5m2": 8}
 FP16_FACTOR = {"e4m3": 2.0**8, "e5m2": 1.0}
-NAN_BITS = {127: 0x7FF00000, -1: -0x100000}  # e4m3's NaN codes (as int8) -> torch's cast's fp32 bits
+FIRST_NAN = {"e4m3": 0x7F, "e5m2": 0x7D}  # a code is NaN where its low 7 bits are at least this
+_CAST_BITS = {name: torch.arange(256, dtype=torch.uint8).view(dtype).float() for name, dtype in FORMATS.items()}
+NAN_BITS = {  # format -> {NaN code as int8: the cast's fp32 bits as int32}
+    name: {
+        int(code): int(bits)
+        for code, bits in zip(torch.arange(256, dtype=torch.uint8).view(torch.int8), cast.view(torch.int32))
+        if bool(torch.isnan(cast[int(code) & 0xFF]))
+    }
+    for name, cast in _CAST_BITS.items()
+}
 
 
 @register_compressor("fp8", aliases=("float8",))
@@ -138,8 +148,8 @@ class FP8Compressor(PackedCompressor):
             piece[: whole * block].view(whole, block).mul_(scales[first : first + whole, None] * factor)
         if whole * block < stop - start:  # the tensor's last, partial block
             piece[whole * block :].mul_(scales[first + whole] * factor)
-        if self.format == "e4m3" and bool(torch.eq(mine.bitwise_and(0x7F), 0x7F).any()):
-            for code, nan in NAN_BITS.items():
+        if bool(torch.ge(mine.bitwise_and(0x7F), FIRST_NAN[self.format]).any()):
+            for code, nan in NAN_BITS[self.format].items():
                 piece.view(torch.int32).masked_fill_(torch.eq(mine, code), nan)
 
     def _fused(self, tensor: Tensor) -> bool:
