@@ -29,7 +29,7 @@ from ..errors import check_range
 from ..interfaces import Compressor, Payload
 from ..registry import register_compressor
 from ..workspace import for_chunks
-from .sparse import subtract_at_
+from .sparse import scatter_into, subtract_at_
 
 ROUNDS = 6
 MASK32 = 0xFFFFFFFF
@@ -157,15 +157,7 @@ class RandomKCompressor(Compressor):
         return self.decompress_into(payload, ctx, payload[0].new_empty(ctx[1]))
 
     def decompress_into(self, payload: Payload, ctx: tuple[Tensor, torch.Size], out: Tensor) -> Tensor:
-        indices, _ = ctx
-        flat, values = out.view(-1), payload[0].to(out.dtype)
-        for_chunks(lambda start, stop: flat[start:stop].zero_(), flat.numel(), out.device)
-        for_chunks(
-            lambda start, stop: flat.index_copy_(0, indices[start:stop], values[start:stop]),
-            indices.numel(),
-            out.device,
-        )
-        return out
+        return scatter_into(out, [payload[0], ctx[0]])
 
     def subtract_sent_(self, tensor: Tensor, payload: Payload, ctx: tuple[Tensor, torch.Size]) -> Tensor:
         return subtract_at_(tensor, [payload[0], ctx[0]])

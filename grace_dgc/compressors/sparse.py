@@ -51,10 +51,16 @@ def scatter_dense(payload: Payload, shape: Sequence[int], dtype: torch.dtype) ->
 
 
 def scatter_into(out: Tensor, payload: Payload) -> Tensor:
-    """:func:`scatter_dense` written into ``out``."""
+    """:func:`scatter_dense` written into ``out`` (distinct indices). The zero-fill and the
+    scatter run on the chunk workers (:func:`~grace_dgc.workspace.for_chunks`): two
+    whole-tensor ops would be two fork-joins of torch's threads, which a competing process
+    stretches by a scheduler tick each."""
     values, indices = payload
-    flat = out.zero_().view(-1)
-    flat[indices.long()] = values.to(out.dtype)
+    flat, values, indices = out.view(-1), values.to(out.dtype), indices.long()
+    for_chunks(lambda start, stop: flat[start:stop].zero_(), flat.numel(), out.device)
+    for_chunks(
+        lambda start, stop: flat.index_copy_(0, indices[start:stop], values[start:stop]), indices.numel(), out.device
+    )
     return out
 
 
