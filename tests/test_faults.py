@@ -467,6 +467,108 @@ def test_a_rank_that_stops_or_dies_is_named_by_every_survivor(quick_processes, w
             proc.join(5)
 
 
+def optimizer_victim_job(rank, world_size, port, how, results, comm, victim, where):
+    """Issue 53: DistributedOptimizer over 12 one-parameter groups (``fusion_bytes=0``); at the
+    fourth step rank ``victim`` stops or dies inside backward, before any group of that step
+    went out, or inside the exchange of the step's last group, which runs on the caller's
+    thread. Each survivor reports (rank, message, seconds from its backward to the error)."""
+    import signal
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    comp, mem, name, params = VICTIM_SETUPS[comm]
+    grace = grace_dgc.build(comp, mem, name, timeout=2, **params)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(6)))
+    optimizer = grace_dgc.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), grace, model.named_parameters(), fusion_bytes=0
+    )
+    last_group = "0.weight"  # buckets go in reverse registration order
+    now = {"step": 0}
+
+    def stop_here():
+        if rank == victim and now["step"] == 3:
+            os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+
+    compress = grace.wire.compress
+
+    def compress_or_stop(tensor, key):
+        if where == "last_group" and key == last_group:
+            stop_here()
+        return compress(tensor, key)
+
+    grace.wire.compress = compress_or_stop
+
+    class StopInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            if where == "backward":
+                stop_here()
+            return grad
+
+    started = time.monotonic()
+    try:
+        for step in range(6):
+            now["step"] = step
+            loss = StopInBackward.apply(model(torch.randn(4, 6))).square().mean()
+            optimizer.zero_grad()
+            started = time.monotonic()
+            loss.backward()
+            optimizer.step()
+        results.put((rank, "no error", 0.0))
+    except grace_dgc.GraceCommError as error:
+        results.put((rank, str(error), time.monotonic() - started))
+    time.sleep(120)  # stay up: see failing_rank_job
+
+
+@pytest.mark.parametrize(
+    "comm, how, victim, where",
+    [
+        ("sparse_allreduce", "kill", 1, "backward"),
+        ("reduce_scatter", "stop", 2, "backward"),
+        ("auto", "kill", 2, "last_group"),
+        ("allgather", "stop", 1, "last_group"),
+    ],
+)
+def test_a_lost_rank_is_named_at_once_by_an_optimizer_of_many_groups(quick_processes, comm, how, victim, where):
+    """A broken group fails every later collective at once: the survivors hear of the loss
+    within one collective timeout and one meeting (2 s + 7 s here), not one per group
+    (12 × 7 s), whichever thread runs the exchange (the step's last group runs on the
+    caller's thread). Before the fix no survivor reported within 60 s."""
+    ctx, world = quick_processes, 3
+    results, port = ctx.SimpleQueue(), free_port()
+    procs = [
+        ctx.Process(target=optimizer_victim_job, args=(r, world, port, how, results, comm, victim, where), daemon=True)
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        got, deadline = {}, time.monotonic() + 60
+        while len(got) < world - 1 and time.monotonic() < deadline:
+            if results.empty():
+                time.sleep(0.05)
+                continue
+            rank, message, seconds = results.get()
+            got[rank] = (message, seconds)
+        assert sorted(got) == [r for r in range(world) if r != victim], f"survivors did not report in 60 s: {got}"
+        for rank, (message, seconds) in got.items():
+            assert f"rank {victim} did not answer" in message, message
+            other = ({0, 1, 2} - {rank, victim}).pop()
+            assert f"rank {other} did not answer" not in message, message
+            # a liveness bound, far from the old behaviour's ~84 s: a second group's meeting is one too many
+            assert seconds < 2 * (2 + 7), (seconds, message)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(5)
+
+
 # -- non-finite gradients ------------------------------------------------------------------
 
 NONFINITE_METHODS = [
@@ -925,3 +1027,12 @@ def test_a_bound_set_by_another_parameter_names_both():
     with pytest.raises(GraceConfigError, match=r"topk=32 exceeds a chunk=1 block's 1 coefficients"):
         construct("compressor", "demo", chunk=1)
     assert construct("compressor", "demo", chunk=2, topk=4).topk == 4
+
+
+@pytest.mark.parametrize("kind, name, param, default", parameters({str}))
+@pytest.mark.parametrize("value", [["e4m3"], {"a": 1}, 3, None])
+def test_a_name_parameter_given_another_type_is_a_clear_error(kind, name, param, default, value):
+    """Issue 53: fp8(format=["e4m3"]) raised TypeError (unhashable); every parameter whose
+    default is a name refuses a value of another type with the parameter's name."""
+    with pytest.raises(GraceConfigError, match=rf"{param}="):
+        construct(kind, name, **{param: value})

@@ -119,6 +119,10 @@ class AutoEngine(Engine):
         if self._engine is not None:
             self._engine.fail(error)
 
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
 
 def create_engine(engine: str | Engine = "auto", **kwargs: Any) -> Engine:
     """Create an engine by name (``auto``, ``local``, ``torch``, ``horovod``) or pass one

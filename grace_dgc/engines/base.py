@@ -63,6 +63,9 @@ class Engine:
         tell the other ranks, so that the collective they wait in ends with an error naming
         this rank and its error (one process: nothing to tell)."""
 
+    def close(self) -> None:
+        """Release what the engine holds for itself (a process group of its own); nothing by default."""
+
     def allreduce(self, tensor: Tensor) -> Tensor:
         """Sum ``tensor`` over ranks; returns the summed tensor (possibly in place)."""
         raise NotImplementedError

@@ -78,6 +78,12 @@ def _at_exit() -> None:
         time.sleep(GLOO_SETTLE_SECONDS)
 
 
+# process_group=OWN_GROUP: a new group over every rank, for this engine alone. grace_dgc.build
+# gives every Grace one by default: its exchanges run on its communication thread (Streaming
+# DiLoCo's fragments, the overlapped buckets) while the training thread issues collectives of its
+# own (a logged loss's all_reduce, DDP's, another Grace's handshake); on one group the ranks could
+# issue the two in different orders and wait forever, or abort in gloo ("collective mismatch").
+OWN_GROUP = "own"
 DEFAULT_TIMEOUT = 300.0  # seconds: far below torch's 30 min, far above any sane step
 POLL_SECONDS = 20e-6  # between checks of an NCCL collective's completion (see TorchEngine._run)
 DIAGNOSIS_MARGIN = 5.0  # seconds a survivor waits for the others beyond the collective timeout (see _patience)
@@ -98,14 +104,25 @@ class TorchEngine(Engine):
     def __init__(self, process_group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         super().__init__()
         self.timeout = check_range("timeout", timeout, 0, low_open=True)
+        self.owns_group = False  # see OWN_GROUP
         self._calls = 0
         self._failed = False
+        self._broken: str | None = None  # why no collective may start any more (see _run)
         if not (dist.is_available() and dist.is_initialized()):
             raise GraceConfigError(
                 "engine='torch' needs an initialized process group: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets the env), "
                 "or use engine='local' for a single process"
             )
+        if isinstance(process_group, str):
+            if process_group != OWN_GROUP:
+                raise GraceConfigError(
+                    f"process_group={process_group!r}; accepted: a torch.distributed process group, None (the "
+                    f"default group) or {OWN_GROUP!r} (a group of its own over every rank)"
+                )
+            # new_group is collective over the default group: every rank builds its Graces in the same
+            # order, as it builds its model and optimizer (no barrier: it meets in the store only)
+            process_group, self.owns_group = dist.new_group(), True
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
@@ -131,7 +148,15 @@ class TorchEngine(Engine):
 
     def _run(self, kind: str, launch: Callable[[], Any]) -> None:
         """Run one collective (``launch()`` starts it asynchronously), waiting at most
-        ``timeout``; a failure becomes an error naming the ranks that did not answer."""
+        ``timeout``; a failure becomes an error naming the ranks that did not answer.
+
+        A group that has failed once is broken for good (gloo's connections to the lost rank
+        are gone, and the survivors no longer agree on the collectives' order): every later
+        collective fails at once with the first diagnosis, instead of each waiting out its own
+        timeout and meeting. A step of many groups otherwise took a timeout and a meeting per
+        group before its caller heard of the failure (issue 53)."""
+        if self._broken is not None:
+            raise GraceCommError(f"{kind} not started on rank {self.rank} of {self.size}: {self._broken}")
         self._calls += 1
         start = time.perf_counter()
         try:
@@ -151,7 +176,11 @@ class TorchEngine(Engine):
             else:
                 work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as error:
-            raise GraceCommError(self._diagnose(kind, error)) from error
+            diagnosis = self._diagnose(kind, error)
+            self._broken = (
+                f"an earlier collective of this process group failed, so it cannot be used again ({diagnosis})"
+            )
+            raise GraceCommError(diagnosis) from error
         finally:
             self.traffic.seconds += time.perf_counter() - start
 
@@ -164,6 +193,9 @@ class TorchEngine(Engine):
         if self._failed or isinstance(error, GraceCommError):
             return
         self._failed = True
+        self._broken = (
+            f"this rank aborted its process group after its own error ({type(error).__name__}: {str(error)[:200]})"
+        )
         store = dist.distributed_c10d._get_default_store()
         text = str(error).splitlines()[0][:300] if str(error) else ""
         try:
@@ -236,7 +268,7 @@ class TorchEngine(Engine):
         posted = self._posted_error(store)
         if posted:
             return f"{what}; {posted}"
-        prefix = f"grace/failed/{self._calls}/"
+        prefix = f"grace/failed/{self._meeting()}/"
         store.set(prefix + str(self._global(self.rank)), "1")
         missing = []
         for rank in range(self.size):
@@ -266,11 +298,29 @@ class TorchEngine(Engine):
             )
         return f"{what}; every rank is still answering, so the collective itself failed"
 
+    def _meeting(self) -> str:
+        """Where this group's survivors meet: one place per process group, not per collective.
+        A group fails once (see :meth:`_run`), but not always in the same collective on every
+        rank: a survivor whose collective completed before the loss (a ring that had all it
+        needed) fails in the next one, and meeting by collective it would blame the other."""
+        name = "default" if self.group is None else getattr(self.group, "group_name", "")
+        return f"{name}:" + "-".join(map(str, (self._global(r) for r in range(self.size))))
+
+    def close(self) -> None:
+        """Release the group this engine made for itself (:data:`OWN_GROUP`): gloo's sockets,
+        NCCL's communicator. Not collective; the engine cannot exchange afterwards."""
+        if self.owns_group and self._broken is None:
+            self._broken = "its Grace was closed (Grace.close()), and with it the process group it made for itself"
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # best effort: the default group may be destroyed already
+                pass
+
     def _linger_as_host(self, store: Any, answering: list[int]) -> None:
         """Say this rank is done with the store; the rank that hosts it (global rank 0) waits
         (bounded) until the ranks that answered are done too, so that exiting after its own
         error does not make a survivor still waiting for a dead rank blame rank 0."""
-        done = f"grace/diagnosed/{self._calls}/"
+        done = f"grace/diagnosed/{self._meeting()}/"
         store.set(done + str(self._global(self.rank)), "1")
         if self._global(self.rank) != 0:
             return
