@@ -107,6 +107,16 @@ def check_bool(name: str, value: object) -> bool:
     raise GraceConfigError(f"{name}={value!r} must be True or False (a boolean, not {type(value).__name__})")
 
 
+def check_choice(name: str, value: object, choices: Any) -> Any:
+    """``value`` if it is one of ``choices`` (names, usually a dict's keys), else an error listing
+    them; a value of another type (a list where a name is expected) is named too, not a TypeError."""
+    if isinstance(value, str) and value in choices:
+        return value
+    listed = ", ".join(map(str, choices))
+    kind = "" if isinstance(value, str) else f" (of type {type(value).__name__}: a name is expected)"
+    raise GraceConfigError(f"{name}={value!r}{kind}; accepted: {listed}")
+
+
 def parse_value(text: str) -> Any:
     """A command-line or ``--param`` value: a Python literal (``0.01``, ``[1, 2]``, ``None``),
     ``true``/``false`` in any case as booleans, else the text itself."""

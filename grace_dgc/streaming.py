@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from .errors import GraceConfigError, check_range
+from .errors import GraceConfigError, check_choice, check_range
 from .schedules import OuterSync, register_schedule
 
 if TYPE_CHECKING:
@@ -101,9 +101,7 @@ class StreamingDiLoCo(OuterSync):
     ) -> None:
         steps = check_range("inner_steps", inner_steps, 1, kind=int)
         self.fragments = check_range("fragments", fragments, 1, steps, kind=int)
-        if pattern not in PATTERNS:
-            raise GraceConfigError(f"pattern={pattern!r}; accepted: {', '.join(PATTERNS)}")
-        self.pattern = pattern
+        self.pattern = check_choice("pattern", pattern, PATTERNS)
         self.delay = check_range("delay", delay, 0, steps - 1, kind=int)
         self.mixing = check_range("mixing", mixing, 0, 1)
         if self.delay == 0 and self.mixing:

@@ -4,7 +4,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
-from ..errors import GraceConfigError, check_range
+from ..errors import check_choice, check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
 from ..workspace import for_chunks
@@ -69,9 +69,7 @@ class FP8Compressor(PackedCompressor):
     SETTINGS = ("format", "block")
 
     def __init__(self, format: str = "e4m3", block: int = 256) -> None:
-        if format not in FORMATS:
-            raise GraceConfigError(f"format={format!r}; accepted: {', '.join(FORMATS)}")
-        self.format = format
+        self.format = check_choice("format", format, FORMATS)
         self.block = check_range("block", block, 1, kind=int)
         self.dtype = FORMATS[format]
         self.largest = float(torch.finfo(self.dtype).max)
