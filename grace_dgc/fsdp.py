@@ -26,8 +26,13 @@ Two seams of FSDP2, one Grace each (either may be left out):
    replicas. Shard the model on the shard dimension only (``fully_shard(m, mesh=mesh2d["shard"])``)
    and pass a Grace over the replicate group (``process_group=mesh2d["replicate"].get_group()``):
    it runs in FSDP's all-reduce hook (``set_all_reduce_hook``) after the reduce-scatter, in
-   place on the shard, any composition (top-k + residual, DGC, PowerSGD, THC …), and its
-   memory is shard-sized: 1/S of what the same method holds under DDP.
+   place. FSDP hands that hook one flat buffer per module; the Grace gets each parameter's
+   local shard *with its shape* instead, under the parameter's name (FSDP2 shards dim 0, so a
+   weight's shard is still a matrix; the padding between shards is left out), as one fusion
+   group: every composition behaves as under DDP (PowerSGD's factors are shard-sized matrices,
+   DGC leaves only the 1-D shards dense, THC pads each shard, not the module), and its memory
+   is shard-sized: 1/S of what the same method holds under DDP. A Grace over another group
+   than the replicas of this rank's shard is refused by name.
 
 FSDP divides by its shard size (AVG); the Graces average over their groups, so the result
 is the mean over all S·R ranks, as native HSDP's. Mixed precision (``reduce_dtype``),
@@ -90,19 +95,57 @@ def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, Any]]:
     return found
 
 
-def _group_of(module: Any) -> tuple[Any, Any]:
-    """(the reduce-scatter group, the all-reduce group or None) of an FSDP module."""
+def _param_groups(module: Any) -> list[Any]:
+    """The FSDP parameter groups of a ``fully_shard``-ed module."""
     state = module._get_fsdp_state()
     # torch 2.13 keeps a list of parameter groups; 2.11 (seen on a lent GPU machine) keeps one or None
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         groups = [group] if (group := getattr(state, "_fsdp_param_group", None)) is not None else []
+    return list(groups)
+
+
+def _group_of(module: Any) -> tuple[Any, Any]:
+    """(the reduce-scatter group, the all-reduce group or None) of an FSDP module."""
+    groups = _param_groups(module)
     if not groups:
         return None, None
     info = groups[0].mesh_info
     shard = getattr(info, "shard_process_group", None)
     replicate = getattr(info, "replicate_process_group", None)
     return shard, replicate
+
+
+def _engine_ranks(grace: Grace) -> list[int]:
+    """The global ranks of the group a Grace's engine runs over (``auto``: chosen now)."""
+    engine = grace.engine.resolve() if hasattr(grace.engine, "resolve") else grace.engine
+    group = getattr(engine, "group", None)
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def _shard_layout(module: Any, names: dict[int, str]) -> list[tuple[str, torch.Size, int]]:
+    """Per parameter of an FSDP module, in the order of its reduce-scatter output: (its name,
+    this rank's shard shape, the elements its slot takes there). FSDP2 lays each parameter's
+    shard out contiguously (dim 0 sharding; Shard(i>0) is chunked and concatenated along dim
+    0 first), then pads it to the slot of the largest rank's shard."""
+    layout = []
+    for group in _param_groups(module):
+        for param in group.fsdp_params:
+            name = names.get(id(param.sharded_param), f"{param._module_info.param_name}@{id(param)}")
+            layout.append((name, torch.Size(param.sharded_size), int(param.padded_sharded_param_size.numel())))
+    return layout
+
+
+def _shards_of(flat: Tensor, layout: list[tuple[str, torch.Size, int]]) -> list[Tensor]:
+    """Each parameter's shard in FSDP's flat reduce-scatter output, as a view of its shape
+    (an empty shard, on a rank past a small tensor's rows, is left out alike on its replicas)."""
+    flat = flat.view(-1)
+    views, offset = [], 0
+    for _, size, slot in layout:
+        if size.numel():
+            views.append(flat[offset : offset + size.numel()].view(size))
+        offset += slot
+    return views
 
 
 class _GraceReduceScatter:
@@ -138,14 +181,41 @@ class FSDPCompression:
         if reduce_scatter is not None:
             self._check_reduce_scatter(reduce_scatter, shard_group)
         if replicate is not None:
-            if replicate.wrapper:
-                raise GraceConfigError(f"the replicate Grace already serves {replicate.wrapper}: build one per seam")
-            replicate.wrapper = {"wrapper": "fsdp", "role": "replicate", "shard_size": self.shard_size}
+            self._check_replicate(replicate, shard_group)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.shards: dict[str, list[tuple[str, torch.Size, int]]] = {}  # see _shard_layout
         for name, module in self.modules:
             if reduce_scatter is not None:
                 module.set_custom_reduce_scatter(_GraceReduceScatter(self, f"fsdp:{name}"))
             if replicate is not None:
-                module.set_all_reduce_hook(self._hook(f"fsdp:{name}"))
+                self.shards[name] = _shard_layout(module, names)
+                module.set_all_reduce_hook(self._hook(self.shards[name]))
+
+    def _check_replicate(self, grace: Grace, shard_group: Any) -> None:
+        """The replicate Grace must run over the replicas of this rank's shard: the ranks that
+        hold the same shard index, one per shard group. Over the world group it would average
+        different shards; over the shard group, replicas would never meet."""
+        if grace.wrapper:
+            raise GraceConfigError(f"the replicate Grace already serves {grace.wrapper}: build one per seam")
+        me = dist.get_rank()
+        shard_ranks = dist.get_process_group_ranks(shard_group) if shard_group is not None else [me]
+        mine = _engine_ranks(grace)
+        shared = sorted(set(mine) & set(shard_ranks) - {me})
+        if shared:
+            raise GraceConfigError(
+                f"the replicate Grace runs over ranks {mine}, which include ranks {shared} of this rank's shard "
+                f"group {shard_ranks}: those hold other shards of the model, and averaging them mixes different "
+                "parameters. Build it with process_group= the replicate group (mesh2d['replicate'].get_group()), "
+                "the ranks that hold the same shard as this one"
+            )
+        # the handshake compares the wrapper settings over the Grace's ranks: a group whose ranks hold
+        # different shard indices (a hand-made group) is refused at the first exchange, naming them
+        grace.wrapper = {
+            "wrapper": "fsdp",
+            "role": "replicate",
+            "shard_size": self.shard_size,
+            "shard_index": shard_ranks.index(me),
+        }
 
     def _check_reduce_scatter(self, grace: Grace, group: Any) -> None:
         comp, comm = grace.compressor, grace.communicator
@@ -174,13 +244,7 @@ class FSDPCompression:
         if grace.wrapper:
             raise GraceConfigError(f"the reduce_scatter Grace already serves {grace.wrapper}: build one per seam")
         ranks = dist.get_process_group_ranks(group) if group is not None else [0]
-        engine = grace.engine.resolve() if hasattr(grace.engine, "resolve") else grace.engine  # auto: chosen now
-        engine_group = getattr(engine, "group", None)
-        mine = (
-            dist.get_process_group_ranks(engine_group)
-            if engine_group is not None
-            else list(range(dist.get_world_size()))
-        )
+        mine = _engine_ranks(grace)
         if mine != ranks:  # chunk j is rank j's shard in both
             raise GraceConfigError(
                 f"the reduce_scatter Grace runs over ranks {mine}, FSDP shards over ranks {ranks}: build it with "
@@ -214,11 +278,20 @@ class FSDPCompression:
             output.mul_(n)
         return None
 
-    def _hook(self, name: str) -> Any:
+    def _hook(self, layout: list[tuple[str, torch.Size, int]]) -> Any:
+        names = [name for name, size, _ in layout if size.numel()]
+        expected = sum(slot for _, _, slot in layout)
+
         def all_reduce(reduce_output: Tensor) -> None:
             grace = self.replicate
             assert grace is not None
-            grace.step_group_async([reduce_output], [name], inplace=True).result()
+            if reduce_output.numel() != expected:
+                raise GraceConfigError(
+                    f"FSDP's all-reduce hook handed over {reduce_output.numel()} elements where the shards of "
+                    f"{', '.join(names[:4])} take {expected}: this torch lays out its reduce-scatter output "
+                    "otherwise than grace_dgc reads it (written for torch 2.11-2.13)"
+                )
+            grace.step_group_async(_shards_of(reduce_output, layout), names, inplace=True).result()
 
         return all_reduce
 
@@ -238,16 +311,71 @@ class FSDPCompression:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state of both Graces, under a key of its own (DCP would write equal keys
-        once), as bytes: its size grows as tensors are first seen."""
-        state = {
+        once), as bytes: its size grows as tensors are first seen. With it, what the state
+        belongs to (:meth:`layout`), checked at load."""
+        state: dict[str, Any] = {
             role: grace.state_dict()
             for role, grace in (("reduce_scatter", self.reduce_scatter), ("replicate", self.replicate))
             if grace is not None
         }
+        state["layout"] = self.layout()
         return rank_entry(self._key(), state)
+
+    def layout(self) -> dict[str, Any]:
+        """What this rank's state belongs to: its place in the mesh (the shard group and the
+        replicate Grace's ranks), and the tensors each seam keeps state for (the reduce-scatter
+        seam: each FSDP module's parameters, whose flat gradient it compresses; the replicate
+        seam: each parameter's shard shape)."""
+        me = dist.get_rank() if dist.is_initialized() else 0
+        shard_group = next((g for g, _ in map(_group_of, (m for _, m in self.modules)) if g is not None), None)
+        out: dict[str, Any] = {
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "rank": me,
+            "shard_group": dist.get_process_group_ranks(shard_group) if shard_group is not None else [me],
+        }
+        if self.replicate is not None:
+            out["replicate_group"] = _engine_ranks(self.replicate)
+            out["shards"] = {name: list(size) for layout in self.shards.values() for name, size, _ in layout}
+        if self.reduce_scatter is not None:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            out["modules"] = {
+                f"fsdp:{module_name}": [name for name, _, _ in _shard_layout(module, names)]
+                for module_name, module in self.modules
+            }
+        return out
+
+    def _check_layout(self, saved: dict[str, Any]) -> None:
+        """Refuse a state saved where this rank held another place or other tensors: loaded, it
+        would apply one shard's residuals to another, or end in a size error at the first
+        backward."""
+        now, differing = self.layout(), []
+        for key, what in (
+            ("world_size", "ranks in all"),
+            ("shard_group", "this rank's shard group"),
+            ("replicate_group", "the replicate Grace's ranks"),
+        ):
+            if key in saved and saved[key] != now.get(key):
+                differing.append(f"{what}: saved {saved[key]}, now {now.get(key)}")
+        for key, what in (("shards", "parameter shards"), ("modules", "fully_shard-ed modules")):
+            then, current = saved.get(key, {}), now.get(key, {})
+            changed = sorted(n for n in set(then) | set(current) if then.get(n) != current.get(n))
+            if key in saved and changed:
+                shown = "; ".join(
+                    f"{n}: saved {then.get(n, '(none)')}, now {current.get(n, '(none)')}" for n in changed[:3]
+                )
+                differing.append(f"{what} differ ({len(changed)}): {shown}")
+        if differing:
+            raise GraceConfigError(
+                f"this fsdp_compression state does not fit rank {now['rank']} of this run: "
+                + " | ".join(differing)
+                + ". Resume on the same mesh, with the same ranks in the same roles and the same fully_shard "
+                "wrapping (grace's state is per rank and per shard)"
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = read_rank_entry(state_dict, self._key(), "fsdp_compression state")
+        if "layout" in state:  # a state written before the layout was recorded loads as before
+            self._check_layout(state["layout"])
         for role, grace in (("reduce_scatter", self.reduce_scatter), ("replicate", self.replicate)):
             if (grace is None) != (role not in state):
                 raise GraceConfigError(
