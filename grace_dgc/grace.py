@@ -33,7 +33,8 @@ from torch import Tensor
 from . import handshake, wire
 from .engines import AutoEngine, create_engine
 from .engines.base import Engine
-from .errors import GraceConfigError, GraceNonFiniteError, check_range, on_every_rank
+from .engines.torch_engine import OWN_GROUP
+from .errors import GraceConfigError, GraceNonFiniteError, check_choice, check_range, on_every_rank
 from .interfaces import Communicator, Compressor, Memory, Payload, StateMismatch
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry
 from .stats import CONTROL, COUNTERS, Clock
@@ -148,6 +149,25 @@ class Grace:
         self._watched: dict[str, Tensor] = {}  # see watch: compared across ranks at the next exchange
         self._watched_optimizer: torch.optim.Optimizer | None = None
         self._loaded_rank: int | None = None  # whose state load_state_dict restored (None: none loaded)
+
+    def close(self) -> None:
+        """Finish the exchanges in flight, stop the communication thread and release the
+        process group the Grace made for itself (see :func:`build`). A program that builds
+        many Graces in one process (a survey's rank pool) closes each when done; ``with
+        build(...) as grace:`` does it."""
+        if self._last_submitted is not None:
+            wait([self._last_submitted])
+            self._last_submitted = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        self.engine.close()
+
+    def __enter__(self) -> Grace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def watch(self, params: Mapping[str, Tensor], optimizer: torch.optim.Optimizer | None = None) -> None:
         """The model a wrapper trains (DistributedOptimizer, the DDP hook): at the next exchange
@@ -807,9 +827,7 @@ def _route(params: dict[str, Any], parts: list[tuple[str, Registry, str]]) -> di
 
 
 def _check_nonfinite(policy: str) -> str:
-    if policy not in NONFINITE_POLICIES:
-        raise GraceConfigError(f"nonfinite={policy!r}; accepted: {', '.join(NONFINITE_POLICIES)}")
-    return policy
+    return cast(str, check_choice("nonfinite", policy, NONFINITE_POLICIES))
 
 
 def build(
@@ -827,7 +845,12 @@ def build(
 
     ``engine`` is ``auto`` / ``local`` / ``torch`` / ``horovod`` or an Engine instance;
     ``process_group`` selects a torch.distributed group and ``timeout`` (seconds, default
-    300) bounds each of its collectives. ``nonfinite`` says what a NaN/Inf gradient on any
+    300) bounds each of its collectives. Without ``process_group`` the Grace makes a group
+    of its own over every rank (``torch.distributed.new_group``, so every rank builds its
+    Graces in the same order): its exchanges, which run on its communication thread, then
+    never compete for one order with the training loop's own collectives or another Grace's
+    (:meth:`Grace.close` releases it). Pass ``torch.distributed.group.WORLD`` to share the
+    default group. ``nonfinite`` says what a NaN/Inf gradient on any
     rank does: ``"skip"`` (every rank skips that group's exchange, state untouched) or
     ``"raise"``. ``world_size``, when given, is the number of ranks the run expects: it is
     what ``grace.world_size`` says before the engine is chosen, and a different number of
@@ -851,6 +874,8 @@ def build(
     engine_kwargs = {
         key: value for key, value in (("process_group", process_group), ("timeout", timeout)) if value is not None
     }
+    if process_group is None and engine in ("auto", "torch"):  # grace's traffic apart from the user's
+        engine_kwargs["process_group"] = OWN_GROUP
     eng = create_engine(engine, **engine_kwargs)
     comm = comm_cls(eng, **routed["communicator"])
     reason = comm.refuse(comp)
