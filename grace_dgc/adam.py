@@ -254,6 +254,8 @@ class AdamSchedule(WrappingOptimizer):
             "tensors": {key: {n: t.clone() for n, t in getattr(self, key).items()} for key in self._tensor_state()},
             "optimizer": self.optimizer.state_dict(),
             "grace": self.grace.state_dict(),
+            "dense_counters": self.dense.counters(),  # the warm-up's exchanges, in stats() too
+            "stats": {"steps": self._stat_steps, "skipped": self._stat_skipped},
         }
 
     def _tensor_state(self) -> tuple[str, ...]:
@@ -279,6 +281,11 @@ class AdamSchedule(WrappingOptimizer):
                 + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
             )
         self.grace.load_state_dict(state["grace"])  # refuses other methods, world sizes, settings
+        if "dense_counters" in state:
+            self.dense.load_counters(state["dense_counters"])
+        saved = state.get("stats", {})  # the counters of stats(), carried as the Graces' are
+        self._stat_steps = int(saved.get("steps", self._stat_steps))
+        self._stat_skipped = int(saved.get("skipped", self._stat_skipped))
         self.optimizer.load_state_dict(state["optimizer"])
         by_name = {name: p for p, name in self._names.items()}
         for key, tensors in state["tensors"].items():

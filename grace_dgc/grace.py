@@ -586,6 +586,28 @@ class Grace:
         self._stats["bytes_received"] += received
         self._steps[name] += 1
 
+    def counters(self) -> dict[str, Any]:
+        """What :meth:`stats` counts since the last :meth:`reset_stats`, as plain numbers:
+        :meth:`state_dict` carries them, so a resumed run's stats (and a trainer's logs) go on
+        from the saved figures instead of restarting at 0."""
+        return {
+            "stats": dict(self._stats),
+            "seconds": dict(self._clock.seconds),
+            "steps": dict(self._steps),
+            "wait_seconds": self._wait_seconds,
+        }
+
+    def load_counters(self, saved: Mapping[str, Any]) -> None:
+        """Restore :meth:`counters` (keys this version does not count are left out)."""
+        for key, value in saved.get("stats", {}).items():
+            if key in self._stats:
+                self._stats[key] = value
+        for key, value in saved.get("seconds", {}).items():
+            if key in self._clock.seconds:
+                self._clock.seconds[key] = float(value)
+        self._steps = Counter({str(name): int(count) for name, count in saved.get("steps", {}).items()})
+        self._wait_seconds = float(saved.get("wait_seconds", 0.0))
+
     def add_wait(self, seconds: float) -> None:
         """Charge ``seconds`` the training thread spent blocked on this Grace's exchanges
         (the optimizer wrappers call it; reported as ``wait_seconds``)."""
@@ -642,7 +664,8 @@ class Grace:
 
     def state_dict(self) -> dict[str, Any]:
         """The compressor's, memory's and communicator's state (copies), with what it belongs
-        to: the format version, the three method names, the world size and the settings.
+        to: the format version, the three method names, the world size and the settings; and
+        the :meth:`counters` of :meth:`stats`, which a resumed run goes on from.
         Plain tensors, numbers, strings and containers only: it loads with
         ``torch.load(..., weights_only=True)``."""
         if not self._bound:
@@ -657,6 +680,7 @@ class Grace:
             "compressor": self.compressor.state_dict(),
             "memory": self.memory.state_dict(),
             "communicator": self.communicator.state_dict(),
+            "counters": self.counters(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -698,6 +722,8 @@ class Grace:
             self.compressor.load_state_dict(state["compressor"])
             self.memory.load_state_dict(state["memory"])
             self._loaded_rank = state.get("rank", self.rank)
+            if "counters" in state:  # a state saved before counters were carried leaves them as they are
+                self.load_counters(state["counters"])
         except (KeyError, TypeError, AttributeError, StateMismatch) as error:
             raise GraceConfigError(
                 f"the state does not fit {_describe(self._methods())} ({type(error).__name__}: "

@@ -358,6 +358,7 @@ class OuterSync(WrappingOptimizer):
             "optimizer": self.optimizer.state_dict(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "grace": self.grace.state_dict(),
+            "stats": {"steps": self._stat_steps, "syncs": self._stat_syncs, "skipped": self._stat_skipped},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -388,6 +389,10 @@ class OuterSync(WrappingOptimizer):
         self.steps = int(state.get("steps", 0))
         self.since_sync = int(state.get("since_sync", 0))
         self.syncs = int(state.get("syncs", 0))
+        saved = state.get("stats", {})  # the counters of stats(), carried as the Grace's are
+        self._stat_steps = int(saved.get("steps", self._stat_steps))
+        self._stat_syncs = int(saved.get("syncs", self._stat_syncs))
+        self._stat_skipped = int(saved.get("skipped", self._stat_skipped))
 
     def __repr__(self) -> str:
         listed = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())

@@ -23,6 +23,7 @@ from trainer_checks import (
     assert_in_sync_and_resumed_bit_for_bit,
     assert_none_is_the_trainers_own_ddp,
     assert_refused_naming,
+    counts,
 )
 
 from grace_dgc.errors import GraceConfigError
@@ -102,15 +103,15 @@ def accelerate_job(rank, world_size, directory):
     _train(accelerator, model, optimizer, batches[: STEPS // 2])
     accelerator.save_state(os.path.join(directory, "half"))
     _train(accelerator, model, optimizer, batches[STEPS // 2 :])
-    out["topk"], out["steps"] = _flat(model), grace.stats()["steps"]
+    out["topk"], out["steps"], out["topk_counts"] = _flat(model), grace.stats()["steps"], counts(grace)
     grace.log_stats(step=STEPS)
     out["logged"] = tracker.logged[-1] if tracker.logged else None  # accelerator.log: the main process
 
     model, optimizer = _prepared(accelerator)
-    attach(accelerator, model, optimizer=optimizer, **topk)
+    resumed = attach(accelerator, model, optimizer=optimizer, **topk)
     accelerator.load_state(os.path.join(directory, "half"))
     _train(accelerator, model, optimizer, batches[STEPS // 2 :])
-    out["resumed"] = _flat(model)
+    out["resumed"], out["resumed_counts"] = _flat(model), counts(resumed)
 
     accelerator.gradient_accumulation_steps = 2
     model, optimizer = _prepared(accelerator)

@@ -619,12 +619,17 @@ def nonfinite_job(rank, world_size, methods, bad_step, value, use_scaler):
                 {
                     "found_inf": optimizer.found_inf,
                     "params": [p.detach().clone() for p in model.parameters()],
-                    "state_kept": _same_state(state_before, grace.state_dict()),
+                    "state_kept": _same_state(_parts_state(state_before), _parts_state(grace.state_dict())),
                     "scale": scaler.get_scale() if scaler else None,
                 }
             )
         results[comp] = steps
     return results
+
+
+def _parts_state(state):
+    """A Grace state without its counters, which count the skipped step too."""
+    return {key: value for key, value in state.items() if key != "counters"}
 
 
 def _same_state(a, b):

@@ -22,6 +22,7 @@ from trainer_checks import (
     assert_in_sync_and_resumed_bit_for_bit,
     assert_none_is_the_trainers_own_ddp,
     assert_refused_naming,
+    counts,
 )
 
 from grace_dgc.errors import GraceConfigError
@@ -87,9 +88,10 @@ def trainer_job(rank, world_size, directory):
     out["none"], _, _ = _train(os.path.join(directory, "none"), {})
     topk = dict(compressor="topk", memory="residual", communicator="allgather", compress_ratio=0.3)
     out["topk"], trainer, callback = _train(os.path.join(directory, "topk"), topk)
-    out["steps"] = callback.grace.stats()["steps"]
+    out["steps"], out["topk_counts"] = callback.grace.stats()["steps"], counts(callback.grace)
     out["logged"] = [entry for entry in trainer.state.log_history if "grace/steps" in entry][-1]
-    out["resumed"], _, _ = _train(os.path.join(directory, "topk"), topk, resume=True)
+    out["resumed"], _, callback = _train(os.path.join(directory, "topk"), topk, resume=True)
+    out["resumed_counts"] = counts(callback.grace)
     _, _, callback = _train(os.path.join(directory, "accumulated"), topk, accumulate=2)
     out["accumulated_steps"] = callback.grace.stats()["steps"]
     for case, method, resume in (

@@ -24,6 +24,7 @@ from trainer_checks import (
     assert_in_sync_and_resumed_bit_for_bit,
     assert_none_is_the_trainers_own_ddp,
     assert_refused_naming,
+    counts,
 )
 
 from grace_dgc.errors import GraceConfigError
@@ -103,9 +104,11 @@ def lightning_job(rank, world_size, directory):
     out["topk"], module, trainer = _fit(GraceDDPStrategy(**topk), 2)
     out["logged"] = module.logged[-1]
     out["steps"] = trainer.strategy.grace.stats()["steps"]
+    out["topk_counts"] = counts(trainer.strategy.grace)
     path = os.path.join(directory, "half.ckpt")
     _fit(GraceDDPStrategy(**topk), 1, save=path)
-    out["resumed"], _, _ = _fit(GraceDDPStrategy(**topk), 2, ckpt_path=path)
+    out["resumed"], _, trainer = _fit(GraceDDPStrategy(**topk), 2, ckpt_path=path)
+    out["resumed_counts"] = counts(trainer.strategy.grace)
     _, _, trainer = _fit(GraceDDPStrategy(**topk), 1, accumulate=2)
     out["accumulated_steps"] = trainer.strategy.grace.stats()["steps"]
     try:

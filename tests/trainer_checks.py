@@ -13,11 +13,19 @@ def assert_none_is_the_trainers_own_ddp(results: list[dict], reference: str) -> 
         assert torch.equal(rank["none"], rank[reference])
 
 
+def counts(grace) -> dict:
+    """The counters a trainer logs that must add up over a resume (issue 53: they restarted at 0)."""
+    stats = grace.stats()
+    return {key: stats[key] for key in ("steps", "groups", "tensors", "bytes_sent", "dense_bytes")}
+
+
 def assert_in_sync_and_resumed_bit_for_bit(results: list[dict], reference: str) -> None:
     assert torch.equal(results[0]["topk"], results[1]["topk"])
     assert not torch.equal(results[0]["topk"], results[0][reference])  # the method did act
     for rank in results:
         assert torch.equal(rank["resumed"], rank["topk"])
+        # the resumed run's counters go on from the checkpoint's: they end where the uninterrupted run's do
+        assert rank["resumed_counts"] == rank["topk_counts"], (rank["resumed_counts"], rank["topk_counts"])
 
 
 def assert_refused_naming(results: list[dict], key: str, *named: str) -> None:
