@@ -367,6 +367,7 @@ class OneBitAdam(AdamSchedule):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_a_ddp_wrap()
         t = self.steps + 1
         params = list(self._names)
         if t <= self.freeze_step:  # 1. dense Adam
@@ -553,6 +554,7 @@ class ZeroOneAdam(AdamSchedule):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_a_ddp_wrap()
         t = self.steps + 1
         if not self.frozen and t > self.var_freeze_step:
             self.frozen = True

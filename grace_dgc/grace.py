@@ -149,6 +149,7 @@ class Grace:
         self._watched: dict[str, Tensor] = {}  # see watch: compared across ranks at the next exchange
         self._watched_optimizer: torch.optim.Optimizer | None = None
         self._loaded_rank: int | None = None  # whose state load_state_dict restored (None: none loaded)
+        self._resume_to_check = False  # see _warn_of_a_partial_resume: after watch() or a load
 
     def close(self) -> None:
         """Finish the exchanges in flight, stop the communication thread and release the
@@ -176,6 +177,7 @@ class Grace:
         (``broadcast_parameters``), not a silent divergence; (2) a resume that restored
         ``optimizer``'s state but not grace's own (or another rank's) is warned about once."""
         self._watched, self._watched_optimizer = dict(params), optimizer
+        self._resume_to_check = True
         if optimizer is not None:
             warn_of_error_feedback_under_adam(self.compressor, self.memory, optimizer)
 
@@ -382,6 +384,8 @@ class Grace:
             watched, self._watched = self._watched, {}
             with self._controlling():
                 handshake.agree_replicas(self.engine, watched, tensors[0].device)
+        if self._resume_to_check:  # once after watch() or a load: what was (not) restored
+            self._resume_to_check = False
             self._warn_of_a_partial_resume()
         if self._wire_of is not self.compressor:
             self.wire, self._wire_of = self.communicator.wire_compressor(self.compressor), self.compressor
@@ -406,9 +410,10 @@ class Grace:
         if not any(part.STATE for _, part in self._parts()):
             return  # nothing of grace's to lose
         fix = (
-            "save every rank's grace state (grace_dgc.gather_state(optimizer) into rank 0's file, restored with "
-            "grace_dgc.load_gathered_state; or grace_dgc.PerRankState with torch.distributed.checkpoint; or "
-            "DistributedOptimizer.state_dict() written by every rank)"
+            "save every rank's grace state (grace_dgc.gather_state(optimizer or schedule) into rank 0's file, "
+            "restored with grace_dgc.load_gathered_state; or grace_dgc.PerRankState with "
+            "torch.distributed.checkpoint; or the DistributedOptimizer's or schedule's state_dict() written by "
+            "every rank)"
         )
         if self._loaded_rank is not None and self._loaded_rank != self.rank:
             warnings.warn(
@@ -722,6 +727,7 @@ class Grace:
             self.compressor.load_state_dict(state["compressor"])
             self.memory.load_state_dict(state["memory"])
             self._loaded_rank = state.get("rank", self.rank)
+            self._resume_to_check = True  # another rank's state is warned of at the next exchange
             if "counters" in state:  # a state saved before counters were carried leaves them as they are
                 self.load_counters(state["counters"])
         except (KeyError, TypeError, AttributeError, StateMismatch) as error:

@@ -249,7 +249,16 @@ class OuterSync(WrappingOptimizer):
         return True
 
     def _take_start(self) -> None:
-        if self._start is None:
+        self._refuse_a_ddp_wrap()  # once
+        if self._start is None:  # the first step of a run not resumed from this schedule's state
+            if self.optimizer.state:
+                log.warning(
+                    "%s: the inner optimizer has state (a resumed run?) but the schedule's does not: its outer "
+                    "momentum, round start (θ_start) and step counts, and the Grace's state, start afresh. Save and "
+                    "load the schedule's own state_dict() (it holds the inner optimizer's too), or "
+                    "grace_dgc.gather_state(schedule) for a rank-0 checkpoint",
+                    self.name,
+                )
             self._start = {p: p.detach().clone() for p in self._names}
 
     def _synchronize(self) -> None:
