@@ -133,8 +133,11 @@ def from_hex(words):
 
 
 def main(argv=None):
-    """``--check``: exit 1 unless 1-bit Adam with DeepSpeed's allreduce is DeepSpeed bit for bit
-    and 0/1 Adam (whose deviations change its rounding) within 1e-6 of it (a test runs this)."""
+    """``--check``: exit 1 unless 1-bit Adam and 0/1 Adam with DeepSpeed's allreduce are within
+    1e-6 of DeepSpeed's recorded parameters (a test runs this). 1-bit Adam is bit for bit where
+    the trajectories were recorded; on another CPU its float32 norms round differently in the last
+    bits (5.96e-7 at |p| ≤ 0.544 on an AVX-512 machine, with every ATEN_CPU_CAPABILITY and one
+    thread), so exactness is printed, not required."""
     check = "--check" in (sys.argv[1:] if argv is None else argv)
     failures = []
     for schedule, path in DATA.items():
@@ -154,7 +157,8 @@ def main(argv=None):
                 f"(max |p| {float(theirs.abs().max()):.3g}); ranks bitwise equal: {torch.equal(ours[0][1], ours[1][1])}"
             )
         exact = runs["+ DeepSpeed's allreduce"][0][1]
-        if not (torch.equal(exact, theirs) if schedule == "onebit_adam" else torch.allclose(exact, theirs, atol=1e-6)):
+        print(f"+ DeepSpeed's allreduce bit for bit: {torch.equal(exact, theirs)}")
+        if not torch.allclose(exact, theirs, rtol=0, atol=1e-6):
             failures.append(schedule)
     if check and failures:
         print(f"FAILED: {', '.join(failures)} with DeepSpeed's allreduce does not match DeepSpeed")

@@ -157,7 +157,8 @@ def _check_group_is_grace_alone(grace: Grace, model: torch.nn.Module) -> None:
             "DistributedDataParallel(find_unused_parameters=True) reduces its used-parameter map on its process "
             "group during backward, while grace exchanges on the same group from its own thread: the ranks could "
             "order the two differently and wait forever. Build grace on a group of its own: "
-            "grace_dgc.build(..., process_group=torch.distributed.new_group()) (every rank, in the same order)"
+            "grace_dgc.build(...) without process_group (its default) or with "
+            "process_group=torch.distributed.new_group() (every rank, in the same order)"
         )
 
 
@@ -215,7 +216,8 @@ def ddp_comm_hook(
     ``model``: the DDP model (or the module it wraps) — names the parameters after
     ``named_parameters()``; recommended, and needed by memories that read parameters.
     ``optimizer``: handed to memories that take over the optimizer's momentum (``momentum``).
-    Build ``grace`` on the same process group as DDP (``grace_dgc.build(..., process_group=pg)``).
+    ``grace`` runs over the same ranks as DDP, on a process group of its own by default
+    (:func:`grace_dgc.build`); give ``process_group=`` the ranks of DDP's group when DDP runs over a subgroup.
     """
     if not hasattr(grace, "step_async"):
         raise GraceConfigError(f"ddp_comm_hook needs a Grace (grace_dgc.build(...)), got {type(grace).__name__}")

@@ -166,7 +166,13 @@ class FSDPCompression:
     for ``torch.distributed.checkpoint`` (a ``Stateful``: put it in the dict you hand to
     ``dcp.save``/``dcp.load`` beside the model's and the optimizer's state dicts)."""
 
-    def __init__(self, model: torch.nn.Module, reduce_scatter: Grace | None, replicate: Grace | None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        reduce_scatter: Grace | None,
+        replicate: Grace | None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         self.model, self.reduce_scatter, self.replicate = model, reduce_scatter, replicate
         self.modules = _fsdp_modules(model)
         groups = [_group_of(module) for _, module in self.modules]
@@ -190,6 +196,10 @@ class FSDPCompression:
             if replicate is not None:
                 self.shards[name] = _shard_layout(module, names)
                 module.set_all_reduce_hook(self._hook(self.shards[name]))
+        if optimizer is not None:  # a resume that restored the optimizer but not grace is warned of
+            for grace in (reduce_scatter, replicate):
+                if grace is not None:
+                    grace.watch({}, optimizer)
 
     def _check_replicate(self, grace: Grace, shard_group: Any) -> None:
         """The replicate Grace must run over the replicas of this rank's shard: the ranks that
@@ -387,11 +397,17 @@ class FSDPCompression:
 
 
 def fsdp_compression(
-    model: torch.nn.Module, reduce_scatter: Grace | None = None, replicate: Grace | None = None
+    model: torch.nn.Module,
+    reduce_scatter: Grace | None = None,
+    replicate: Grace | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> FSDPCompression:
     """Install grace_dgc on a ``fully_shard``-ed model (module docstring): ``reduce_scatter``
     compresses FSDP's gradient reduce-scatter, ``replicate`` runs the all-reduce of each
-    shard across replicas under HSDP. Call after ``fully_shard``, before the first backward."""
+    shard across replicas under HSDP. Call after ``fully_shard``, before the first backward.
+    ``optimizer`` (recommended): a resume that restored its state but not grace's (the
+    ``FSDPCompression`` left out of ``dcp.load``) is warned of at the first exchange, as the
+    DistributedOptimizer does, and error feedback under Adam is warned of once."""
     if reduce_scatter is None and replicate is None:
         raise GraceConfigError("fsdp_compression needs a reduce_scatter Grace, a replicate Grace, or both")
-    return FSDPCompression(model, reduce_scatter, replicate)
+    return FSDPCompression(model, reduce_scatter, replicate, optimizer)

@@ -94,7 +94,10 @@ def warn_of_error_feedback_under_adam(compressor: Compressor, memory: Memory, op
             "%s (biased) with error-feedback memory %s under %s: Adam's per-coordinate scaling learns the "
             "compressed gradients' magnitudes, and such compositions end far above dense (measured: about 1 nat "
             "of loss on a character GPT under AdamW, docs/methods.md 'Adam'). The Adam-aware schedules onebit_adam and "
-            "zero_one_adam keep the variance away from compression",
+            "zero_one_adam keep the variance away from compression. To switch, in place of this wrapper (and of any "
+            "DDP wrap): grace = grace_dgc.build('onebit', 'residual', 'allgather'); optimizer = "
+            "grace_dgc.schedules.create('zero_one_adam', torch.optim.Adam(model.parameters(), lr=lr), grace, "
+            "model.named_parameters()) (docs/engines.md 'A schedule in a DDP script')",
             *key,
         )
     return True

@@ -20,10 +20,12 @@ import torch
 pytest.importorskip("accelerate")
 
 from trainer_checks import (
+    assert_a_dense_checkpoint_is_warned_of_and_trained_on,
     assert_in_sync_and_resumed_bit_for_bit,
     assert_none_is_the_trainers_own_ddp,
     assert_refused_naming,
     counts,
+    grace_warnings,
 )
 
 from grace_dgc.errors import GraceConfigError
@@ -90,7 +92,9 @@ def accelerate_job(rank, world_size, directory):
     accelerator.init_trackers("grace")
     batches, out = _batches(rank), {}
     model, optimizer = _prepared(accelerator)
-    _train(accelerator, model, optimizer, batches)
+    _train(accelerator, model, optimizer, batches[: STEPS // 2])
+    accelerator.save_state(os.path.join(directory, "dense"))  # a dense run's checkpoint: no grace_dgc.pt
+    _train(accelerator, model, optimizer, batches[STEPS // 2 :])
     out["ddp"] = _flat(model)
     model, optimizer = _prepared(accelerator)
     attach(accelerator, model, optimizer=optimizer)
@@ -127,6 +131,13 @@ def accelerate_job(rank, world_size, directory):
         out["refused"] = None
     except GraceConfigError as error:
         out["refused"] = str(error)
+
+    model, optimizer = _prepared(accelerator)
+    resumed = attach(accelerator, model, optimizer=optimizer, **topk)
+    with grace_warnings() as messages:
+        accelerator.load_state(os.path.join(directory, "dense"))
+    _train(accelerator, model, optimizer, batches[STEPS // 2 :])
+    out["dense_resume"], out["dense_resume_steps"] = list(messages), resumed.stats()["steps"]
     return out
 
 
@@ -152,3 +163,7 @@ def test_accumulation_exchanges_once_per_optimizer_step_and_stats_reach_the_trac
 
 def test_another_methods_state_is_refused_by_name(results):
     assert_refused_naming(results, "refused", "randomk", "topk")
+
+
+def test_a_dense_checkpoint_is_warned_of_and_trained_on(results):
+    assert_a_dense_checkpoint_is_warned_of_and_trained_on(results)

@@ -245,8 +245,10 @@ def test_bad_input_and_pickling():
             "compressor": {},
             "memory": {},
             "communicator": {},  # issue 9: reduce_scatter's owner-side errors live here
+            "counters": grace.counters(),  # issue 53: a resumed run's stats go on from the saved ones
         }
     }
+    assert set(state.state_dict()["grace"]["counters"]) == {"stats", "seconds", "steps", "wait_seconds"}
 
 
 class FakeBucket:
@@ -339,16 +341,17 @@ def test_ddp_join_with_the_grace_hook_runs_uneven_inputs_to_the_end():
 def find_unused_job(rank, world_size):
     """DDP(find_unused_parameters=True) and grace on one group: refused by name (it used to hang
     whenever the ranks ordered DDP's used-parameter allreduce and grace's exchange differently);
-    grace on a group of its own trains."""
+    grace on a group of its own, the default of build, trains."""
     import torch.distributed as dist
 
     model = DDP(make_model(), find_unused_parameters=True)
     try:
-        grace_dgc.ddp_comm_hook(grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.3), model)
+        shared = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.3, process_group=dist.group.WORLD)
+        grace_dgc.ddp_comm_hook(shared, model)
         refused = None
     except GraceConfigError as error:
         refused = str(error)
-    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.3, process_group=dist.new_group())
+    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.3)
     model.register_comm_hook(*grace_dgc.ddp_comm_hook(grace, model))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     train(model, opt, batches(rank))
@@ -357,5 +360,5 @@ def find_unused_job(rank, world_size):
 
 def test_find_unused_parameters_needs_grace_on_a_group_of_its_own():
     (refused, a), (_, b) = run_local(find_unused_job, 2)
-    assert refused is not None and "find_unused_parameters=True" in refused and "new_group" in refused
+    assert refused is not None and "find_unused_parameters=True" in refused and "without process_group" in refused
     assert torch.equal(a, b)

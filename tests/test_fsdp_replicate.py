@@ -146,6 +146,19 @@ def replicate_job(rank, world, directory):
         except Exception as error:  # DCP wraps what a Stateful raises: the cause is what counts
             loads[label] = f"{type(error).__name__}: {error}"
     out["loads"] = loads
+
+    # a resume that restored the optimizer's state and forgot grace's: warned of at the first exchange
+    import warnings
+
+    model = shard(make_model(), mesh["shard"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    train(model, rank, 1, opt)  # the optimizer has state now, as one loaded from a checkpoint
+    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.05, process_group=replicate_group)
+    grace_dgc.fsdp_compression(model, replicate=grace, optimizer=opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, rank, 1, opt)
+    out["forgotten"] = [str(w.message) for w in caught if "grace's state starts empty" in str(w.message)]
     return out
 
 
@@ -200,3 +213,50 @@ def test_a_checkpoint_is_refused_where_ranks_changed_roles_and_loads_under_anoth
         assert "does not fit rank" in swapped and "shard group" in swapped, swapped
         # per-parameter state does not depend on how modules were wrapped: it loads
         assert r["loads"]["rewrapped"] == "loaded", r["loads"]["rewrapped"]
+
+
+def _first_python_block(page: str, heading: str) -> str:
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / page).read_text()
+    section = text[text.index(heading) :]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.parametrize(
+    "page, heading, ranks",
+    [("README.md", "## With FSDP2 (and HSDP)", 4), ("docs/engines.md", "## With FSDP2 (and HSDP)", 2)],
+)
+def test_the_fsdp2_scripts_of_the_docs_run_as_printed(tmp_path, page, heading, ranks):
+    """Issue 53: the integrations page's FSDP2 snippet raised NameError as printed. Launched as a
+    user would (torchrun), each rank prints its seams' measured ratios."""
+    import ast
+    import re
+    import subprocess
+    import sys
+
+    from grace_dgc.launch import free_port
+
+    script = tmp_path / "script.py"
+    script.write_text(_first_python_block(page, heading))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
+    command += ["--master_port", str(free_port()), str(script)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if ranks == 4:  # both seams, each compressing
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+        assert len(lines) == ranks, proc.stdout
+        for line in lines:
+            ratios = ast.literal_eval(line.split(": ", 1)[1])
+            # fp8: a byte and 4/256 of a scale per element, (S−1)/S of it sent (S = 2); PowerSGD rank 2 on the
+            # 128×32 weight shard, the 2×256 one and the biases dense (too small to pay): 962 of 4738 values
+            assert 0.12 < ratios["reduce_scatter"] < 0.14 and 0.19 < ratios["replicate"] < 0.22, line
+    else:
+        ratios = [float(x) for x in re.findall(r"0\.\d{4}", proc.stdout)]  # the ranks' lines may interleave
+        assert len(ratios) == ranks and all(0.12 < r < 0.14 for r in ratios), proc.stdout
+
+
+def test_a_resume_that_forgot_graces_state_under_fsdp_is_warned_of(results):
+    for r in results:
+        assert len(r["forgotten"]) == 1 and "gather_state" in r["forgotten"][0], r["forgotten"]

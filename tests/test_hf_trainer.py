@@ -19,10 +19,12 @@ import torch
 pytest.importorskip("transformers")
 
 from trainer_checks import (
+    assert_a_dense_checkpoint_is_warned_of_and_trained_on,
     assert_in_sync_and_resumed_bit_for_bit,
     assert_none_is_the_trainers_own_ddp,
     assert_refused_naming,
     counts,
+    grace_warnings,
 )
 
 from grace_dgc.errors import GraceConfigError
@@ -94,15 +96,20 @@ def trainer_job(rank, world_size, directory):
     out["resumed_counts"] = counts(callback.grace)
     _, _, callback = _train(os.path.join(directory, "accumulated"), topk, accumulate=2)
     out["accumulated_steps"] = callback.grace.stats()["steps"]
-    for case, method, resume in (
-        ("refused_method", {**topk, "compressor": "randomk"}, os.path.join(directory, "topk", "checkpoint-3")),
-        ("refused_missing", topk, os.path.join(directory, "plain", "checkpoint-3")),
-    ):
-        try:
-            _train(os.path.join(directory, case), method, resume=resume)
-            out[case] = None
-        except GraceConfigError as error:
-            out[case] = str(error)
+    try:
+        _train(
+            os.path.join(directory, "refused"),
+            {**topk, "compressor": "randomk"},
+            resume=os.path.join(directory, "topk", "checkpoint-3"),
+        )
+        out["refused_method"] = None
+    except GraceConfigError as error:
+        out["refused_method"] = str(error)
+    with grace_warnings() as messages:  # the plain run's checkpoint: no grace_dgc.pt
+        _, _, callback = _train(
+            os.path.join(directory, "dense"), topk, resume=os.path.join(directory, "plain", "checkpoint-3")
+        )
+    out["dense_resume"], out["dense_resume_steps"] = list(messages), callback.grace.stats()["steps"]
     return out
 
 
@@ -126,6 +133,6 @@ def test_accumulation_exchanges_once_per_optimizer_step_and_stats_reach_the_logs
     assert logged["grace/steps"] >= 1 and 0 < logged["grace/compression_ratio"] < 1
 
 
-def test_a_resume_without_grace_state_or_of_another_method_is_refused_by_name(results):
+def test_a_resume_of_another_method_is_refused_by_name_and_a_dense_one_warned_of(results):
     assert_refused_naming(results, "refused_method", "randomk")
-    assert_refused_naming(results, "refused_missing", "grace_dgc.pt")
+    assert_a_dense_checkpoint_is_warned_of_and_trained_on(results)

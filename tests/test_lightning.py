@@ -21,10 +21,12 @@ import torch
 pytest.importorskip("lightning")
 
 from trainer_checks import (
+    assert_a_dense_checkpoint_is_warned_of_and_trained_on,
     assert_in_sync_and_resumed_bit_for_bit,
     assert_none_is_the_trainers_own_ddp,
     assert_refused_naming,
     counts,
+    grace_warnings,
 )
 
 from grace_dgc.errors import GraceConfigError
@@ -102,7 +104,7 @@ def lightning_job(rank, world_size, directory):
     out["none"], _, _ = _fit(GraceDDPStrategy(), 2)
     topk = dict(compressor="topk", memory="residual", communicator="allgather", compress_ratio=0.3)
     out["topk"], module, trainer = _fit(GraceDDPStrategy(**topk), 2)
-    out["logged"] = module.logged[-1]
+    out["logged"], out["first_logged"] = module.logged[-1], module.logged[0]
     out["steps"] = trainer.strategy.grace.stats()["steps"]
     out["topk_counts"] = counts(trainer.strategy.grace)
     path = os.path.join(directory, "half.ckpt")
@@ -116,6 +118,11 @@ def lightning_job(rank, world_size, directory):
         out["refused"] = None
     except GraceConfigError as error:
         out["refused"] = str(error)
+    dense = os.path.join(directory, "dense.ckpt")
+    _fit(DDPStrategy(), 1, save=dense)
+    with grace_warnings() as messages:
+        _, _, trainer = _fit(GraceDDPStrategy(**topk), 2, ckpt_path=dense)
+    out["dense_resume"], out["dense_resume_steps"] = list(messages), trainer.strategy.grace.stats()["steps"]
     return out
 
 
@@ -136,12 +143,15 @@ def test_accumulation_exchanges_once_per_optimizer_step_and_stats_are_logged(res
     assert results[0]["steps"] == 2 * BATCHES
     assert results[0]["accumulated_steps"] == BATCHES // 2
     logged = results[0]["logged"]
-    assert logged["grace/steps"] >= 2 * BATCHES - 1 and 0 < logged["grace/compression_ratio"] < 1
+    assert logged["grace/steps"] == 2 * BATCHES and 0 < logged["grace/compression_ratio"] < 1
+    # each row counts its own step's exchange (it was one step late: the first row read zeros)
+    assert results[0]["first_logged"]["grace/steps"] == 1 and results[0]["first_logged"]["grace/bytes_sent"] > 0
     assert logged["grace/bytes_sent"] > 0
 
 
-def test_a_checkpoint_of_another_method_is_refused_by_name(results):
+def test_a_checkpoint_of_another_method_is_refused_by_name_and_a_dense_one_warned_of(results):
     assert_refused_naming(results, "refused", "randomk", "topk")
+    assert_a_dense_checkpoint_is_warned_of_and_trained_on(results)
 
 
 def test_the_strategy_refuses_a_second_hook_and_a_method_given_twice():

@@ -5,6 +5,9 @@ trainer's checkpoint half-way (``resumed``), and the refusals' messages."""
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
+
 import torch
 
 
@@ -31,3 +34,26 @@ def assert_in_sync_and_resumed_bit_for_bit(results: list[dict], reference: str) 
 def assert_refused_naming(results: list[dict], key: str, *named: str) -> None:
     for rank in results:
         assert rank[key] is not None and all(word in rank[key] for word in named), rank[key]
+
+
+@contextmanager
+def grace_warnings():
+    """The messages grace_dgc logs inside the block (the integrations' warnings)."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("grace_dgc")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def assert_a_dense_checkpoint_is_warned_of_and_trained_on(results: list[dict]) -> None:
+    """The one rule of the three trainers (grace_dgc.integrations): a checkpoint without grace state
+    resumes with one warning, grace's state empty, and training goes on."""
+    for rank in results:
+        warned = [m for m in rank["dense_resume"] if "holds no grace_dgc state" in m]
+        assert len(warned) == 1 and "starts with its state empty" in warned[0], rank["dense_resume"]
+        assert rank["dense_resume_steps"] > 0  # it trained on

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -17,6 +18,7 @@ from .base import Engine, pad_to
 ERROR_KEY = "grace/error/"  # + global rank: the error a rank posted before leaving (see fail)
 SEEN_KEY = "grace/error-seen/"  # + global rank: it has read a posted error
 LEFT_KEY = "grace/left/"  # + global rank: its process exited normally (see _on_exit)
+LEFT_SEEN_KEY = "grace/left-seen/"  # + global rank: it has read who left (see _linger_as_the_stores_host)
 UNEVEN_HINT = (
     "ranks that run different numbers of steps (uneven data, an early break) must train inside "
     "`with optimizer.join(module=model):` (DistributedOptimizer.join; with the DDP hook, torch's Join)"
@@ -69,13 +71,52 @@ def _on_exit(**what: Any) -> None:
 
 def _at_exit() -> None:
     if "leave" in _exit:
-        store, global_rank = _exit["leave"]
+        store, global_rank, world = _exit["leave"]
         try:
             bounded(lambda: store.set(f"{LEFT_KEY}{global_rank}", "1"), 2)
-        except Exception:  # the store's host (rank 0) may have exited first
+            if global_rank == 0 and world > 1:
+                bounded(lambda: _linger_as_the_stores_host(store, world), HOST_WAITS_SECONDS + HOST_LINGERS_SECONDS + 5)
+        except Exception:  # the store's host (rank 0) may have exited first; best effort
             pass
     if _exit.get("settle"):
         time.sleep(GLOO_SETTLE_SECONDS)
+
+
+HOST_WAITS_SECONDS = 2.0  # at exit, the store's host waits this long for the other ranks to leave too
+HOST_LINGERS_SECONDS = 20.0  # then, at most this long for a rank still in an exchange to read why
+_engines: weakref.WeakSet[TorchEngine] = weakref.WeakSet()  # live engines, whose groups an exit may break
+
+
+def _linger_as_the_stores_host(store: Any, world: int) -> None:
+    """Rank 0 hosts the store, so a rank that leaves its loop first there (uneven steps without
+    ``join()``) took the store with it, and a rank still exchanging could only guess why its
+    collective failed. Instead, at a normal exit: wait briefly for the others to leave too (the
+    usual end: nothing more); if some still run, break grace's own process groups, so that a rank
+    blocked in an exchange with this one fails now rather than at its timeout, and keep the store
+    up until each has read that rank 0 left (``LEFT_SEEN_KEY``) or has left itself. Those
+    exchanges can no longer complete (this rank will never join them), so nothing is lost."""
+
+    def gone(rank: int) -> bool:
+        return bool(store.check([f"{LEFT_KEY}{rank}"]) or store.check([f"{LEFT_SEEN_KEY}{rank}"]))
+
+    def wait_for_the_others(seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if all(gone(rank) for rank in range(1, world)):
+                return True
+            time.sleep(0.05)
+        return False
+
+    if wait_for_the_others(HOST_WAITS_SECONDS):
+        return
+    for engine in list(_engines):
+        if engine.group is not None and engine._broken is None:  # never the user's default group
+            engine._broken = "rank 0 has left: its process exited"
+            try:
+                dist.distributed_c10d._abort_process_group(engine.group)
+            except Exception:  # best effort: the group may be gone already
+                pass
+    wait_for_the_others(HOST_LINGERS_SECONDS)
 
 
 # process_group=OWN_GROUP: a new group over every rank, for this engine alone. grace_dgc.build
@@ -128,7 +169,8 @@ class TorchEngine(Engine):
         self.size = dist.get_world_size(process_group)
         self._backend = dist.get_backend(process_group)
         self._polled = "nccl" in self._backend  # see _run
-        _on_exit(leave=(dist.distributed_c10d._get_default_store(), self._global(self.rank)))
+        _on_exit(leave=(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()))
+        _engines.add(self)
         if "gloo" in self._backend:
             _on_exit(settle=True)
 
@@ -274,6 +316,9 @@ class TorchEngine(Engine):
         for rank in range(self.size):
             if rank == self.rank:
                 continue
+            if store.check([f"{LEFT_KEY}{self._global(rank)}"]):  # it has left: nothing to wait for
+                missing.append(rank)
+                continue
             try:
                 store.wait([prefix + str(self._global(rank))], timedelta(seconds=patience))
             except Exception as wait_error:
@@ -285,6 +330,7 @@ class TorchEngine(Engine):
             return f"{what}; {posted}"
         self._linger_as_host(store, [r for r in range(self.size) if r != self.rank and r not in missing])
         left = [r for r in missing if store.check([f"{LEFT_KEY}{self._global(r)}"])]
+        store.set(f"{LEFT_SEEN_KEY}{dist.get_rank()}", "1")  # the store's host may go now (see _at_exit)
         if left:
             return (
                 f"{what}; rank{'s' if len(left) > 1 else ''} {', '.join(map(str, left))} ha"

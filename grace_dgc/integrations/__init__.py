@@ -1,4 +1,5 @@
-"""grace_dgc where users already train: PyTorch Lightning, Hugging Face Accelerate.
+"""grace_dgc where users already train: PyTorch Lightning, Hugging Face Accelerate and the
+Hugging Face Trainer.
 
 Each integration is a module of its own, imported by name, so the library never needs these
 packages (``pip install 'grace_dgc[integrations]'`` brings them, pinned in constraints.txt):
@@ -6,13 +7,18 @@ packages (``pip install 'grace_dgc[integrations]'`` brings them, pinned in const
 * :mod:`grace_dgc.integrations.lightning`: :class:`~grace_dgc.integrations.lightning.GraceDDPStrategy`,
   a DDP strategy by name, from Python or a LightningCLI YAML;
 * :mod:`grace_dgc.integrations.accelerate`: :func:`~grace_dgc.integrations.accelerate.attach`,
-  one call after ``accelerator.prepare``.
+  one call after ``accelerator.prepare``;
+* :mod:`grace_dgc.integrations.hf_trainer`: :func:`~grace_dgc.integrations.hf_trainer.attach`,
+  one call before ``trainer.train()``.
 
-Both keep every rank's state (residuals, momenta, owner errors) in the trainer's own
-checkpoint (rank 0 writes it, gathered from every rank by :func:`grace_dgc.gather_state`;
-each rank takes its own part back on resume), refuse a resume that does not fit (another
-method, settings or world size) by name, and report :meth:`Grace.stats` through the
-trainer's logging.
+All three keep every rank's state (residuals, momenta, owner errors) and the counters of
+:meth:`Grace.stats` in the trainer's own checkpoint (rank 0 writes it, gathered from every
+rank by :func:`grace_dgc.gather_state`; each rank takes its own part back on resume), refuse
+a resume that does not fit (another method, settings or world size) by name, and report
+:meth:`Grace.stats` through the trainer's logging. One rule for a checkpoint that holds no
+grace state (a dense run's, resumed with compression): every trainer says so in one warning
+(:func:`warn_of_a_checkpoint_without_grace`) and trains on, grace's state starting empty, as
+the DistributedOptimizer does; the model and optimizer resume as saved.
 """
 
 from __future__ import annotations
@@ -29,6 +35,21 @@ LOGGED = (
     "bytes_per_step",
     "wait_seconds",
 )
+
+
+def warn_of_a_checkpoint_without_grace(grace: Any, where: str) -> None:
+    """The one rule for a checkpoint with no grace state (a dense run's): say so, and train on
+    with grace's state empty (error feedback, momenta and factors start at zero, as in a new
+    run; the model and optimizer resume as saved)."""
+    import logging
+
+    logging.getLogger("grace_dgc").warning(
+        "%s holds no grace_dgc state (a dense run's checkpoint, or one saved without grace_dgc attached): %r "
+        "starts with its state empty (error feedback, momenta, factors) and its counters at 0; the model and "
+        "optimizer resume as saved",
+        where,
+        grace,
+    )
 
 
 def own_group() -> Any:

@@ -13,10 +13,11 @@
 
 Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes its own enum only (fp16,
 bf16, PowerSGD); :func:`attach` registers :func:`grace_dgc.ddp_comm_hook` on the prepared
-model instead, and registers the returned :class:`GraceAccelerate` with
-``accelerator.register_for_checkpointing``: ``save_state`` (every process calls it) gathers
-every rank's grace state into the file the main process writes, and ``load_state`` gives
-each rank its own part back, refusing another method, settings or world size by name.
+model instead, and hooks the returned :class:`GraceAccelerate` into ``save_state`` and
+``load_state``: ``save_state`` (every process calls it) gathers every rank's grace state into
+``grace_dgc.pt`` beside Accelerate's files, written by the main process, and ``load_state``
+gives each rank its own part back, refusing another method, settings or world size by name; a
+folder without that file (a dense run's) is warned of and trained on with grace's state empty.
 Accelerate itself saves the main process's custom state only, so a residual would otherwise be
 lost. ``accelerator.accumulate`` runs the micro-batches under DDP's ``no_sync``: grace runs
 once per optimizer step.
@@ -25,6 +26,7 @@ once per optimizer step.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +37,9 @@ from ..checkpoint import gather_state, load_gathered_state
 from ..ddp import GraceHookState, ddp_comm_hook
 from ..errors import GraceConfigError
 from ..grace import Grace, build
-from . import logged_stats, own_group
+from . import logged_stats, own_group, warn_of_a_checkpoint_without_grace
+
+STATE_FILE = "grace_dgc.pt"  # every rank's state, beside Accelerate's files (as the Trainer's callback)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,25 @@ class GraceAccelerate:
 
     def state_dict(self) -> dict[str, Any]:
         return {"grace_dgc": gather_state(self.grace)}
+
+    def save_into(self, models: Any, weights: Any, output_dir: str) -> None:
+        """``save_state``'s pre-hook (every process: the gather is a collective): every rank's
+        state into ``output_dir/grace_dgc.pt``, written by the main process."""
+        gathered = gather_state(self.grace)
+        if gathered is not None:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(gathered, os.path.join(output_dir, STATE_FILE))
+
+    def load_from(self, models: Any, input_dir: str) -> None:
+        """``load_state``'s pre-hook: each rank's part of ``input_dir/grace_dgc.pt``; a folder
+        without it (a dense run's) is warned of and trained on with grace's state empty."""
+        path = os.path.join(input_dir, STATE_FILE)
+        readable = os.path.exists(path)
+        everywhere = self.grace.engine.allgather(torch.tensor([int(readable)], device=self.grace.engine.control_device))
+        if not any(int(flag) for flag in everywhere):
+            warn_of_a_checkpoint_without_grace(self.grace, f"{input_dir} (no {STATE_FILE})")
+            return
+        load_gathered_state(self.grace, torch.load(path, weights_only=True) if readable else None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or "grace_dgc" not in state:
@@ -116,5 +139,15 @@ def attach(
         hook_state, hook = ddp_comm_hook(made, model, getattr(optimizer, "optimizer", optimizer))
         model.register_comm_hook(hook_state, hook)
     attached = GraceAccelerate(accelerator, made, hook_state)
-    accelerator.register_for_checkpointing(attached)
+    # its own file beside Accelerate's, as the Trainer's callback writes: a dense run's folder then
+    # lacks only that file, which the one rule handles (register_for_checkpointing would make
+    # Accelerate's load fail with its own missing-file error)
+    # the latest attach owns the checkpoint: an earlier one's Grace (a model replaced) would write
+    # the same file, or load a state of another method
+    for handle in getattr(accelerator, "_grace_dgc_hooks", ()):
+        handle.remove()
+    accelerator._grace_dgc_hooks = (
+        accelerator.register_save_state_pre_hook(attached.save_into),
+        accelerator.register_load_state_pre_hook(attached.load_from),
+    )
     return attached

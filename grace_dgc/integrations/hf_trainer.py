@@ -15,8 +15,9 @@ The Trainer runs on Accelerate and exposes no DDP hook; :func:`attach` adds a
    into the checkpoint folder as ``grace_dgc.pt``, beside the Trainer's own files; the
    Trainer itself keeps the main process's state only;
 3. on resume (``train(resume_from_checkpoint=...)``: a folder, or True for the last one in
-   ``output_dir``) loads each rank's part from that folder's ``grace_dgc.pt``; a missing file
-   or another method, settings or world size is refused by name. The Trainer tells callbacks
+   ``output_dir``) loads each rank's part from that folder's ``grace_dgc.pt``; another method,
+   settings or world size is refused by name, and a folder without the file (a dense run's)
+   is warned of and trained on with grace's state empty (the integrations' one rule). The Trainer tells callbacks
    neither the folder nor whether it resumed, so :func:`attach` wraps this trainer's
    ``train`` to note its argument (the instance's method only; the class is untouched);
 4. adds ``grace/<stat>`` to every ``logs`` the Trainer reports (its trackers and
@@ -41,7 +42,7 @@ from ..checkpoint import gather_state, load_gathered_state
 from ..ddp import GraceHookState, ddp_comm_hook
 from ..errors import GraceConfigError
 from ..grace import Grace, build
-from . import logged_stats, own_group
+from . import logged_stats, own_group, warn_of_a_checkpoint_without_grace
 
 STATE_FILE = "grace_dgc.pt"
 
@@ -78,10 +79,8 @@ class GraceCallback(TrainerCallback):
     def _restore(self, folder: str, step: int) -> None:
         path = os.path.join(folder, STATE_FILE)
         if not os.path.exists(path):
-            raise GraceConfigError(
-                f"the Trainer resumed at step {step} from {folder}, which holds no {STATE_FILE}: grace_dgc's per-rank "
-                "state (residuals, momenta) is saved there when a method is attached; resume from such a checkpoint"
-            )
+            warn_of_a_checkpoint_without_grace(self.grace, f"{folder} (step {step}; no {STATE_FILE})")
+            return
         load_gathered_state(self.grace, torch.load(path, weights_only=True))
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

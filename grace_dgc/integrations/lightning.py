@@ -27,7 +27,7 @@ What it adds to Lightning's :class:`DDPStrategy`:
    loads its own part, and another method, settings or world size is refused by name.
    Lightning itself writes rank 0's state only, so a residual would otherwise be lost;
 4. ``grace/<stat>`` (bytes, ratio, phase times: :data:`grace_dgc.integrations.LOGGED`) is
-   logged with ``log_dict`` at every training step, and the epoch is handed to the parts
+   logged with ``log_dict`` after every optimizer step (its own exchange counted), and the epoch is handed to the parts
    that follow one (DGC's warm-up).
 
 Gradient accumulation (``accumulate_grad_batches``) runs the micro-batches under DDP's
@@ -49,7 +49,7 @@ from ..checkpoint import gather_state, load_gathered_state
 from ..ddp import GraceHookState, ddp_comm_hook
 from ..errors import GraceConfigError
 from ..grace import Grace, build
-from . import logged_stats, own_group
+from . import logged_stats, own_group, warn_of_a_checkpoint_without_grace
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,16 @@ class GraceDDPStrategy(DDPStrategy):
     function returning a built Grace instead (called once the process group exists; e.g.
     ``grace_survey.cell_grace`` in a survey's script). ``ddp_kwargs``: options of
     ``DistributedDataParallel`` itself (``find_unused_parameters`` …). ``log_stats``: log
-    ``grace/<stat>`` at every training step.
+    ``grace/<stat>`` after every optimizer step.
+
+    How ``**kwargs`` is shared: a keyword that is one of ``DDPStrategy``'s own arguments
+    (``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+    ``precision_plugin``, ``model_averaging_period``, ``process_group_backend``, ``timeout``,
+    ``start_method``) goes to ``DDPStrategy``; every other keyword is a parameter of the
+    method (``compress_ratio=0.01``), routed to its part as by :func:`grace_dgc.build`, where an
+    unknown one is an error naming what each part accepts. ``DistributedDataParallel``'s own
+    options go in ``ddp_kwargs``; DDPStrategy's hook arguments (``ddp_comm_hook`` …) are
+    refused, since this strategy registers grace's hook.
     """
 
     strategy_name = "grace_ddp"
@@ -163,11 +172,7 @@ class GraceDDPStrategy(DDPStrategy):
         if loaded is _NOT_LOADED:
             return
         if loaded is None:
-            log.warning(
-                "the checkpoint holds no grace_dgc state (saved without GraceDDPStrategy?): %s starts with "
-                "empty memory",
-                self.grace,
-            )
+            warn_of_a_checkpoint_without_grace(self.grace, "the checkpoint")
             return
         load_gathered_state(self.grace, loaded)  # another method, settings or world size: refused by name
 
@@ -176,8 +181,10 @@ class GraceDDPStrategy(DDPStrategy):
         if self.grace is not None:
             self.grace.set_epoch(self.lightning_module.current_epoch)  # type: ignore[union-attr]
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # logged after the step's exchange (the closure runs the backward), not in training_step,
+        # where the counters were still the previous step's (the first row read zeros)
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.log_stats and self.grace is not None and self.hook_state is not None:
             module = self.lightning_module
             assert module is not None

@@ -258,6 +258,7 @@ def train(
         bar.close()
         if isinstance(run.dist_opt, grace_dgc.DistributedOptimizer):
             run.dist_opt.remove_hooks()
+        run.grace.close()  # its own process group: a pool's ranks run many runs
     return history, {
         "global_batch": run.global_batch,
         "steps_per_epoch": run.steps,
