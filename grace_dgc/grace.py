@@ -865,6 +865,16 @@ def _check_nonfinite(policy: str) -> str:
     return cast(str, check_choice("nonfinite", policy, NONFINITE_POLICIES))
 
 
+def _engine(engine: str | Engine, process_group: Any, timeout: float | None) -> Engine:
+    """The Grace's engine: over a process group of its own unless one is given (see :func:`build`)."""
+    kwargs = {
+        key: value for key, value in (("process_group", process_group), ("timeout", timeout)) if value is not None
+    }
+    if process_group is None and engine in ("auto", "torch"):  # grace's traffic apart from the user's
+        kwargs["process_group"] = OWN_GROUP
+    return create_engine(engine, **kwargs)
+
+
 def build(
     compressor: str = "none",
     memory: str = "none",
@@ -906,12 +916,7 @@ def build(
     comp = COMPRESSORS.get(names["compressor"])(**routed["compressor"])
     mem = MEMORIES.get(names["memory"])(**routed["memory"])
     comm_cls = COMMUNICATORS.get(names["communicator"])
-    engine_kwargs = {
-        key: value for key, value in (("process_group", process_group), ("timeout", timeout)) if value is not None
-    }
-    if process_group is None and engine in ("auto", "torch"):  # grace's traffic apart from the user's
-        engine_kwargs["process_group"] = OWN_GROUP
-    eng = create_engine(engine, **engine_kwargs)
+    eng = _engine(engine, process_group, timeout)
     comm = comm_cls(eng, **routed["communicator"])
     reason = comm.refuse(comp)
     if reason:

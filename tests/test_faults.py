@@ -8,6 +8,7 @@ import math
 import os
 import queue
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -366,7 +367,7 @@ VICTIM_SETUPS = {
 }
 
 
-def failing_rank_job(rank, world_size, port, how, results, comm, victim):
+def failing_rank_job(rank, world_size, port, results, how, comm, victim):
     """Rank ``victim`` stops (SIGSTOP) or dies (SIGKILL) after the first step; the others
     must end in an error naming it within the timeout."""
     import signal
@@ -431,27 +432,9 @@ def test_a_rank_that_stops_or_dies_is_named_by_every_survivor(quick_processes, w
     SIGKILL, 3 and 4 ranks, every communicator. Each survivor names the victim; when the
     victim is rank 0 a survivor may not be able to tell (the store died with it) and then
     says so, pointing at rank 0; a rank that answered is never blamed."""
-    import time
-
-    ctx = quick_processes
-    results, port = ctx.SimpleQueue(), free_port()
-    procs = [
-        ctx.Process(target=failing_rank_job, args=(r, world, port, how, results, comm, victim), daemon=True)
-        for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        got, deadline = {}, time.monotonic() + 60
-        while len(got) < world - 1 and time.monotonic() < deadline:
-            if results.empty():
-                time.sleep(0.05)
-                continue
-            rank, message = results.get()
-            got[rank] = message
-        survivors = [r for r in range(world) if r != victim]
-        assert sorted(got) == survivors, f"survivors did not report within 60 s: {got}"
-        for rank, message in got.items():
+    survivors = [r for r in range(world) if r != victim]
+    with survivors_reports(quick_processes, failing_rank_job, world, (how, comm, victim), survivors) as got:
+        for rank, (message,) in got.items():
             assert f"failed on rank {rank} of {world}" in message, message
             named = f"rank {victim} did not answer" in message
             if victim == 0:  # the store died with rank 0: a survivor may only be able to say that
@@ -461,17 +444,39 @@ def test_a_rank_that_stops_or_dies_is_named_by_every_survivor(quick_processes, w
                 assert f"rank {other} did not answer" not in message, message
             if victim != 0:
                 assert "the store (hosted by rank 0)" not in message, message
+
+
+@contextmanager
+def survivors_reports(ctx, job, world, args, survivors):
+    """Start ``job(rank, world, port, results, *args)`` on ``world`` processes of ``ctx``, yield
+    {rank: what it reported} once every survivor reported (asserted within 60 s), and kill
+    every process on the way out (a stopped victim too)."""
+    results, port = ctx.SimpleQueue(), free_port()
+    procs = [ctx.Process(target=job, args=(r, world, port, results, *args), daemon=True) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        got, deadline = {}, time.monotonic() + 60
+        while len(got) < len(survivors) and time.monotonic() < deadline:
+            if results.empty():
+                time.sleep(0.05)
+                continue
+            rank, *report = results.get()
+            got[rank] = tuple(report)
+        assert sorted(got) == survivors, f"survivors did not report within 60 s: {got}"
+        yield got
     finally:
         for proc in procs:
             proc.kill()
             proc.join(5)
 
 
-def optimizer_victim_job(rank, world_size, port, how, results, comm, victim, where):
-    """Issue 53: DistributedOptimizer over 12 one-parameter groups (``fusion_bytes=0``); at the
-    fourth step rank ``victim`` stops or dies inside backward, before any group of that step
-    went out, or inside the exchange of the step's last group, which runs on the caller's
-    thread. Each survivor reports (rank, message, seconds from its backward to the error)."""
+def optimizer_victim_job(rank, world_size, port, results, how, comm, victim, where, way="optimizer"):
+    """Issue 53: DistributedOptimizer over 12 one-parameter groups (``fusion_bytes=0``), or the
+    DDP hook over as many buckets; at the fourth step rank ``victim`` stops or dies inside
+    backward, before any group of that step went out, or inside the exchange of the step's last
+    group, which runs on the caller's thread. Each survivor reports (rank, message, seconds from
+    its backward to the error)."""
     import signal
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -481,9 +486,15 @@ def optimizer_victim_job(rank, world_size, port, how, results, comm, victim, whe
     grace = grace_dgc.build(comp, mem, name, timeout=2, **params)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(6)))
-    optimizer = grace_dgc.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), grace, model.named_parameters(), fusion_bytes=0
-    )
+    if way == "ddp":  # a bucket per parameter, as fusion_bytes=0
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-6)
+        net.register_comm_hook(*grace_dgc.ddp_comm_hook(grace, net))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    else:
+        net = model
+        optimizer = grace_dgc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01), grace, model.named_parameters(), fusion_bytes=0
+        )
     last_group = "0.weight"  # buckets go in reverse registration order
     now = {"step": 0}
 
@@ -515,58 +526,41 @@ def optimizer_victim_job(rank, world_size, port, how, results, comm, victim, whe
     try:
         for step in range(6):
             now["step"] = step
-            loss = StopInBackward.apply(model(torch.randn(4, 6))).square().mean()
+            loss = StopInBackward.apply(net(torch.randn(4, 6))).square().mean()
             optimizer.zero_grad()
             started = time.monotonic()
             loss.backward()
             optimizer.step()
         results.put((rank, "no error", 0.0))
-    except grace_dgc.GraceCommError as error:
+    except Exception as error:  # DDP hands the hook's GraceCommError on inside its own RuntimeError
         results.put((rank, str(error), time.monotonic() - started))
     time.sleep(120)  # stay up: see failing_rank_job
 
 
 @pytest.mark.parametrize(
-    "comm, how, victim, where",
+    "comm, how, victim, where, way",
     [
-        ("sparse_allreduce", "kill", 1, "backward"),
-        ("reduce_scatter", "stop", 2, "backward"),
-        ("auto", "kill", 2, "last_group"),
-        ("allgather", "stop", 1, "last_group"),
+        ("sparse_allreduce", "kill", 1, "backward", "optimizer"),
+        ("reduce_scatter", "stop", 2, "backward", "optimizer"),
+        ("auto", "kill", 2, "last_group", "optimizer"),
+        ("allgather", "stop", 1, "last_group", "optimizer"),
+        ("sparse_allreduce", "kill", 2, "backward", "ddp"),
+        ("allgather", "stop", 1, "last_group", "ddp"),
     ],
 )
-def test_a_lost_rank_is_named_at_once_by_an_optimizer_of_many_groups(quick_processes, comm, how, victim, where):
+def test_a_lost_rank_is_named_at_once_by_an_optimizer_of_many_groups(quick_processes, comm, how, victim, where, way):
     """A broken group fails every later collective at once: the survivors hear of the loss
     within one collective timeout and one meeting (2 s + 7 s here), not one per group
     (12 × 7 s), whichever thread runs the exchange (the step's last group runs on the
     caller's thread). Before the fix no survivor reported within 60 s."""
-    ctx, world = quick_processes, 3
-    results, port = ctx.SimpleQueue(), free_port()
-    procs = [
-        ctx.Process(target=optimizer_victim_job, args=(r, world, port, how, results, comm, victim, where), daemon=True)
-        for r in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        got, deadline = {}, time.monotonic() + 60
-        while len(got) < world - 1 and time.monotonic() < deadline:
-            if results.empty():
-                time.sleep(0.05)
-                continue
-            rank, message, seconds = results.get()
-            got[rank] = (message, seconds)
-        assert sorted(got) == [r for r in range(world) if r != victim], f"survivors did not report in 60 s: {got}"
+    survivors = [r for r in range(3) if r != victim]
+    with survivors_reports(quick_processes, optimizer_victim_job, 3, (how, comm, victim, where, way), survivors) as got:
         for rank, (message, seconds) in got.items():
             assert f"rank {victim} did not answer" in message, message
             other = ({0, 1, 2} - {rank, victim}).pop()
             assert f"rank {other} did not answer" not in message, message
             # a liveness bound, far from the old behaviour's ~84 s: a second group's meeting is one too many
             assert seconds < 2 * (2 + 7), (seconds, message)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.join(5)
 
 
 # -- non-finite gradients ------------------------------------------------------------------

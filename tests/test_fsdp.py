@@ -34,7 +34,7 @@ def shard(model, mesh):
 def train(model, rank, steps, opt=None, start=0):
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(100 + rank)
-    batches = [torch.randn(4, 8, generator=data) for _ in range(steps)]
+    batches = [torch.randn(4, model[0].in_features, generator=data) for _ in range(steps)]
     for x in batches[start:]:
         opt.zero_grad()
         model(x).pow(2).sum().backward()
@@ -84,7 +84,7 @@ def one_dimension_job(rank, world, directory):
     fp8_compression = grace_dgc.fsdp_compression(fp8, reduce_scatter=grace_dgc.build("fp8", "none", "reduce_scatter"))
     train(fp8, rank, STEPS)
     qsgd, compression = qsgd_run(STEPS)
-    resumed, _ = qsgd_run(STEPS, cut=2)
+    resumed, resumed_compression = qsgd_run(STEPS, cut=2)
     residuals = compression.reduce_scatter.memory.residuals
     return {
         "plain": full(plain),
@@ -94,6 +94,7 @@ def one_dimension_job(rank, world, directory):
         "fp8": full(fp8),
         "fp8_stats": fp8_compression.stats()["reduce_scatter"],
         "resumed": full(resumed),
+        "resumed_stats": resumed_compression.stats()["reduce_scatter"],
         "qsgd_stats": compression.stats()["reduce_scatter"],
         "residual_sizes": sorted(t.numel() for t in residuals.values()),
     }
@@ -105,6 +106,9 @@ def test_one_dimension_none_is_fsdp_bit_for_bit_and_a_quantized_reduce_scatter_r
         assert all(torch.equal(a, b) for a, b in zip(r["plain"], r["none"]))
         assert not all(torch.equal(a, b) for a, b in zip(r["plain"], r["qsgd"]))  # it did compress
         assert all(torch.equal(a, b) for a, b in zip(r["qsgd"], r["resumed"]))  # resume bit for bit
+        # and its counters go on from the checkpoint's (issue 53): they end where the uninterrupted run's do
+        for key in ("steps", "groups", "bytes_sent", "dense_bytes"):
+            assert r["resumed_stats"][key] == r["qsgd_stats"][key], key
         torch.testing.assert_close(r["qsgd"], r["plain"], rtol=0.2, atol=0.05)  # and still trains the same model
     assert all(torch.equal(a, b) for a, b in zip(results[0]["qsgd"], results[1]["qsgd"]))
     none, qsgd = results[0]["none_stats"], results[0]["qsgd_stats"]

@@ -25,6 +25,7 @@ import sys
 
 import pytest
 import torch
+from conftest import without_timings
 
 import grace_dgc
 from grace_dgc.errors import GraceConfigError
@@ -126,11 +127,7 @@ def force_plan(opt, choice):
 def comparable(state):
     """The grace state without auto's measured seconds (its choices stay) and without the
     counters' seconds (the counts stay: a resumed run's must add up to the uninterrupted one's)."""
-    state = dict(state)
-    if "counters" in state:
-        state["counters"] = {key: value for key, value in state["counters"].items() if key in ("stats", "steps")}
-        stats = state["counters"]["stats"]  # the handshakes run again in a resumed run: control_* differ
-        state["counters"]["stats"] = {k: v for k, v in stats.items() if not k.startswith("control")}
+    state = dict(without_timings(state))
     comm = state.get("communicator", {})
     if isinstance(comm, dict) and "outer" in comm and isinstance(comm["outer"], dict):
         comm = dict(comm, outer=comparable({"communicator": comm["outer"]})["communicator"])

@@ -128,7 +128,7 @@ def test_the_schedule_script_of_the_docs_runs_and_resumes_bit_for_bit_as_printed
         env = {**__import__("os").environ, "OUT_DIR": str(tmp_path / "out")}
         proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+        return sorted(re.findall(r"rank \d+ parameters \w+ bytes \d+", proc.stdout))  # lines may interleave
 
     whole = launch()
     resumed = launch("resume")

@@ -19,6 +19,7 @@ ERROR_KEY = "grace/error/"  # + global rank: the error a rank posted before leav
 SEEN_KEY = "grace/error-seen/"  # + global rank: it has read a posted error
 LEFT_KEY = "grace/left/"  # + global rank: its process exited normally (see _on_exit)
 LEFT_SEEN_KEY = "grace/left-seen/"  # + global rank: it has read who left (see _linger_as_the_stores_host)
+DIAGNOSING_KEY = "grace/diagnosing/"  # + global rank: a collective failed there, it meets the others
 UNEVEN_HINT = (
     "ranks that run different numbers of steps (uneven data, an early break) must train inside "
     "`with optimizer.join(module=model):` (DistributedOptimizer.join; with the DDP hook, torch's Join)"
@@ -75,7 +76,8 @@ def _at_exit() -> None:
         try:
             bounded(lambda: store.set(f"{LEFT_KEY}{global_rank}", "1"), 2)
             if global_rank == 0 and world > 1:
-                bounded(lambda: _linger_as_the_stores_host(store, world), HOST_WAITS_SECONDS + HOST_LINGERS_SECONDS + 5)
+                limit = HOST_WAITS_SECONDS + HOST_NOTICE_SECONDS + HOST_LINGERS_SECONDS + 5
+                bounded(lambda: _linger_as_the_stores_host(store, world), limit)
         except Exception:  # the store's host (rank 0) may have exited first; best effort
             pass
     if _exit.get("settle"):
@@ -83,31 +85,34 @@ def _at_exit() -> None:
 
 
 HOST_WAITS_SECONDS = 2.0  # at exit, the store's host waits this long for the other ranks to leave too
-HOST_LINGERS_SECONDS = 20.0  # then, at most this long for a rank still in an exchange to read why
+HOST_NOTICE_SECONDS = 1.0  # then, once grace's groups are broken, this long for a rank to start its diagnosis
+HOST_LINGERS_SECONDS = 20.0  # and at most this long for a diagnosing rank to read why
 _engines: weakref.WeakSet[TorchEngine] = weakref.WeakSet()  # live engines, whose groups an exit may break
 
 
 def _linger_as_the_stores_host(store: Any, world: int) -> None:
     """Rank 0 hosts the store, so a rank that leaves its loop first there (uneven steps without
     ``join()``) took the store with it, and a rank still exchanging could only guess why its
-    collective failed. Instead, at a normal exit: wait briefly for the others to leave too (the
-    usual end: nothing more); if some still run, break grace's own process groups, so that a rank
-    blocked in an exchange with this one fails now rather than at its timeout, and keep the store
-    up until each has read that rank 0 left (``LEFT_SEEN_KEY``) or has left itself. Those
-    exchanges can no longer complete (this rank will never join them), so nothing is lost."""
+    collective failed. Instead, at exit: wait briefly for the others to leave too (the usual end:
+    nothing more); if some still run, break grace's own process groups, so that a rank blocked
+    in an exchange with this one fails now and starts its diagnosis (``DIAGNOSING_KEY``), and keep
+    the store up until each diagnosing rank has read that rank 0 left (``LEFT_SEEN_KEY``). A rank
+    busy elsewhere (not in an exchange) does not hold rank 0 beyond ``HOST_NOTICE_SECONDS``. The
+    broken exchanges could never complete (this rank will not join them), so nothing is lost."""
 
-    def gone(rank: int) -> bool:
-        return bool(store.check([f"{LEFT_KEY}{rank}"]) or store.check([f"{LEFT_SEEN_KEY}{rank}"]))
+    def has(prefix: str, rank: int) -> bool:
+        return bool(store.check([f"{prefix}{rank}"]))
 
-    def wait_for_the_others(seconds: float) -> bool:
+    def wait_until(done: Any, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            if all(gone(rank) for rank in range(1, world)):
+            if done():
                 return True
             time.sleep(0.05)
         return False
 
-    if wait_for_the_others(HOST_WAITS_SECONDS):
+    others = range(1, world)
+    if wait_until(lambda: all(has(LEFT_KEY, r) for r in others), HOST_WAITS_SECONDS):
         return
     for engine in list(_engines):
         if engine.group is not None and engine._broken is None:  # never the user's default group
@@ -116,7 +121,9 @@ def _linger_as_the_stores_host(store: Any, world: int) -> None:
                 dist.distributed_c10d._abort_process_group(engine.group)
             except Exception:  # best effort: the group may be gone already
                 pass
-    wait_for_the_others(HOST_LINGERS_SECONDS)
+    wait_until(lambda: all(has(LEFT_KEY, r) or has(DIAGNOSING_KEY, r) for r in others), HOST_NOTICE_SECONDS)
+    diagnosing = [r for r in others if has(DIAGNOSING_KEY, r)]
+    wait_until(lambda: all(has(LEFT_SEEN_KEY, r) or has(LEFT_KEY, r) for r in diagnosing), HOST_LINGERS_SECONDS)
 
 
 # process_group=OWN_GROUP: a new group over every rank, for this engine alone. grace_dgc.build
@@ -141,6 +148,7 @@ class TorchEngine(Engine):
     """
 
     name = "torch"
+    _broken: str | None = None  # why no collective may start any more (see _run)
 
     def __init__(self, process_group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         super().__init__()
@@ -148,7 +156,7 @@ class TorchEngine(Engine):
         self.owns_group = False  # see OWN_GROUP
         self._calls = 0
         self._failed = False
-        self._broken: str | None = None  # why no collective may start any more (see _run)
+        self._broken = None
         if not (dist.is_available() and dist.is_initialized()):
             raise GraceConfigError(
                 "engine='torch' needs an initialized process group: call "
@@ -307,8 +315,10 @@ class TorchEngine(Engine):
     def _meet_in_store(self, store: Any, what: str, patience: float) -> str:
         """:meth:`_diagnose`'s meeting: a posted error, else each survivor sets a key for this
         collective and waits ``patience`` for the others'; those missing did not answer."""
+        store.set(f"{DIAGNOSING_KEY}{dist.get_rank()}", "1")  # the store's host, leaving, waits for this rank
         posted = self._posted_error(store)
         if posted:
+            store.set(f"{LEFT_SEEN_KEY}{dist.get_rank()}", "1")
             return f"{what}; {posted}"
         prefix = f"grace/failed/{self._meeting()}/"
         store.set(prefix + str(self._global(self.rank)), "1")
