@@ -79,7 +79,7 @@ class WrappingOptimizer(torch.optim.Optimizer):
         if getattr(self, "_ddp_checked", False):
             return
         self._ddp_checked = True
-        mine = {id(p) for p in self.param_groups_params()}
+        mine = {id(p) for group in self.param_groups for p in group["params"]}
         wrapped = any(id(p) in mine for ddp in list(_DDPS) for p in ddp.module.parameters())
         if wrapped:
             raise GraceConfigError(
@@ -90,9 +90,6 @@ class WrappingOptimizer(torch.optim.Optimizer):
                 "root_rank=0) once instead (docs/engines.md 'A schedule in a DDP script'); for DDP itself use "
                 "grace_dgc.ddp_comm_hook"
             )
-
-    def param_groups_params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.param_groups for p in group["params"]]
 
     @staticmethod
     def _fusion_groups(params: list[torch.nn.Parameter], fusion_bytes: int) -> list[list[torch.nn.Parameter]]:
