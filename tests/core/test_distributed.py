@@ -74,6 +74,7 @@ def aggregate_job(rank, world_size, pairs):
     return out
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_valid_pair_aggregates_to_the_expected_average(world_size):
     pairs = valid_pairs()
@@ -213,6 +214,7 @@ def optimizer_job(rank, world_size):
     return out
 
 
+@pytest.mark.fast
 def test_distributed_optimizer_sync_resume_and_reference():
     world_size = 3
     results = run_ranks(optimizer_job, world_size)

@@ -236,6 +236,7 @@ def world(request):
     return request.param
 
 
+@pytest.mark.fast
 @settings(
     max_examples=int(os.environ.get("GRACE_PROPERTY_EXAMPLES", "200")),
     deadline=None,
@@ -248,6 +249,7 @@ def test_every_communicator_gives_the_exact_average_of_what_was_sent(world, case
     check(case, results, world)
 
 
+@pytest.mark.fast
 @settings(
     max_examples=int(os.environ.get("GRACE_PROPERTY_EXAMPLES", "200")) // 2,
     deadline=None,

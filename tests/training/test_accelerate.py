@@ -146,10 +146,12 @@ def results(tmp_path_factory):
     return run_ranks(accelerate_job, WORLD, args=(str(tmp_path_factory.mktemp("accelerate")),), timeout=600)
 
 
+@pytest.mark.fast
 def test_none_equals_accelerates_ddp_bit_for_bit(results):
     assert_none_is_the_trainers_own_ddp(results, "ddp")
 
 
+@pytest.mark.fast
 def test_topk_ranks_in_sync_and_resume_equals_the_uninterrupted_run(results):
     assert_in_sync_and_resumed_bit_for_bit(results, "ddp")
 

@@ -275,6 +275,7 @@ def test_one_rank_equals_the_reference_loops_bit_for_bit():
     assert torch.equal(got["zero_one"], expected["zero_one"][0])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_agree_bitwise_and_equal_the_reference_loops(world):
     outs = run_ranks(ranks_job, world)

@@ -147,6 +147,7 @@ def assert_traces_equal(a, b, what):
         assert torch.equal(param_a, param_b), (what, "parameters", step)
 
 
+@pytest.mark.fast
 def test_none_equals_ddps_builtin_allreduce_bit_for_bit(results):
     for rank, r in enumerate(results):
         assert_traces_equal(r["grace_none"], r["builtin"], ("none vs DDP allreduce", rank))
@@ -162,6 +163,7 @@ def test_none_equals_ddps_builtin_allreduce_bit_for_bit(results):
     assert iterations[0] != iterations[1] == iterations[-1], iterations  # rebuilt after the first
 
 
+@pytest.mark.fast
 def test_fp16_equals_fp16_compress_hook_bit_for_bit(results):
     """Per bucket: grace's fp16 hook result equals torch's fp16_compress_hook exactly, and
     both equal the formula written here from the ranks' local gradients h_r:
@@ -186,6 +188,7 @@ def test_fp16_equals_fp16_compress_hook_bit_for_bit(results):
     assert len(results[0]["grace_fp16_buckets"]) == len(results[0]["builtin_fp16_buckets"]) > STEPS
 
 
+@pytest.mark.fast
 def test_topk_residual_equals_distributed_optimizer(results):
     for rank, r in enumerate(results):
         assert_traces_equal(r["grace_topk"], r["dopt_topk"], ("topk hook vs DistributedOptimizer", rank))
@@ -194,12 +197,14 @@ def test_topk_residual_equals_distributed_optimizer(results):
     assert stats["steps"] == STEPS and stats["compression_ratio"] < 0.5
 
 
+@pytest.mark.fast
 def test_ranks_stay_identical(results):
     for key in ("builtin", "grace_none", "builtin_fp16", "grace_fp16", "grace_topk"):
         for (_, params_0), (_, params_1) in zip(results[0][key], results[1][key]):
             assert torch.equal(params_0, params_1), key
 
 
+@pytest.mark.fast
 def test_checkpoint_resume_equals_uninterrupted(results):
     for rank, r in enumerate(results):
         for key in ("topk", "randomk"):

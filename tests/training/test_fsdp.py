@@ -100,6 +100,7 @@ def one_dimension_job(rank, world, directory):
     }
 
 
+@pytest.mark.fast
 def test_one_dimension_none_is_fsdp_bit_for_bit_and_a_quantized_reduce_scatter_resumes_through_dcp(tmp_path):
     results = run_ranks(one_dimension_job, 2, (str(tmp_path / "checkpoint"),))
     for r in results:

@@ -104,7 +104,9 @@ OWNER_STATE = [
 def make(c, fusion_bytes, width=16):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 5))
-    grace = grace_dgc.build(c["compressor"], c["memory"], c["communicator"], **c["params"])
+    # the default group: hundreds of cases, and a group of its own per Grace (tests/training/test_own_group.py)
+    # would cost a rendezvous each
+    grace = grace_dgc.build(c["compressor"], c["memory"], c["communicator"], process_group=None, **c["params"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     named = model.named_parameters()
     return model, grace_dgc.DistributedOptimizer(optimizer, grace, named, fusion_bytes=fusion_bytes)
@@ -193,6 +195,8 @@ def resume_job(rank, world, cases, fusion_bytes, how="state_dict", directory=Non
                 problems.append(f"{label(c)}: {name} differs after the resumed steps")
         if not same(comparable(opt.grace.state_dict()), comparable(fresh_opt.grace.state_dict())):
             problems.append(f"{label(c)}: the grace state differs after the resumed steps")
+        opt.grace.close()  # its thread and its own process group: hundreds of cases share these ranks
+        fresh_opt.grace.close()
     return ran, problems
 
 

@@ -274,6 +274,7 @@ def diloco_job(rank, world_size):
     }
 
 
+@pytest.mark.fast
 def test_diloco_with_topk_and_error_feedback_keeps_ranks_bitwise_identical_and_resumes():
     H, steps = 2, 6
     results = run_ranks(diloco_job, 2)

@@ -154,6 +154,7 @@ def streaming_job(rank: int, world: int) -> dict:
     return {"run": run(), "resumed": run(cut=5)}
 
 
+@pytest.mark.fast
 def test_two_ranks_agree_on_the_global_parameters_and_resume_bit_for_bit_mid_flight():
     results = run_ranks(streaming_job, 2)
     runs = [r["run"] for r in results]
