@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from grace_dgc.registry import COMPRESSORS  # noqa: E402
 
-# Without a GPU the fused kernels (tests/test_kernels.py) run under Triton's interpreter, which
+# Without a GPU the fused kernels (tests/core/test_kernels.py) run under Triton's interpreter, which
 # must be chosen before Triton is first imported: here, before any test module imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

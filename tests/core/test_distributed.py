@@ -18,7 +18,7 @@ CLASSIC = ("allgather", "allreduce", "broadcast")
 
 
 # methods whose aggregate is not a function of each rank's decoded tensor: demo averages each
-# DCT coefficient over the ranks that sent it (DeMo's reference; tests/test_demo.py)
+# DCT coefficient over the ranks that sent it (DeMo's reference; tests/core/test_demo.py)
 AGGREGATE_OF_PAYLOADS = ("demo",)
 
 

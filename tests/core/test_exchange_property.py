@@ -60,7 +60,7 @@ def compressor_params(name):
 
 
 # methods whose aggregate is not the average of what each rank sent: demo averages each DCT
-# coefficient over the ranks that sent it (DeMo's reference; tests/test_demo.py checks it)
+# coefficient over the ranks that sent it (DeMo's reference; tests/core/test_demo.py checks it)
 AGGREGATE_OF_PAYLOADS = ("demo",)
 
 
@@ -71,7 +71,7 @@ def accepted_pairs():
         for params in variants:
             for comp in COMPRESSORS.names():
                 if comp in AGGREGATE_OF_PAYLOADS or COMPRESSORS.get(comp).prerounds:
-                    continue  # a pre-round's scale cannot be replayed by a local copy (tests/test_thc.py)
+                    continue  # a pre-round's scale cannot be replayed by a local copy (tests/core/test_thc.py)
                 outer = params.get("outer", comm)
                 if COMMUNICATORS.get(outer).fits(COMPRESSORS.get(comp)(**compressor_params(comp))):
                     if comm == "hierarchical" and COMPRESSORS.get(comp).rounds > 1:

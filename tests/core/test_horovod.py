@@ -158,7 +158,7 @@ def test_bytes_sent_follow_each_engines_definition(runs):
                         for mine, *same in zip(logs[rank], *logs)
                     )
                 # a pre-round (thc's scale) is a collective of its own, not a logged exchange:
-                # tests/test_thc.py counts those bytes exactly
+                # tests/core/test_thc.py counts those bytes exactly
                 if expected is not None and not COMPRESSORS.get(key.split("+", 1)[0]).prerounds:
                     assert measured == expected, (engine, key, rank, measured, expected)
         for rank in range(WORLD):

@@ -220,7 +220,7 @@ AUTO_PLAN = ["reduce_scatter", "allgather", "reduce_scatter"]
 def resume_job(rank, world_size, device="cpu"):
     """Per method: run 3 steps, save, run 4 more; a fresh Grace loads the saved state
     (weights_only) and runs the same 4 steps. Returns the mismatches. ``device="cuda"``
-    (tests/test_cuda.py) puts the gradients on the rank's GPU."""
+    (tests/core/test_cuda.py) puts the gradients on the rank's GPU."""
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())

@@ -106,7 +106,8 @@ def make(c, fusion_bytes, width=16):
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 5))
     # the default group: hundreds of cases, and a group of its own per Grace (tests/training/test_own_group.py)
     # would cost a rendezvous each
-    grace = grace_dgc.build(c["compressor"], c["memory"], c["communicator"], process_group=None, **c["params"])
+    group = torch.distributed.group.WORLD
+    grace = grace_dgc.build(c["compressor"], c["memory"], c["communicator"], process_group=group, **c["params"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     named = model.named_parameters()
     return model, grace_dgc.DistributedOptimizer(optimizer, grace, named, fusion_bytes=fusion_bytes)
