@@ -31,18 +31,18 @@ from grace_dgc.launch import RankPool, rank_environment
 
 T = TypeVar("T")
 
-_POOLS: dict[tuple[int, str, str], RankPool] = {}
+_POOLS: dict[tuple[int, str, str, bool], RankPool] = {}
 FAST: dict[str, Any] = {"on": False, "item": None}  # set by conftest.py: the tier, the running test
 # set by the rank's worker or launcher (and HOROVOD_*), so never taken from the caller's environment
 _RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
-def pool(world_size: int, backend: str = "gloo", engine: str = "torch") -> RankPool:
+def pool(world_size: int, backend: str = "gloo", engine: str = "torch", keep_group: bool = False) -> RankPool:
     """The session's pool of ``world_size`` ranks on ``backend`` (``engine="horovod"``: under
-    horovodrun)."""
-    key = (world_size, backend, engine)
+    horovodrun; ``keep_group``: one default group for every job, see RankPool)."""
+    key = (world_size, backend, engine, keep_group)
     if key not in _POOLS:
-        _POOLS[key] = RankPool(world_size, backend, engine)
+        _POOLS[key] = RankPool(world_size, backend, engine, keep_group)
     return _POOLS[key]
 
 
@@ -53,12 +53,13 @@ def run_ranks(
     backend: str = "gloo",
     timeout: float = 300,
     engine: str = "torch",
+    keep_group: bool = False,
 ) -> list[T]:
     """``[fn(rank, world_size, *args) for each rank]`` on the session's kept-up ranks."""
     skip_unless_fast("a multi-rank case")
     environ = {**os.environ, **rank_environment(world_size)}
     job = pickle.dumps((fn, tuple(args)))
-    return pool(world_size, backend, engine).run(
+    return pool(world_size, backend, engine, keep_group).run(
         _as_spawned, (job, environ, os.getcwd(), list(sys.path)), timeout=timeout
     )
 
