@@ -117,6 +117,8 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     finally:
         ranks.FAST["item"] = None
+        if nextitem is None or nextitem.module is not item.module:
+            ranks.close_all(engine="horovod")  # its idle ranks poll (Horovod's background loop): not kept
 
 
 def pytest_sessionfinish(session):

@@ -85,7 +85,7 @@ def _as_spawned(rank: int, world_size: int, job: bytes, environ: dict[str, str],
     return fn(rank, world_size, *args)
 
 
-def close_all() -> None:
-    for ranks in _POOLS.values():
-        ranks.close()
-    _POOLS.clear()
+def close_all(engine: str | None = None) -> None:
+    """Close the session's pools (of one ``engine`` only, if given)."""
+    for key in [key for key in _POOLS if engine is None or key[2] == engine]:
+        _POOLS.pop(key).close()
