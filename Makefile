@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine with Python 3.11:
 #   make test    — create .venv, install torch 2.13.0 (CPU), the project, Horovod; lint (ruff, mypy); build the docs
 #                  site (mkdocs --strict); run the tests
+#   make test-fast — the fast tier: single-process tests and a few multi-rank cases (tests/README.md)
 #   make docs    — the documentation site from docs/ into site/ (--strict: a broken link or stale reference fails)
 #   make survey  — the main job: the quick comparative survey and its report
 #   make gpu-check — on a machine with a GPU: CUDA tests, GPU benchmarks and a short training run, one report under
@@ -37,8 +38,18 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# the whole suite; prints the 25 slowest tests and each folder's time against its budget (docs/development.md)
 test: venv horovod lint docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# every single-process test and the multi-rank cases marked fast (each part, each way in): minutes, for
+# the edit-test loop; `make test` stays the suite that guards main
+test-fast: venv
+	GRACE_PROPERTY_EXAMPLES=$${GRACE_PROPERTY_EXAMPLES:-20} $(PY) -m pytest -q --fast --durations=10
+
+# one-line mutations of the data path and the parts; each must make the fast tier fail (scripts/mutate.py)
+mutate: venv
+	$(PY) scripts/mutate.py
 
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
@@ -55,4 +66,4 @@ survey: venv
 	$(VENV)/bin/grace-dgc survey --preset quick --out runs/quick
 	@echo "report: runs/quick/report.md (plots: runs/quick/*.png)"
 
-.PHONY: venv horovod lint test docs docs-serve survey gpu-check
+.PHONY: venv horovod lint test test-fast mutate docs docs-serve survey gpu-check

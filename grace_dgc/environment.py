@@ -2,7 +2,7 @@
 and one checked reader. A bad value is a one-line :class:`GraceConfigError` naming the
 variable and what is accepted, never a bare ``ValueError`` deep inside a step.
 
-``tests/test_declarations.py`` fails when the library reads a variable that is not listed
+``tests/core/test_declarations.py`` fails when the library reads a variable that is not listed
 here, or lists one it no longer reads.
 """
 

@@ -52,7 +52,7 @@ class Part:
         why (scratch buffers, what a rank was handed by the optimizer).
     ``RESUME_MAY_DIFFER``: settings a checkpoint may carry other values of, with why.
 
-    ``tests/test_declarations.py`` walks every registered part and fails on a constructor
+    ``tests/core/test_declarations.py`` walks every registered part and fails on a constructor
     parameter or a tensor kept across steps that none of these names.
     """
 

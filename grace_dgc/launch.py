@@ -14,6 +14,8 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.multiprocessing as mp
@@ -134,9 +136,16 @@ def _worker(
     fn: Callable[..., object],
     args: Sequence[object],
     results: SimpleQueue[tuple[int, bool, bytes | str]],
+    pooled: bool = False,
+    keep_group: bool = False,
 ) -> None:
     """One rank of one job: its process group on ``port``, ``fn``, the process group torn down;
-    the result (or the traceback) put on ``results``."""
+    the result (or the traceback) put on ``results``. ``pooled``: the process lives on after the
+    job, so rank 0, which hosts the job's store, keeps it up until every rank has finished (a rank
+    that exits keeps it up at exit, for a bounded time: see the torch engine's ``_at_exit``); a
+    rank still reading the store in a diagnosis would otherwise fail on a store that is gone.
+    ``keep_group``: the default group of the rank's first job serves every later one (its
+    set-up and teardown cost ~0.4 s a job); only the groups a job made are destroyed after it."""
     import torch.distributed as dist
 
     os.environ.update(
@@ -150,15 +159,55 @@ def _worker(
         torch.set_num_threads(threads_per_rank(world_size))
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-        try:
-            # plain pickle: torch's queue reducer would pass tensors through shared memory,
-            # which is gone once this process exits
-            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
-        finally:
-            dist.destroy_process_group()
+        if not (keep_group and dist.is_initialized()):
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+        return
+    try:
+        # plain pickle: torch's queue reducer would pass tensors through shared memory,
+        # which is gone once this process exits
+        outcome: tuple[int, bool, bytes | str] = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+    except BaseException:
+        outcome = (rank, False, traceback.format_exc())
+    if keep_group:
+        _break_subgroups()
+        results.put(outcome)
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if pooled:
+            from .engines.torch_engine import leave
+
+            leave()  # the job's end is this rank's exit for its ranks: they learn it left, not guess
+            _break_subgroups()
+            _best_effort(lambda: store.set(f"{POOL_DONE_KEY}{rank}", "1"))
+        results.put(outcome)
+        if pooled and rank == 0:  # until every rank has finished (the pool kills a job that hangs)
+            _best_effort(lambda: store.wait([f"{POOL_DONE_KEY}{r}" for r in range(world_size)], timedelta(days=1)))
+    finally:
+        dist.destroy_process_group()
+
+
+POOL_DONE_KEY = "grace_pool_job_done/"
+
+
+def _break_subgroups() -> None:
+    """Destroy the groups a job made beside the default one (grace's own groups), closing their
+    connections as the rank's exit would: a rank still in a collective with this one, which has
+    finished its job and will never join, fails now rather than at its timeout."""
+    import torch.distributed as dist
+
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not dist.group.WORLD:
+            _best_effort(lambda: dist.destroy_process_group(group))  # noqa: B023 (called at once)
+
+
+def _best_effort(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except Exception:  # the store's host is gone (its job failed there): nothing to wait for
+        pass
 
 
 @contextmanager
@@ -310,6 +359,7 @@ def _pool_worker(
     backend: str,
     jobs: SimpleQueue[tuple[int, Callable[..., object], Sequence[object]] | None],
     results: SimpleQueue[tuple[int, bool, bytes | str]],
+    keep_group: bool = False,
 ) -> None:
     """A pooled rank: job after job as :func:`_worker` runs one, from the same starting state."""
     import gc
@@ -318,35 +368,55 @@ def _pool_worker(
     while (job := jobs.get()) is not None:
         port, fn, args = job
         baseline.restore()
-        _worker(rank, world_size, port, backend, fn, args, results)
+        _worker(rank, world_size, port, backend, fn, args, results, pooled=True, keep_group=keep_group)
         gc.collect()  # the job's objects (and the threads they own) go before the next starts
+
+
+POOL_ENGINES = ("torch", "horovod")
 
 
 class RankPool:
     """``world_size`` local ranks started once and kept up across jobs: :meth:`run` has
     :func:`run_local`'s contract (results in rank order, a failure raised with its traceback,
-    ``timeout`` enforced) without a process start and a torch import per job. Each job gets a
-    process group of its own and the state a fresh process starts with (:class:`_Baseline`); a
-    job that fails or overruns tears the ranks down, and the next job starts fresh ones.
+    ``timeout`` enforced) without a process start and a torch import per job. Each job starts
+    from the state a fresh process starts with (:class:`_Baseline`); a job that fails or
+    overruns tears the ranks down, and the next job starts fresh ones.
 
         with RankPool(2) as pool:
             for cell in cells:
                 pool.run(train_cell, (cell,))
+
+    ``engine="torch"``: spawned ranks, each job on a process group of its own (``backend``);
+    ``keep_group=True``: every job on the default group of the first (for many small jobs that
+    all succeed, as a property test's examples: ~0.4 s of set-up and teardown a job saved).
+    ``engine="horovod"``: ranks under ``horovodrun -np N --gloo`` (Horovod is initialised once
+    per rank, as a Horovod script does; it cannot start again in one process).
     """
 
-    def __init__(self, world_size: int, backend: str = "gloo") -> None:
-        self.world_size, self.backend = world_size, backend
+    def __init__(self, world_size: int, backend: str = "gloo", engine: str = "torch", keep_group: bool = False) -> None:
+        from .errors import check_choice
+
+        check_choice("RankPool engine", engine, POOL_ENGINES)
+        self.world_size, self.backend, self.engine = world_size, backend, engine
+        self.keep_group = keep_group
         self.starts = 0  # how many times ranks were started (1 + one per failed job)
         self._procs: list[Any] = []
         self._jobs: list[Any] = []
         self._results: Any = None
 
     def _start(self) -> None:
+        if self.engine == "horovod":
+            self._procs, self._jobs, self._results = _start_horovodrun(self.world_size)
+            self.starts += 1
+            return
         ctx = mp.get_context("spawn")
         self._results = ctx.SimpleQueue()
         self._jobs = [ctx.SimpleQueue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(target=_pool_worker, args=(r, self.world_size, self.backend, self._jobs[r], self._results))
+            ctx.Process(
+                target=_pool_worker,
+                args=(r, self.world_size, self.backend, self._jobs[r], self._results, self.keep_group),
+            )
             for r in range(self.world_size)
         ]
         with _environment(rank_environment(self.world_size)):
@@ -361,7 +431,11 @@ class RankPool:
         port = free_port()
         for jobs in self._jobs:
             jobs.put((port, fn, tuple(args)))
-        collected, failures = _collect(self._results, self._procs, self.world_size, timeout)
+        try:
+            collected, failures = _collect(self._results, self._procs, self.world_size, timeout)
+        except BaseException:  # interrupted (Ctrl-C, a test's time limit): its ranks are mid-job
+            self.close(clean=False)
+            raise
         if failures or len(collected) < self.world_size:
             self.close(clean=False)  # its ranks may be out of step, or stuck in a collective
         return _in_rank_order(collected, failures, self.world_size, timeout)
@@ -373,6 +447,8 @@ class RankPool:
                 if proc.is_alive():
                     jobs.put(None)
         _stop(self._procs, clean=clean)
+        if isinstance(self._results, _Connections):
+            self._results.close()
         self._procs, self._jobs = [], []
 
     def __enter__(self) -> RankPool:
@@ -380,3 +456,129 @@ class RankPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- the same pool under horovodrun -----------------------------------------------------------
+
+HOROVOD_CONNECT_SECONDS = 120.0  # horovodrun starts its ranks, which import torch and Horovod
+
+
+class _Connections:
+    """Each horovodrun rank's socket, read as :func:`_collect` reads a spawned pool's queue."""
+
+    def __init__(self, connections: Sequence[Connection]) -> None:
+        self.connections = list(connections)
+
+    def empty(self) -> bool:
+        return not any(conn.poll(0) for conn in self.connections)
+
+    def get(self) -> tuple[int, bool, bytes | str]:
+        ready = wait(self.connections)[0]
+        return pickle.loads(ready.recv_bytes())  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        for conn in self.connections:
+            conn.close()
+
+
+class _Sender:
+    """A rank's job channel, with a spawned pool's ``put``."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def put(self, job: object) -> None:
+        try:
+            self.conn.send_bytes(pickle.dumps(job))
+        except OSError:  # the rank is gone: _collect finds it dead
+            pass
+
+
+class _Launched:
+    """horovodrun, seen by :func:`_collect` and :func:`_stop` as each of its ranks: alive while
+    it runs; stopping it stops them all."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc, self.pid = proc, proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except Exception:  # subprocess.TimeoutExpired: still running, as Process.join leaves it
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            os.killpg(self.proc.pid, 15)
+
+    def kill(self) -> None:
+        if self.is_alive():
+            os.killpg(self.proc.pid, 9)
+
+
+def _start_horovodrun(world_size: int) -> tuple[list[Any], list[Any], _Connections]:
+    """``horovodrun -np world_size --gloo`` on this host, each rank connected back to this
+    process and serving jobs (:func:`_horovod_pool_rank`)."""
+    import shutil
+    import subprocess
+    import sys
+
+    horovodrun = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or shutil.which("horovodrun")
+    if horovodrun is None:
+        raise RuntimeError("RankPool(engine='horovod') needs horovodrun on PATH (pip install horovod)")
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(HOROVOD_CONNECT_SECONDS)
+    port = server.getsockname()[1]
+    serve = f"from grace_dgc.launch import _horovod_pool_rank; _horovod_pool_rank({port})"
+    cmd = [horovodrun, "-np", str(world_size), "--gloo", "-H", f"localhost:{world_size}"]
+    cmd += ["--gloo-timeout-seconds", "60", sys.executable, "-c", serve]
+    variables = {**os.environ, **rank_environment(world_size)}
+    variables.update(
+        PATH=os.path.dirname(sys.executable) + os.pathsep + variables.get("PATH", ""),
+        PYTHONPATH=os.pathsep.join(p for p in sys.path if p),  # the caller's modules, as spawn gives them
+    )
+    # its own process group: stopping horovodrun stops every rank it started
+    proc = subprocess.Popen(
+        cmd, env=variables, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    connections: dict[int, Connection] = {}
+    try:
+        while len(connections) < world_size:
+            sock, _ = server.accept()
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+            connections[pickle.loads(conn.recv_bytes())] = conn
+    except OSError as error:
+        _Launched(proc).kill()
+        output = proc.communicate()[0].decode(errors="replace")[-4000:]
+        raise RuntimeError(f"horovodrun's ranks did not connect ({error}):\n{output}") from error
+    finally:
+        server.close()
+    ordered = [connections[r] for r in range(world_size)]
+    return [_Launched(proc)] * world_size, [_Sender(c) for c in ordered], _Connections(ordered)
+
+
+def _horovod_pool_rank(port: int) -> None:
+    """A rank under horovodrun: Horovod initialised once, then job after job from the same
+    starting state, as :func:`_pool_worker` serves them."""
+    import gc
+
+    import horovod.torch as hvd
+
+    hvd.init(process_sets="dynamic")  # a job may form process sets (hierarchical communicators)
+    conn = Connection(socket.create_connection(("127.0.0.1", port)).detach())
+    conn.send_bytes(pickle.dumps(hvd.rank()))
+    baseline = _Baseline()
+    while (job := pickle.loads(conn.recv_bytes())) is not None:
+        _port, fn, args = job
+        baseline.restore()
+        try:
+            result: tuple[int, bool, bytes | str] = (hvd.rank(), True, pickle.dumps(fn(hvd.rank(), hvd.size(), *args)))
+        except BaseException:
+            result = (hvd.rank(), False, traceback.format_exc())
+        conn.send_bytes(pickle.dumps(result))
+        gc.collect()
+    hvd.shutdown()

@@ -297,9 +297,9 @@ def pack_bits(codes: Tensor, bits: int, workspace: Workspace | None = None) -> T
     The result is a new tensor; a :class:`~grace_dgc.workspace.Workspace` given as
     ``workspace`` holds the temporaries.
 
-    Plain reference: ``tests/test_quantizers.py::reference_pack`` (each code's bits listed one
+    Plain reference: ``tests/core/test_quantizers.py::reference_pack`` (each code's bits listed one
     by one, then grouped eight to a byte), equal bit for bit for every width in ``test_pack_bits_roundtrip_every_width``
-    (hypothesis); the chunked forms against it in ``tests/test_data_path.py``.
+    (hypothesis); the chunked forms against it in ``tests/core/test_data_path.py``.
     """
     _check_bits(bits)
     if bits > 8:

@@ -5,7 +5,7 @@ targets, on a machine without a GPU.
 
 It uses Triton's ahead-of-time path (Triton IR → GPU IR → LLVM → PTX → a cubin from the ptxas
 Triton ships), which needs no driver. The tests run the kernels under Triton's interpreter on
-a CPU (tests/test_kernels.py), which proves their arithmetic but not that they compile: a
+a CPU (tests/core/test_kernels.py), which proves their arithmetic but not that they compile: a
 construct the interpreter accepts may not compile, or may compile differently. This script
 closes that gap before a GPU is lent. It exits 1, naming each variant that failed and why.
 

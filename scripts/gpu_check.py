@@ -7,9 +7,9 @@
 Steps, each in its own process group under a time limit (a step that hangs is killed and
 reported as such, and the check goes on to the next):
 
-  1. the CUDA tests (tests/test_cuda.py: the device fixture on cuda, NCCL, streams, the DDP
+  1. the CUDA tests (tests/core/test_cuda.py: the device fixture on cuda, NCCL, streams, the DDP
      hook on a CUDA bucket, CUDA random streams across ranks, peak CUDA memory of a step;
-     tests/test_kernels.py: the fused Triton kernels compiled, bit for bit against the torch path);
+     tests/core/test_kernels.py: the fused Triton kernels compiled, bit for bit against the torch path);
   2. benchmarks/bench_kernels.py (each fused kernel against the torch ops it replaces);
   3. benchmarks/bench_compressors.py --device cuda (compress+decompress as a multiple of one
      copy_), with the fused kernels (the default) and
@@ -96,10 +96,10 @@ TORCH_OPS_ONLY = {"GRACE_DGC_KERNELS": "torch"}
 # 24 layers 64 wide: arithmetic negligible, so the ratios to DDP are per-tensor and per-group host work
 HOST_BOUND_WIDTHS = ["64"] * 24 + ["10"]
 TESTS = [
-    "tests/test_cuda.py",
-    "tests/test_kernels.py",
-    "tests/test_randomk.py",
-    "tests/test_fsdp.py::test_fsdp_on_cuda_none_is_fsdp_bit_for_bit_and_compressed_runs_stay_in_sync",
+    "tests/core/test_cuda.py",
+    "tests/core/test_kernels.py",
+    "tests/core/test_randomk.py",
+    "tests/training/test_fsdp.py::test_fsdp_on_cuda_none_is_fsdp_bit_for_bit_and_compressed_runs_stay_in_sync",
 ]
 
 

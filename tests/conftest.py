@@ -1,12 +1,27 @@
-"""Helpers shared by the test files."""
+"""Helpers shared by the test files, and the tiers (``--fast``).
 
+The tests sit in folders by what they guard (tests/README.md); the helpers beside this file
+(ranks.py, method_params.py, trainer_checks.py, hvd_worker.py) and each folder's modules import
+one another by module name, as ranks kept up across tests unpickle their jobs by it: every
+folder is on the import path from the start.
+"""
+
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
-import torch
+_HERE = os.path.dirname(os.path.abspath(__file__))
+FOLDERS = ("core", "training", "survey", "scripts")
+sys.path[:0] = [p for p in (_HERE, *(os.path.join(_HERE, f) for f in FOLDERS)) if p not in sys.path]
 
-from grace_dgc.registry import COMPRESSORS
+import pytest  # noqa: E402
+import ranks  # noqa: E402
+import torch  # noqa: E402
 
-# Without a GPU the fused kernels (tests/test_kernels.py) run under Triton's interpreter, which
+from grace_dgc.registry import COMPRESSORS  # noqa: E402
+
+# Without a GPU the fused kernels (tests/core/test_kernels.py) run under Triton's interpreter, which
 # must be chosen before Triton is first imported: here, before any test module imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -47,3 +62,92 @@ def without_timings(state):
         return state
     counts = {key: value for key, value in state["counters"]["stats"].items() if not key.startswith("control")}
     return {**state, "counters": {"stats": counts, "steps": state["counters"]["steps"]}}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="the fast tier (make test-fast): every single-process test and the multi-rank or launching cases "
+        "marked fast; the others are deselected (launches) or skipped at their first multi-rank job",
+    )
+
+
+def pytest_configure(config):
+    ranks.FAST["on"] = config.getoption("--fast")
+    if ranks.FAST["on"]:
+        _route_process_starts_to_the_tier()
+
+
+def _route_process_starts_to_the_tier():
+    """Under --fast, every way a test starts processes skips it unless it is marked fast (the
+    fast tier is every single-process test and the marked multi-rank cases)."""
+    import subprocess
+
+    from grace_dgc import launch
+
+    def guarded(what, start):
+        def start_unless_skipped(*args, **kwargs):
+            ranks.skip_unless_fast(what)
+            return start(*args, **kwargs)
+
+        return start_unless_skipped
+
+    launch.run_local = guarded("it starts ranks (run_local)", launch.run_local)
+    launch.RankPool._start = guarded("it starts ranks (RankPool)", launch.RankPool._start)
+    subprocess.Popen.__init__ = guarded("it starts a process", subprocess.Popen.__init__)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    kept, dropped = [], []
+    for item in items:
+        slow = item.get_closest_marker("launches") and not item.get_closest_marker("fast")
+        (dropped if slow else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    ranks.FAST["item"] = item
+    try:
+        return (yield)
+    finally:
+        ranks.FAST["item"] = None
+        if nextitem is None or nextitem.module is not item.module:
+            ranks.close_all(engine="horovod")  # its idle ranks poll (Horovod's background loop): not kept
+
+
+def pytest_sessionfinish(session):
+    ranks.close_all()
+
+
+# The survey's source, for the tests that read it (the environment it reads, the layering of
+# the app on the library) without importing it: tests/core and tests/training import no survey.
+SURVEY_SOURCE = Path(importlib.util.find_spec("grace_survey").origin).parent
+
+
+# seconds per folder for the whole suite on the 2-core reference machine (docs/development.md)
+BUDGET_SECONDS = {"core": 420.0, "training": 300.0, "survey": 300.0, "scripts": 240.0}
+_FOLDER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    parts = report.nodeid.split("::")[0].split("/")
+    folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+    _FOLDER_SECONDS[folder] = _FOLDER_SECONDS.get(folder, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each folder's total beside its budget (docs/development.md, "The tests' time")."""
+    if not _FOLDER_SECONDS:
+        return
+    terminalreporter.section("time per folder (setup + call + teardown)")
+    for folder, seconds in sorted(_FOLDER_SECONDS.items(), key=lambda kv: -kv[1]):
+        budget = BUDGET_SECONDS.get(folder)
+        over = " — OVER BUDGET" if budget is not None and seconds > budget else ""
+        shown = f" of a {budget:.0f} s budget" if budget is not None else ""
+        terminalreporter.write_line(f"{folder:<10} {seconds:7.1f} s{shown}{over}")

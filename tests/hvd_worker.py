@@ -5,7 +5,7 @@ engine's primitives and a short DistributedOptimizer run on whatever engine ``au
   picks Horovod) and pickles this rank's results to ``OUT_DIR/rank<r>.pkl``;
 * under :func:`grace_dgc.launch.run_local`: the same function on gloo (``auto`` → torch).
 
-tests/test_horovod.py compares the two. Cases are listed at run time from the registries,
+tests/core/test_horovod.py compares the two. Cases are listed at run time from the registries,
 so methods added later are covered; a case that raises records its traceback (every rank
 runs the same code on same-shaped data, so they fail at the same point and stay matched).
 """

@@ -1,4 +1,4 @@
-"""What the trainer integrations' tests assert of their jobs' results (tests/test_lightning.py,
+"""What the trainer integrations' tests assert of their jobs' results (tests/training/test_lightning.py,
 test_accelerate.py, test_hf_trainer.py): per rank, the parameters after the trainer's own DDP run
 (``reference``), after ``none``, after top-k + residual uninterrupted (``topk``) and resumed from the
 trainer's checkpoint half-way (``resumed``), and the refusals' messages."""

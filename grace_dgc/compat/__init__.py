@@ -7,7 +7,7 @@
     from grace_dl.dist.memory.residual import ResidualMemory   → from grace_dgc.compat import ResidualMemory
     import horovod.torch as hvd   (GRACE's patched Horovod)    → import grace_dgc.compat.horovod as hvd
 
-What this maps (each entry is tested in tests/test_compat.py):
+What this maps (each entry is tested in tests/scripts/test_compat.py):
 
 * GRACE's defaults, not grace_dgc's: topk/randomk/dgc ``compress_ratio`` 0.3, qsgd
   ``quantum_num`` 127 with ``bucket_size`` 128 (GRACE's torch.distributed helper), efsignsgd

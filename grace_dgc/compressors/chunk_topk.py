@@ -35,7 +35,7 @@ class ChunkTopKCompressor(SparseCompressor):
     so ``sparse_allreduce`` (which sums global positions) does not carry this compressor;
     allgather and broadcast do.
 
-    Plain reference: ``tests/test_chain.py::reference_chunk_topk`` (a Python loop over the
+    Plain reference: ``tests/core/test_chain.py::reference_chunk_topk`` (a Python loop over the
     chunks with ``sorted(range(C), key=|g|)``) equal index for index.
     """
 

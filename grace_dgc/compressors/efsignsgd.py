@@ -36,7 +36,7 @@ class EFSignSGDCompressor(PackedCompressor):
     ``onebit_adam`` and ``zero_one_adam`` schedules' default compressor. It keeps the L2 norm
     (‖C(p)‖₂ = ‖p‖₂) and is positively homogeneous too.
 
-    Plain reference: ``tests/test_sign.py::ref_packed`` and ``ref_scaled_sign`` (numpy): the
+    Plain reference: ``tests/core/test_sign.py::ref_packed`` and ``ref_scaled_sign`` (numpy): the
     packed bits equal bit for bit, the scaled signs to fp32 rounding, in
     ``test_efsignsgd_wire_and_values`` (hypothesis); the error feedback in
     ``test_efsignsgd_memory_error_feedback``.

@@ -27,7 +27,7 @@ class FP4Compressor(PackedCompressor):
     Wire: the 4-bit codes packed two per byte (wire.pack_bits), then s as one fp32:
     ⌈n/2⌉ + 4 bytes. Codes under different scales cannot be summed: allgather or broadcast.
 
-    Plain reference: ``tests/test_chain.py::reference_fp4`` (the nearest of the 15 values
+    Plain reference: ``tests/core/test_chain.py::reference_fp4`` (the nearest of the 15 values
     found by a search over all of them, per element).
     """
 

@@ -59,7 +59,7 @@ class FP8Compressor(PackedCompressor):
     Triton's interpreter; ``auto`` leaves them off until a GPU run proves them
     (:data:`grace_dgc.kernels.UNPROVEN`), ``GRACE_DGC_KERNELS=triton`` runs them.
 
-    Plain reference: ``tests/test_sparseloco.py::reference_fp8`` (each block divided by its
+    Plain reference: ``tests/core/test_sparseloco.py::reference_fp8`` (each block divided by its
     scale in float64, cast through torch's float8 dtype, multiplied back).
     """
 

@@ -39,7 +39,7 @@ class NaturalCompressor(StochasticCompressor):
     8 per byte (wire.pack_bits): n + ⌈n/8⌉ bytes, ≤ 9 bits per element. Codes cannot be
     summed: allgather or broadcast.
 
-    Plain reference: ``tests/test_quantizers.py::two_point_reference`` (``2**floor(log2|x|)``
+    Plain reference: ``tests/core/test_quantizers.py::two_point_reference`` (``2**floor(log2|x|)``
     in float64, where this code reads the exponent bits): outputs are exactly one of the two
     bracketing powers of two in ``test_natural_outputs_signed_powers_of_two_bracketing_the_input``,
     with the special values (±0, subnormals, 2¹²⁷ saturation, ±inf, NaN) written out there.

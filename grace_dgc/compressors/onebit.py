@@ -39,7 +39,7 @@ class OneBitCompressor(PackedCompressor):
     GRACE. Aggregation: the average over ranks of Q(g_m) (``average = True``); sign bits
     cannot be summed, so allgather or broadcast only.
 
-    Plain reference: ``tests/test_sign.py::ref_onebit`` and ``ref_packed`` (numpy, no bit
+    Plain reference: ``tests/core/test_sign.py::ref_onebit`` and ``ref_packed`` (numpy, no bit
     masks): the packed bits equal them bit for bit and the means to fp32 rounding in
     ``test_onebit_wire_and_means`` (hypothesis), the hand-made cases in ``test_exact_hand_values``.
     """

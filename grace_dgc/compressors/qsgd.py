@@ -71,7 +71,7 @@ class QSGDCompressor(StochasticCompressor):
     s/‖v‖, ‖v‖/s stay torch's): one pass over memory instead of ten and three, the same
     bits as the torch ops.
 
-    Plain reference: ``tests/test_quantizers.py::two_point_reference`` (float64): the exact
+    Plain reference: ``tests/core/test_quantizers.py::two_point_reference`` (float64): the exact
     levels ⌊·⌋ or ⌈·⌉ of |v|·s/‖v‖ in ``test_qsgd_exact_levels_and_zero_bucket``, unbiasedness
     in ``test_mean_of_many_draws_converges_to_the_input``; the packed codes round-trip against
     ``reference_pack`` (:func:`grace_dgc.wire.pack_bits`).

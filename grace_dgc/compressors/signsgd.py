@@ -42,7 +42,7 @@ class SignSGDCompressor(PackedCompressor):
     The vote is already the step direction, so ``average = False`` (Grace must not divide
     it by the world size); sign bits cannot be summed, so allgather or broadcast only.
 
-    Plain reference: ``tests/test_sign.py::ref_packed``, ``ref_signs`` and ``ref_vote``
+    Plain reference: ``tests/core/test_sign.py::ref_packed``, ``ref_signs`` and ``ref_vote``
     (numpy ``packbits``/``where``/``sign``): equal bit for bit in ``test_signsgd_wire_and_values``
     (hypothesis) and ``test_majority_vote_by_hand``.
     """

@@ -31,7 +31,7 @@ class StatisticalQuantizer(PackedCompressor):
     T_0 … T_{L−1}): ⌈n·b/8⌉ + 4(L + 1) bytes. The table is per tensor, so payloads cannot be
     summed: allgather or broadcast.
 
-    Plain reference: ``tests/test_chain.py::reference_statq`` (a Python loop over the bins in
+    Plain reference: ``tests/core/test_chain.py::reference_statq`` (a Python loop over the bins in
     float64, then fp32) equal code for code and value for value.
     """
 

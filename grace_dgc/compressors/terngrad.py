@@ -31,7 +31,7 @@ class TernGradCompressor(StochasticCompressor):
     Wire: 2 bits per element (wire.pack_bits, 4 per byte) + s as one fp32:
     ⌈n/4⌉ + 4 bytes. Codes cannot be summed: allgather or broadcast.
 
-    Plain reference: ``tests/test_quantizers.py::clipped_reference`` and
+    Plain reference: ``tests/core/test_quantizers.py::clipped_reference`` and
     ``two_point_reference`` (float64 torch, no bit codes): every output is 0 or ±s of the
     clipped input in ``test_terngrad_values_are_zero_or_signed_scale``, the mean of many draws
     converges to the input in ``test_mean_of_many_draws_converges_to_the_input``.

@@ -31,7 +31,7 @@ class TwoBitCompressor(PackedCompressor):
     needs allgather or broadcast.
 
     Plain reference: the codes and their little-endian bit layout written out by hand in
-    ``tests/test_quantizers.py::test_twobit_values_and_bit_layout_by_hand`` (bit for bit), the
+    ``tests/core/test_quantizers.py::test_twobit_values_and_bit_layout_by_hand`` (bit for bit), the
     error-feedback loop in ``test_twobit_with_residual_is_mxnet_error_feedback``; the packing
     itself against ``reference_pack`` (see :func:`grace_dgc.wire.pack_bits`).
     """

@@ -63,16 +63,26 @@ def _on_exit(**what: Any) -> None:
     ("terminate called without an active exception"; the group outlives
     destroy_process_group(), docs/survey.md "Your own script"). The sleep lets it finish. Joining the
     workers instead would deadlock: torch destroys a group with the GIL held."""
-    if not _exit:
+    if not _exit.get("registered"):
         import atexit
 
         atexit.register(_at_exit)
-    _exit.update(what)
+    _exit.update(what, registered=True)
 
 
 def _at_exit() -> None:
+    leave()
+    if _exit.get("settle"):
+        time.sleep(GLOO_SETTLE_SECONDS)
+
+
+def leave() -> None:
+    """What a rank does as its work ends, at its exit or, on ranks kept up for job after job
+    (:class:`grace_dgc.launch.RankPool`), as a job ends: say in the job's store that it left; on
+    rank 0, the store's host, linger until the ranks still exchanging with it know (see
+    :func:`_linger_as_the_stores_host`). Once per store."""
     if "leave" in _exit:
-        store, global_rank, world = _exit["leave"]
+        store, global_rank, world = _exit.pop("leave")
         try:
             bounded(lambda: store.set(f"{LEFT_KEY}{global_rank}", "1"), 2)
             if global_rank == 0 and world > 1:
@@ -80,8 +90,6 @@ def _at_exit() -> None:
                 bounded(lambda: _linger_as_the_stores_host(store, world), limit)
         except Exception:  # the store's host (rank 0) may have exited first; best effort
             pass
-    if _exit.get("settle"):
-        time.sleep(GLOO_SETTLE_SECONDS)
 
 
 HOST_WAITS_SECONDS = 2.0  # at exit, the store's host waits this long for the other ranks to leave too

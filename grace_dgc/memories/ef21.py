@@ -35,7 +35,7 @@ class EF21Memory(Memory):
 
     State (checkpointed, restored after a skipped step): ``estimates`` g_i (rank-local
     values), ``shared`` g (equal on every rank), ``momenta`` v_i (η < 1 only).
-    Reference: ``tests/test_ef21.py::reference_ef21``, a loop over all ranks' gradients.
+    Reference: ``tests/core/test_ef21.py::reference_ef21``, a loop over all ranks' gradients.
     """
 
     SETTINGS = ("eta",)

@@ -1,0 +1,183 @@
+"""SparseLoCo (issue 43, item 2) and its parts, against references written here: chunk-wise
+top-k with chunk-local offsets, the 2-bit statistical quantizer, FP4 E3M0 (Streaming DiLoCo's
+4 bits), their chain's exact bytes and error feedback, and the schedule's arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ranks import run_ranks
+from test_distributed import batches, make_model
+
+import grace_dgc
+from grace_dgc import schedules
+from grace_dgc.errors import GraceConfigError
+from grace_dgc.registry import COMPRESSORS
+
+
+def reference_chunk_topk(x: torch.Tensor, chunk: int, k: int) -> list[int]:
+    """Global positions kept: per chunk of ``chunk`` elements, its k (⌈k·r/chunk⌉ for a last
+    partial chunk of r) largest magnitudes, by a Python sort."""
+    flat = x.reshape(-1).tolist()
+    kept = []
+    for start in range(0, len(flat), chunk):
+        part = flat[start : start + chunk]
+        keep = k if len(part) == chunk else math.ceil(k * len(part) / chunk)
+        kept += sorted(start + j for j in sorted(range(len(part)), key=lambda j: -abs(part[j]))[:keep])
+    return kept
+
+
+def reference_statq(x: torch.Tensor, bits: int, range_sigmas: float) -> tuple[list[int], torch.Tensor]:
+    """SparseLoCo's statistical quantizer written out: codes, and the decoded values."""
+    v = x.reshape(-1).double()
+    levels, n = 2**bits, v.numel()
+    mean = v.mean()
+    c = v - mean
+    sigma = float(c.norm()) / math.sqrt(n - 1) if n > 1 else 0.0
+    scale = range_sigmas * sigma / levels or 1.0
+    codes = [min(max(round(float(ci) / scale + levels // 2), 0), levels - 1) for ci in c]
+    table = [0.0] * levels
+    for j in range(levels):
+        members = [float(ci) for ci, q in zip(c, codes) if q == j]
+        table[j] = sum(members) / len(members) if members else 0.0
+    return codes, torch.tensor([table[q] + float(mean) for q in codes])
+
+
+def reference_fp4(x: torch.Tensor) -> torch.Tensor:
+    """The nearest of the 15 E3M0 values (0 and ±s·2^−6 … ±s) to each element, by search,
+    under s = the smallest power of two ≥ max |x|."""
+    s = 2.0 ** math.ceil(math.log2(float(x.abs().max()))) if float(x.abs().max()) > 0 else 1.0
+    values = [0.0] + [sign * s * 2.0**-e for e in range(7) for sign in (1, -1)]
+    return torch.tensor([min(values, key=lambda v: (abs(xi - v), -abs(v))) for xi in x.reshape(-1).tolist()])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 300), st.sampled_from([(8, 1), (8, 3), (16, 16), (64, 5)]))
+def test_chunk_topk_keeps_k_per_chunk_and_sends_offsets_in_log2_chunk_bits(seed, n, chunk_k):
+    chunk, k = chunk_k
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    comp = COMPRESSORS.get("chunk_topk")(chunk=chunk, k=k)
+    payload, ctx = comp.compress(x, "w")
+    kept = reference_chunk_topk(x, chunk, k)
+    expected = torch.zeros(n)
+    expected[kept] = x[kept]
+    assert torch.equal(comp.decompress(payload, ctx), expected)
+    bits = max(1, (chunk - 1).bit_length())
+    assert [t.numel() * t.element_size() for t in payload] == [4 * len(kept), math.ceil(len(kept) * bits / 8)]
+    residual = comp.subtract_sent_(x.clone(), payload, ctx)
+    assert torch.equal(residual + expected, x) and torch.equal(comp.sent_mask(payload, ctx), expected != 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 200), st.sampled_from([1, 2, 4, 8]), st.sampled_from([2.0, 6.0]))
+def test_statq_equals_the_reference_code_for_code(seed, n, bits, range_sigmas):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3 + 1
+    comp = COMPRESSORS.get("statq")(bits=bits, range_sigmas=range_sigmas)
+    payload, ctx = comp.compress(x, "w")
+    codes, expected = reference_statq(x, bits, range_sigmas)
+    assert grace_dgc.wire.unpack_bits(payload[0], bits, n).tolist() == codes
+    assert payload[1].numel() == 2**bits + 1 and payload[0].numel() == math.ceil(n * bits / 8)
+    torch.testing.assert_close(comp.decompress(payload, ctx), expected.float(), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 200), st.floats(1e-3, 1e3))
+def test_fp4_is_the_nearest_e3m0_value_under_a_power_of_two_scale(seed, n, magnitude):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * magnitude
+    x[0] = 0.0
+    comp = COMPRESSORS.get("fp4")()
+    payload, ctx = comp.compress(x, "w")
+    assert [t.numel() * t.element_size() for t in payload] == [math.ceil(n / 2), 4]
+    assert torch.equal(comp.decompress(payload, ctx), reference_fp4(x).float())
+
+
+def test_sparseloco_chain_bytes_and_error_feedback_over_the_whole_composition():
+    """k of every chunk in 2 bits + 12-bit offsets + μ and the 4-entry table; e ← βe + g then
+    e ← e − Δ̂ exactly (β = 0.95: nothing is lost but what the decay forgets)."""
+    grace = grace_dgc.sparseloco_grace(chunk=64, k=4, engine="local")
+    comp = grace.compressor
+    assert grace.compressor.registered_name == "chunk_topk>statq" and grace.memory.beta == 0.95
+    x = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    payload, _ = comp.compress(x, "w")
+    kept = 4 * 4 + math.ceil(4 * 44 / 64)  # four whole chunks and 44 elements
+    assert sum(t.numel() * t.element_size() for t in payload) == math.ceil(kept * 2 / 8) + 4 * 5 + math.ceil(
+        kept * 6 / 8
+    )
+    gen, e = torch.Generator().manual_seed(1), torch.zeros(300)
+    for _ in range(4):
+        g = torch.randn(300, generator=gen)
+        e = 0.95 * e + g
+        sent = grace.step(g, "w")
+        e = e - sent
+        torch.testing.assert_close(grace.memory.residuals["w"], e, rtol=1e-5, atol=1e-5)
+        assert torch.count_nonzero(sent) <= kept
+
+
+def test_sparseloco_schedule_is_outer_sgd_without_momentum_on_the_compressed_delta():
+    """One rank, written out: after H inner SGD steps, e ← βe + Δ, Δ̂ = D(C(e)), e ← e − Δ̂,
+    θ ← θ_start − α·Δ̂ (α = 1)."""
+    H, rounds, lr = 3, 3, 0.1
+    model = make_model()
+    grace = grace_dgc.sparseloco_grace(chunk=16, k=4, engine="local")
+    sched = schedules.create(
+        "sparseloco", torch.optim.SGD(model.parameters(), lr=lr), grace, model.named_parameters(), inner_steps=H
+    )
+    assert (sched.outer_lr, sched.outer_momentum, sched.nesterov) == (1.0, 0.0, False)
+    twin = grace_dgc.sparseloco_grace(chunk=16, k=4, engine="local").compressor  # the same C, by hand
+    reference = make_model()
+    names = [n for n, _ in reference.named_parameters()]
+    theta = [p.detach().clone() for p in reference.parameters()]
+    start, errors = [t.clone() for t in theta], [torch.zeros_like(t) for t in theta]
+    for step, (x, y) in enumerate(batches(0, H * rounds)):
+        opt_step(model, sched, x, y)
+        for p, t in zip(reference.parameters(), theta):
+            p.data.copy_(t)
+        reference.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        theta = [t - lr * p.grad for t, p in zip(theta, reference.parameters())]
+        if (step + 1) % H == 0:
+            for i, name in enumerate(names):
+                errors[i] = 0.95 * errors[i] + (start[i] - theta[i])
+                sent = twin.decompress(*twin.compress(errors[i], name))
+                errors[i] = errors[i] - sent
+                theta[i] = start[i] - 1.0 * sent
+            start = [t.clone() for t in theta]
+        for p, t in zip(model.parameters(), theta):
+            torch.testing.assert_close(p.detach(), t, rtol=1e-5, atol=1e-6)
+    assert sched.syncs == rounds
+
+
+def opt_step(model, opt, x, y):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_sparseloco_refuses_a_grace_without_error_feedback():
+    model = make_model()
+    with pytest.raises(GraceConfigError, match="error feedback"):
+        schedules.create(
+            "sparseloco",
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            grace_dgc.build("chunk_topk>statq", "none", "allgather", engine="local"),
+        )
+    with pytest.raises(GraceConfigError, match="k=9 is more than a chunk"):
+        COMPRESSORS.get("chunk_topk")(chunk=8, k=9)
+    with pytest.raises(GraceConfigError, match="bits=3"):
+        COMPRESSORS.get("statq")(bits=3)
+
+
+def ranks_job(rank: int, world: int) -> list:
+    grace = grace_dgc.sparseloco_grace(chunk=32, k=2)
+    gen = torch.Generator().manual_seed(rank)
+    return [grace.step(torch.randn(100, generator=gen), "w") for _ in range(3)]
+
+
+def test_sparseloco_ranks_agree_bitwise_on_two_ranks():
+    outs = run_ranks(ranks_job, 2)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+    assert all(0 < torch.count_nonzero(o) <= 2 * (3 * 2 + 1) for o in outs[0])

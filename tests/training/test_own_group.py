@@ -1,0 +1,108 @@
+"""grace's traffic never meets the user's (issue 53): a Grace built without ``process_group``
+exchanges over a group of its own, so a training loop's own collectives on the default group
+(a logged loss's all_reduce each step, one issued while exchanges are still in flight) and a
+second Grace built while the first has an exchange in flight neither hang nor abort, on every
+way in: the DistributedOptimizer, the DDP hook, the outer-loop schedules (DiLoCo, Streaming
+DiLoCo at delay 1 and 2, SparseLoCo) and the Adam schedules. 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import run_ranks
+
+import grace_dgc
+from grace_dgc import schedules
+
+STEPS = 6
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), torch.nn.Linear(8, 3))
+
+
+def way_in(name, model):
+    """(the optimizer to step, the model to run forward) for one way in, over a default-built Grace."""
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+    if name == "optimizer":
+        grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.5)
+        return grace_dgc.DistributedOptimizer(sgd, grace, model.named_parameters(), fusion_bytes=0), model
+    if name == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+        ddp.register_comm_hook(*grace_dgc.ddp_comm_hook(grace_dgc.build("qsgd", "residual", "allgather"), ddp))
+        return sgd, ddp
+    if name.startswith("streaming"):
+        grace = grace_dgc.streaming_grace()
+        delay = int(name[-1])
+        schedule = schedules.create(
+            "streaming_diloco", sgd, grace, model.named_parameters(), inner_steps=4, fragments=2, delay=delay
+        )
+        return schedule, model
+    if name in ("diloco", "sparseloco"):
+        grace = grace_dgc.sparseloco_grace() if name == "sparseloco" else grace_dgc.build("none")
+        return schedules.create(name, sgd, grace, model.named_parameters(), inner_steps=2), model
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    grace = grace_dgc.build("onebit", "residual", "allgather")
+    params = {"freeze_step": 2} if name == "onebit_adam" else {"var_freeze_step": 2}
+    return schedules.create(name, adam, grace, model.named_parameters(), **params), model
+
+
+def beside_users_collectives_job(rank, world, name):
+    import torch.distributed as dist
+
+    model = make_model()
+    optimizer, forward = way_in(name, model)
+    data = torch.Generator().manual_seed(rank)
+    logged = []
+    for step in range(STEPS):
+        x, y = torch.randn(6, 8, generator=data), torch.randint(0, 3, (6,), generator=data)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        # the user's own collective while grace's exchanges of this step may still be in flight
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        optimizer.step()
+        # and between steps, as a training loop logs (Streaming DiLoCo's fragment is in flight here)
+        dist.all_reduce(total)
+        logged.append(float(total))
+        if step == 2:  # a second Grace built, and its handshake run, while the first has exchanges in flight
+            other = grace_dgc.build("fp16", "none", "allreduce")
+            other.step(torch.ones(4), "other")
+            other.close()
+    return logged
+
+
+WAYS_IN = ["optimizer", "ddp", "streaming1", "streaming2", "diloco", "sparseloco", "onebit_adam", "zero_one_adam"]
+
+
+@pytest.mark.parametrize("name", WAYS_IN)
+def test_the_users_collectives_and_a_second_grace_run_beside_grace_on_every_way_in(name):
+    logged = run_ranks(beside_users_collectives_job, 2, (name,), timeout=120)
+    assert logged[0] == logged[1] and len(logged[0]) == STEPS  # the ranks' own all_reduce agreed every step
+
+
+def group_job(rank, world):
+    import torch.distributed as dist
+
+    made = grace_dgc.build("none")
+    shared = grace_dgc.build("none", process_group=dist.group.WORLD)
+    made.step(torch.ones(2), "w")
+    out = {
+        "own": made.engine.resolve().group is not dist.group.WORLD and made.engine.resolve().owns_group,
+        "shared": shared.engine.resolve().owns_group,
+    }
+    made.close()
+    try:
+        made.step(torch.ones(2), "w")
+        out["after_close"] = "no error"
+    except grace_dgc.GraceCommError as error:
+        out["after_close"] = str(error)
+    return out
+
+
+def test_a_default_grace_owns_its_group_and_close_releases_it():
+    for out in run_ranks(group_job, 2):
+        assert out["own"] and not out["shared"]
+        assert "Grace.close()" in out["after_close"], out["after_close"]
