@@ -312,7 +312,8 @@ class _Baseline:
     """What a fresh rank process starts a job with, taken before a pooled rank's first job and
     put back before each: the environment, the working directory, the RNG states of torch
     (and CUDA's, reseeded as a fresh process seeds them), random and numpy, torch's thread
-    count, default dtype and determinism flag, and the fused kernels' mode."""
+    count, default dtype and determinism flag, the fused kernels' mode, and the registries
+    (what a job registered is forgotten)."""
 
     def __init__(self) -> None:
         import random
@@ -321,6 +322,7 @@ class _Baseline:
         import torch
 
         from . import kernels
+        from .registry import _REGISTRIES
 
         self.environ, self.cwd = dict(os.environ), os.getcwd()
         self.torch_rng, self.seed = torch.get_rng_state(), torch.initial_seed()
@@ -328,6 +330,7 @@ class _Baseline:
         self.threads, self.dtype = torch.get_num_threads(), torch.get_default_dtype()
         self.deterministic = torch.are_deterministic_algorithms_enabled()
         self.kernels = (kernels._mode, kernels.failure)
+        self.registries = {registry: registry.snapshot() for registry in _REGISTRIES}
 
     def restore(self) -> None:
         import random
@@ -336,6 +339,7 @@ class _Baseline:
         import torch
 
         from . import kernels
+        from .registry import _REGISTRIES
 
         os.environ.clear()
         os.environ.update(self.environ)
@@ -351,6 +355,8 @@ class _Baseline:
         torch.set_default_dtype(self.dtype)
         torch.use_deterministic_algorithms(self.deterministic)
         kernels._mode, kernels.failure = self.kernels
+        for registry in list(_REGISTRIES):  # a plugin a job registered is gone; a registry a job imported is taken now
+            registry.restore(self.registries.setdefault(registry, registry.snapshot()))
 
 
 def _pool_worker(

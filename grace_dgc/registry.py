@@ -18,6 +18,7 @@ import fnmatch
 import importlib.metadata
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic
 
@@ -46,6 +47,9 @@ def reference(obj: object) -> str:
 
 def _dotted(obj: object) -> str:
     return reference(obj).replace(":", ".", 1)
+
+
+_REGISTRIES: weakref.WeakSet[Registry[Any]] = weakref.WeakSet()  # every registry made (see Registry.snapshot)
 
 
 class Registry(Generic[T_co]):
@@ -90,6 +94,22 @@ class Registry(Generic[T_co]):
         # chains, grace_dgc.compressors.chain); it stands in for a registered object. None:
         # such names are unknown
         self.compose: Callable[[list[T_co]], Any] | None = None
+        _REGISTRIES.add(self)
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, str], bool, dict[str, str]]:
+        """What is registered now, for :meth:`restore` (ranks kept up across jobs,
+        :class:`grace_dgc.launch.RankPool`, start each job with the registries a fresh process has)."""
+        return dict(self._entries), dict(self._aliases), self._plugins_loaded, dict(self.broken)
+
+    def restore(self, snapshot: tuple[dict[str, Any], dict[str, str], bool, dict[str, str]]) -> None:
+        """Forget what was registered since ``snapshot`` was taken."""
+        entries, aliases, loaded, broken = snapshot
+        self._entries, self._aliases, self._plugins_loaded, self.broken = (
+            dict(entries),
+            dict(aliases),
+            loaded,
+            dict(broken),
+        )
 
     @property
     def _classes(self) -> dict[str, T_co]:

@@ -834,9 +834,11 @@ def lone_failure_job(rank, world_size, where, failing, communicator="sparse_allr
     ],
 )
 def test_an_error_on_one_rank_reaches_every_rank_named_at_once(world, failing, where, communicator):
-    from ranks import run_ranks
+    from grace_dgc.launch import run_local
 
-    results = run_ranks(lone_failure_job, world, args=(where, failing, communicator), timeout=120)
+    # processes of their own: the failed rank's peers wake when its process ends, as a script's
+    # would after the error; a kept-up rank lives on, and gloo keeps its peers waiting
+    results = run_local(lone_failure_job, world, args=(where, failing, communicator), timeout=120)
     for rank, (kind, message, seconds) in enumerate(results):
         if rank == failing:
             assert kind == "RuntimeError" and "boom" in message, (rank, kind, message)

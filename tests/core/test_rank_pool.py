@@ -7,6 +7,8 @@ import time
 import pytest
 import torch
 
+import grace_dgc
+import grace_dgc.registry
 from grace_dgc.launch import RankPool, run_local
 
 
@@ -32,6 +34,7 @@ def fingerprint(rank, world):
         "kernels": kernels._mode,
         "dtype": str(torch.get_default_dtype()),
         "cwd": os.getcwd(),
+        "compressors": grace_dgc.list_compressors(),
     }
 
 
@@ -52,6 +55,11 @@ def meddle(rank, world, directory):
     torch.set_default_dtype(torch.float64)
     kernels.set_mode("torch")
     os.chdir(directory)
+
+    none = grace_dgc.registry.COMPRESSORS.get("none")
+    grace_dgc.registry.COMPRESSORS.add("pool_test_left_behind", type("LeftBehind", (none,), {}))
+
+    assert "pool_test_left_behind" in grace_dgc.list_compressors()
     return os.getpid()
 
 
@@ -84,8 +92,9 @@ def test_jobs_reuse_the_ranks_and_start_from_a_fresh_process_state(tmp_path):
         assert pool.starts == 1
     assert [r["pid"] for r in first] == [r["pid"] for r in after] == pids  # the same processes
     for a, b, c in zip(fresh, first, after):
-        assert without_pid(a) == without_pid(b) == without_pid(c)  # RNG, threads, env, mode, dtype, cwd
+        assert without_pid(a) == without_pid(b) == without_pid(c)  # RNG, threads, env, mode, dtype, cwd, registries
         assert c["sum"] == 3.0 and c["marker"] is None and c["kernels"] is None
+        assert "pool_test_left_behind" not in c["compressors"]  # what a job registered is forgotten
     for b, c in zip(first, after):  # the generators' states the ranks started with, whatever a job did
         assert b["torch"] == c["torch"] and b["numpy_state"] == c["numpy_state"]
 

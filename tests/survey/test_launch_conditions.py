@@ -103,9 +103,13 @@ def spin(seconds):
 def test_neighbours_counts_other_processes_not_the_runs_own():
     import multiprocessing
 
-    own, alone = time.process_time(), Neighbours()
-    spin(0.5)  # this process's own work: not a neighbour's
-    assert alone.share(time.process_time() - own) < 0.25
+    def alone_share():
+        own, alone = time.process_time(), Neighbours()
+        spin(0.5)  # this process's own work: not a neighbour's
+        return alone.share(time.process_time() - own)
+
+    # the least of three: the machine's other work (a suite beside this one) comes and goes
+    assert min(alone_share() for _ in range(3)) < 0.25
     busy = Neighbours()
     spinner = multiprocessing.get_context("spawn").Process(target=spin, args=(1.5,))
     spinner.start()
