@@ -162,6 +162,7 @@ class TorchEngine(Engine):
         super().__init__()
         self.timeout = check_range("timeout", timeout, 0, low_open=True)
         self.owns_group = False  # see OWN_GROUP
+        self._splits: list[TorchEngine] = []  # engines over the subgroups split() made (closed with this one)
         self._calls = 0
         self._failed = False
         self._broken = None
@@ -372,7 +373,11 @@ class TorchEngine(Engine):
 
     def close(self) -> None:
         """Release the group this engine made for itself (:data:`OWN_GROUP`): gloo's sockets,
-        NCCL's communicator. Not collective; the engine cannot exchange afterwards."""
+        NCCL's communicator. Not collective; the engine cannot exchange afterwards. The subgroups
+        :meth:`split` made (hierarchical's nodes and leaders) go with it, whichever group it runs on."""
+        for engine in self._splits:
+            engine.close()
+        self._splits.clear()
         if self.owns_group and self._broken is None:
             self._broken = "its Grace was closed (Grace.close()), and with it the process group it made for itself"
             try:
@@ -440,7 +445,9 @@ class TorchEngine(Engine):
         if mine is None:
             return None
         engine = TorchEngine(mine, timeout=self.timeout)
+        engine.owns_group = True  # made here for this engine: released by close()
         engine.traffic = self.traffic  # a subgroup's bytes are this rank's bytes
+        self._splits.append(engine)
         return engine
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:

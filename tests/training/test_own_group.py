@@ -99,10 +99,18 @@ def group_job(rank, world):
         out["after_close"] = "no error"
     except grace_dgc.GraceCommError as error:
         out["after_close"] = str(error)
+    groups = dist.distributed_c10d._world.pg_map
+    before = len(groups)  # hierarchical's nodes and leaders, on the default group: released with their Grace
+    tiered = grace_dgc.build("none", "none", "hierarchical", group_size=1, process_group=dist.group.WORLD)
+    out["tiered"] = tiered.step(torch.full((2,), float(rank)), "w").tolist()
+    out["split_groups"] = len(groups) - before
+    tiered.close()
+    out["left_after_close"] = len(groups) - before
     return out
 
 
-def test_a_default_grace_owns_its_group_and_close_releases_it():
+def test_a_default_grace_owns_its_group_and_close_releases_it_and_its_subgroups():
     for out in run_ranks(group_job, 2):
         assert out["own"] and not out["shared"]
         assert "Grace.close()" in out["after_close"], out["after_close"]
+        assert out["tiered"] == [0.5, 0.5] and out["split_groups"] > 0 and out["left_after_close"] == 0, out
