@@ -137,15 +137,12 @@ def _worker(
     args: Sequence[object],
     results: SimpleQueue[tuple[int, bool, bytes | str]],
     pooled: bool = False,
-    keep_group: bool = False,
+    store: Any = None,
 ) -> None:
-    """One rank of one job: its process group on ``port``, ``fn``, the process group torn down;
-    the result (or the traceback) put on ``results``. ``pooled``: the process lives on after the
-    job, so rank 0, which hosts the job's store, keeps it up until every rank has finished (a rank
-    that exits keeps it up at exit, for a bounded time: see the torch engine's ``_at_exit``); a
-    rank still reading the store in a diagnosis would otherwise fail on a store that is gone.
-    ``keep_group``: the default group of the rank's first job serves every later one (its
-    set-up and teardown cost ~0.4 s a job); only the groups a job made are destroyed after it."""
+    """One rank of one job: its process group on ``port`` (rank 0 hosts the store) or on
+    ``store``, ``fn``, the process group torn down; the result (or the traceback) put on
+    ``results``. ``pooled``: the process lives on after the job (:class:`RankPool`, whose own
+    store the job's prefix is), so the job's end is said as a rank's exit would say it."""
     import torch.distributed as dist
 
     os.environ.update(
@@ -159,8 +156,7 @@ def _worker(
         torch.set_num_threads(threads_per_rank(world_size))
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        if not (keep_group and dist.is_initialized()):
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, store=store)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -170,26 +166,15 @@ def _worker(
         outcome: tuple[int, bool, bytes | str] = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
     except BaseException:
         outcome = (rank, False, traceback.format_exc())
-    if keep_group:
-        _break_subgroups()
-        results.put(outcome)
-        return
     try:
-        store = dist.distributed_c10d._get_default_store()
         if pooled:
             from .engines.torch_engine import leave
 
             leave()  # the job's end is this rank's exit for its ranks: they learn it left, not guess
             _break_subgroups()
-            _best_effort(lambda: store.set(f"{POOL_DONE_KEY}{rank}", "1"))
         results.put(outcome)
-        if pooled and rank == 0:  # until every rank has finished (the pool kills a job that hangs)
-            _best_effort(lambda: store.wait([f"{POOL_DONE_KEY}{r}" for r in range(world_size)], timedelta(days=1)))
     finally:
         dist.destroy_process_group()
-
-
-POOL_DONE_KEY = "grace_pool_job_done/"
 
 
 def _break_subgroups() -> None:
@@ -365,17 +350,27 @@ def _pool_worker(
     backend: str,
     jobs: SimpleQueue[tuple[int, Callable[..., object], Sequence[object]] | None],
     results: SimpleQueue[tuple[int, bool, bytes | str]],
-    keep_group: bool = False,
+    port: int = 0,
 ) -> None:
-    """A pooled rank: job after job as :func:`_worker` runs one, from the same starting state."""
+    """A pooled rank: job after job as :func:`_worker` runs one, from the same starting state,
+    each on its own prefix of the pool's store (hosted by the pool on ``port``: a job's process
+    group starts with no store to bring up and no race to connect to it)."""
     import gc
 
+    import torch.distributed as dist
+
+    pool_store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     baseline = _Baseline()
+    gc.collect()
+    gc.freeze()  # what the rank holds before its first job: not traversed again by each job's collect
     while (job := jobs.get()) is not None:
-        port, fn, args = job
+        number, fn, args = job
         baseline.restore()
-        _worker(rank, world_size, port, backend, fn, args, results, pooled=True, keep_group=keep_group)
+        store = dist.PrefixStore(f"job{number}/", pool_store)
+        _worker(rank, world_size, port, backend, fn, args, results, pooled=True, store=store)
+        del store
         gc.collect()  # the job's objects (and the threads they own) go before the next starts
+        gc.freeze()  # and what it left for good (modules it imported) is not traversed again
 
 
 POOL_ENGINES = ("torch", "horovod")
@@ -392,36 +387,40 @@ class RankPool:
             for cell in cells:
                 pool.run(train_cell, (cell,))
 
-    ``engine="torch"``: spawned ranks, each job on a process group of its own (``backend``);
-    ``keep_group=True``: every job on the default group of the first (for many small jobs that
-    all succeed, as a property test's examples: ~0.4 s of set-up and teardown a job saved).
+    ``engine="torch"``: spawned ranks, each job on a process group of its own (``backend``)
+    over a store the pool hosts (a job's set-up and teardown: ~0.02 s on 2 cores);
     ``engine="horovod"``: ranks under ``horovodrun -np N --gloo`` (Horovod is initialised once
     per rank, as a Horovod script does; it cannot start again in one process).
     """
 
-    def __init__(self, world_size: int, backend: str = "gloo", engine: str = "torch", keep_group: bool = False) -> None:
+    def __init__(self, world_size: int, backend: str = "gloo", engine: str = "torch") -> None:
         from .errors import check_choice
 
         check_choice("RankPool engine", engine, POOL_ENGINES)
         self.world_size, self.backend, self.engine = world_size, backend, engine
-        self.keep_group = keep_group
         self.starts = 0  # how many times ranks were started (1 + one per failed job)
         self._procs: list[Any] = []
         self._jobs: list[Any] = []
         self._results: Any = None
+        self._store: Any = None  # the jobs' store (torch engine), hosted here for the pool's life
+        self._jobs_run = 0  # each job's keys go under a prefix of their own
 
     def _start(self) -> None:
         if self.engine == "horovod":
             self._procs, self._jobs, self._results = _start_horovodrun(self.world_size)
             self.starts += 1
             return
+        if self._store is None:
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         ctx = mp.get_context("spawn")
         self._results = ctx.SimpleQueue()
         self._jobs = [ctx.SimpleQueue() for _ in range(self.world_size)]
         self._procs = [
             ctx.Process(
                 target=_pool_worker,
-                args=(r, self.world_size, self.backend, self._jobs[r], self._results, self.keep_group),
+                args=(r, self.world_size, self.backend, self._jobs[r], self._results, self._store.port),
             )
             for r in range(self.world_size)
         ]
@@ -434,9 +433,9 @@ class RankPool:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close(clean=False)
             self._start()
-        port = free_port()
+        self._jobs_run += 1
         for jobs in self._jobs:
-            jobs.put((port, fn, tuple(args)))
+            jobs.put((self._jobs_run, fn, tuple(args)))
         try:
             collected, failures = _collect(self._results, self._procs, self.world_size, timeout)
         except BaseException:  # interrupted (Ctrl-C, a test's time limit): its ranks are mid-job
@@ -455,7 +454,7 @@ class RankPool:
         _stop(self._procs, clean=clean)
         if isinstance(self._results, _Connections):
             self._results.close()
-        self._procs, self._jobs = [], []
+        self._procs, self._jobs, self._store = [], [], None
 
     def __enter__(self) -> RankPool:
         return self
@@ -578,8 +577,10 @@ def _horovod_pool_rank(port: int) -> None:
     conn = Connection(socket.create_connection(("127.0.0.1", port)).detach())
     conn.send_bytes(pickle.dumps(hvd.rank()))
     baseline = _Baseline()
+    gc.collect()
+    gc.freeze()  # as _pool_worker does
     while (job := pickle.loads(conn.recv_bytes())) is not None:
-        _port, fn, args = job
+        _number, fn, args = job
         baseline.restore()
         try:
             result: tuple[int, bool, bytes | str] = (hvd.rank(), True, pickle.dumps(fn(hvd.rank(), hvd.size(), *args)))
@@ -587,4 +588,5 @@ def _horovod_pool_rank(port: int) -> None:
             result = (hvd.rank(), False, traceback.format_exc())
         conn.send_bytes(pickle.dumps(result))
         gc.collect()
+        gc.freeze()
     hvd.shutdown()

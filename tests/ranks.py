@@ -3,7 +3,7 @@
 ``run_ranks(fn, world_size, args)`` has :func:`grace_dgc.launch.run_local`'s contract (results
 in rank order, a rank's traceback raised, ``timeout`` enforced) but runs on a
 :class:`grace_dgc.launch.RankPool` per (world size, backend), started at its first use and
-closed at the end of the session: a job costs a process group's set-up (~0.3 s), not a start of
+closed at the end of the session: a job costs a process group's set-up (~0.02 s), not a start of
 processes and a torch import per rank (17-26 s on 2 cores). Each job starts from what a fresh
 rank would find (the pool's baseline: RNG, threads, dtype, kernels' mode) and, as a spawned
 child would, from the caller's environment, working directory and import path at the call.
@@ -31,18 +31,18 @@ from grace_dgc.launch import RankPool, rank_environment
 
 T = TypeVar("T")
 
-_POOLS: dict[tuple[int, str, str, bool], RankPool] = {}
+_POOLS: dict[tuple[int, str, str], RankPool] = {}
 FAST: dict[str, Any] = {"on": False, "item": None}  # set by conftest.py: the tier, the running test
 # set by the rank's worker or launcher (and HOROVOD_*), so never taken from the caller's environment
 _RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
-def pool(world_size: int, backend: str = "gloo", engine: str = "torch", keep_group: bool = False) -> RankPool:
+def pool(world_size: int, backend: str = "gloo", engine: str = "torch") -> RankPool:
     """The session's pool of ``world_size`` ranks on ``backend`` (``engine="horovod"``: under
-    horovodrun; ``keep_group``: one default group for every job, see RankPool)."""
-    key = (world_size, backend, engine, keep_group)
+    horovodrun)."""
+    key = (world_size, backend, engine)
     if key not in _POOLS:
-        _POOLS[key] = RankPool(world_size, backend, engine, keep_group)
+        _POOLS[key] = RankPool(world_size, backend, engine)
     return _POOLS[key]
 
 
@@ -53,13 +53,12 @@ def run_ranks(
     backend: str = "gloo",
     timeout: float = 300,
     engine: str = "torch",
-    keep_group: bool = False,
 ) -> list[T]:
     """``[fn(rank, world_size, *args) for each rank]`` on the session's kept-up ranks."""
     skip_unless_fast("a multi-rank case")
     environ = {**os.environ, **rank_environment(world_size)}
     job = pickle.dumps((fn, tuple(args)))
-    return pool(world_size, backend, engine, keep_group).run(
+    return pool(world_size, backend, engine).run(
         _as_spawned, (job, environ, os.getcwd(), list(sys.path)), timeout=timeout
     )
 

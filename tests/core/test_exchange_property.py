@@ -245,7 +245,7 @@ def world(request):
 @given(case=CASE)
 def test_every_communicator_gives_the_exact_average_of_what_was_sent(world, case):
     # one default group for every example: hundreds of small jobs that all answer
-    results = run_ranks(case_job, world, (case,), timeout=120, keep_group=True)
+    results = run_ranks(case_job, world, (case,), timeout=120)
     assert all(r.get("engine", "torch") == "torch" for r in results)
     check(case, results, world)
 
