@@ -117,31 +117,55 @@ def mutate(target: str, path: str, line: str, mutated: str) -> None:
     open(file, "w").write(text.replace(line, mutated))
 
 
-def run(tier: str, only: set[int] | None, timeout: float) -> int:
+def pytest_in(target: str, tier: str, timeout: float) -> tuple[str, float, str]:
+    """Run the tier in ``target``: ("failed" | "passed" | "hung" | "broken", seconds, last line).
+    Only failing tests count as a catch: pytest's exit status 1. A collection or usage error
+    (2-4) is "broken", the copy's fault, never a catch."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header"]
+    cmd += ["--fast"] if tier == "fast" else []
+    env = dict(os.environ, PYTHONPATH=target, GRACE_PROPERTY_EXAMPLES=os.environ.get("GRACE_PROPERTY_EXAMPLES", "20"))
+    where = subprocess.run(
+        [sys.executable, "-c", "import grace_dgc; print(grace_dgc.__file__)"],
+        cwd=target,
+        env=env,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not where.startswith(target):  # an installed grace_dgc would be tested, not the mutant
+        raise SystemExit(f"mutate: the copy imports grace_dgc from {where!r}, not {target!r}")
+    started = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=target, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "hung", time.monotonic() - started, f"no verdict within {timeout:.0f} s"
+    verdict = {0: "passed", 1: "failed"}.get(done.returncode, "broken")
+    lines = [line for line in done.stdout.strip().splitlines() if line.startswith(("FAILED", "ERROR"))]
+    last = (lines or done.stdout.strip().splitlines()[-1:] or [""])[0]
+    return verdict, time.monotonic() - started, last
+
+
+def run(tier: str, only: set[int] | None, timeout: float, baseline: bool) -> int:
+    if baseline:  # the unmutated copy must pass, or a catch means nothing
+        with tempfile.TemporaryDirectory(prefix="grace_mutant_") as target:
+            copy_tree(target)
+            verdict, seconds, last = pytest_in(target, tier, timeout)
+        print(f" 0. the unmutated copy: {verdict} in {seconds:5.0f} s  [{last[:110]}]", flush=True)
+        if verdict != "passed":
+            raise SystemExit("mutate: the unmutated copy does not pass its tier: fix that first")
     caught = 0
     chosen = [(i, m) for i, m in enumerate(MUTATIONS, 1) if only is None or i in only]
     for i, (path, line, mutated, what) in chosen:
         with tempfile.TemporaryDirectory(prefix="grace_mutant_") as target:
             copy_tree(target)
             mutate(target, path, line, mutated)
-            cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header"]
-            cmd += ["--fast"] if tier == "fast" else []
-            env = dict(
-                os.environ, PYTHONPATH=target, GRACE_PROPERTY_EXAMPLES=os.environ.get("GRACE_PROPERTY_EXAMPLES", "20")
-            )
-            started = time.monotonic()
-            try:
-                done = subprocess.run(cmd, cwd=target, env=env, capture_output=True, text=True, timeout=timeout)
-                failed, tail = done.returncode != 0, done.stdout.strip().splitlines()[-1:] or [""]
-            except subprocess.TimeoutExpired:
-                failed, tail = True, [f"no verdict within {timeout:.0f} s (counted as caught: a hang fails CI)"]
-            seconds = time.monotonic() - started
-        caught += failed
-        first = next((t for t in tail if t), "")
+            verdict, seconds, last = pytest_in(target, tier, timeout)
+        if verdict == "broken":
+            raise SystemExit(f"mutate: mutation {i} broke the copy, not a test ({last}): fix MUTATIONS")
+        caught += verdict != "passed"  # a hang fails CI too
         print(
-            f"{i:2d}. {'caught' if failed else 'MISSED'} in {seconds:5.0f} s  {path}: {what}  [{first[:90]}]",
-            flush=True,
+            f"{i:2d}. {'caught' if verdict != 'passed' else 'MISSED'} ({verdict}) in {seconds:5.0f} s  {path}: {what}"
         )
+        print(f"      [{last[:110]}]", flush=True)
     print(f"mutate: the {tier} tier caught {caught} of {len(chosen)}")
     return caught
 
@@ -152,9 +176,10 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated mutation numbers (1-based)")
     parser.add_argument("--at-least", type=int, help="exit 1 when fewer are caught (default: all for full, 8 for fast)")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated copy's run")
     args = parser.parse_args()
     only = {int(x) for x in args.only.split(",")} if args.only else None
-    caught = run(args.tier, only, args.timeout)
+    caught = run(args.tier, only, args.timeout, baseline=not args.no_baseline)
     total = len(only) if only else len(MUTATIONS)
     bar = args.at_least if args.at_least is not None else (total if args.tier == "full" or only else min(8, total))
     sys.exit(0 if caught >= bar else 1)
