@@ -216,7 +216,7 @@ class DistributedOptimizer(WrappingOptimizer):
         self._joining: _Join | None = None  # inside join(): see there
         # before any hook is registered: a memory that refuses this optimizer leaves nothing behind
         self._attach_memory()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._names]
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self._on_grad_ready)) for p in self._names]
         # ranks compare every bucket at the first exchange, not bucket by bucket as they come
         grace.wrapper = {"backward_passes_per_step": backward_passes_per_step, "fusion_bytes": fusion_bytes}
         grace.expect_groups([[(self._names[p], p) for p in bucket] for bucket in self._buckets])
@@ -499,6 +499,22 @@ class DistributedOptimizer(WrappingOptimizer):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, {self.grace!r})"
+
+
+def _weak_hook(method: Callable[[torch.nn.Parameter], None]) -> Callable[[torch.nn.Parameter], None]:
+    """``method`` as a parameter's hook that does not keep its object alive. autograd holds a
+    tensor's hooks where the garbage collector cannot see, so a hook bound to the wrapper made a
+    cycle (parameter -> hook -> wrapper -> optimizer -> parameter) that was never freed: every
+    wrapper a process dropped kept its model, its Grace and the Grace's process groups (gloo's
+    threads), and its hooks went on firing. A dropped wrapper's hooks do nothing."""
+    weak = weakref.WeakMethod(method)
+
+    def hook(param: torch.nn.Parameter) -> None:
+        bound = weak()
+        if bound is not None:
+            bound(param)
+
+    return hook
 
 
 class _Join:

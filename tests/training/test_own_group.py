@@ -114,3 +114,26 @@ def test_a_default_grace_owns_its_group_and_close_releases_it_and_its_subgroups(
         assert out["own"] and not out["shared"]
         assert "Grace.close()" in out["after_close"], out["after_close"]
         assert out["tiered"] == [0.5, 0.5] and out["split_groups"] > 0 and out["left_after_close"] == 0, out
+
+
+def test_a_dropped_distributed_optimizer_is_freed_with_its_grace_and_its_hooks_go_quiet():
+    """Autograd holds a parameter's hooks where the garbage collector cannot see: a hook bound to
+    the wrapper kept every dropped wrapper, its Grace and the Grace's process groups alive (and
+    its hooks exchanging) for the life of the process."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    grace = grace_dgc.build("topk", "residual", "allgather", engine="local", compress_ratio=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapper = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    wrapper.step()
+    alive = [weakref.ref(wrapper), weakref.ref(grace)]
+    del wrapper, grace
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
+    optimizer.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()  # the dropped wrapper's hooks do nothing: plain autograd
+    assert torch.equal(model.bias.grad, torch.full((3,), 2.0))
