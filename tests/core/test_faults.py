@@ -8,7 +8,6 @@ import math
 import os
 import queue
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -418,50 +417,106 @@ def quick_processes():
     return ctx
 
 
+class SideBySide:
+    """Scenarios started ahead of their tests, ``width`` at a time, each on processes of its own
+    (a rank is killed or stopped). A scenario mostly waits (the collective timeout, then the
+    survivors' meeting in the store), so a few side by side take the matrix from ~9 s a case
+    to about a third; each test still reads and asserts its own scenario's reports."""
+
+    def __init__(self, ctx, width):
+        self.ctx, self.width = ctx, width
+        self.pending, self.running, self.done = [], {}, {}
+
+    def add(self, key, job, world, args, survivors):
+        self.pending.append((key, job, world, args, survivors))
+
+    def _start(self, key, job, world, args, survivors):
+        results, port = self.ctx.SimpleQueue(), free_port()
+        procs = [self.ctx.Process(target=job, args=(r, world, port, results, *args), daemon=True) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        self.running[key] = (procs, results, survivors, {}, time.monotonic() + 60)
+
+    def _poll(self):
+        for key, (procs, results, survivors, got, deadline) in list(self.running.items()):
+            while not results.empty():
+                rank, *report = results.get()
+                got[rank] = tuple(report)
+            if len(got) >= len(survivors) or time.monotonic() > deadline:
+                self._end(procs)
+                self.done[key] = got
+                del self.running[key]
+        while self.pending and len(self.running) < self.width:
+            self._start(*self.pending.pop(0))
+
+    def reports(self, key):
+        """{rank: what it reported} of the scenario ``key``, once every survivor reported (or 60 s
+        after the scenario started)."""
+        while key not in self.done:
+            if key not in self.running and all(p[0] != key for p in self.pending):
+                raise KeyError(f"scenario {key} was never added")
+            self._poll()
+            time.sleep(0.05)
+        return self.done.pop(key)
+
+    @staticmethod
+    def _end(procs):
+        for proc in procs:  # a stopped victim too
+            proc.kill()
+            proc.join(5)
+
+    def close(self):
+        for procs, *_ in self.running.values():
+            self._end(procs)
+        self.pending, self.running = [], {}
+
+
+def side_by_side(request, ctx, test, scenario):
+    """A SideBySide of the selected cases of ``test``: ``scenario(params)`` gives a case's
+    (key, job, world, args, survivors)."""
+    scenarios = SideBySide(ctx, width=3)
+    for item in request.session.items:
+        if getattr(item, "originalname", "") == test:
+            scenarios.add(*scenario(item.callspec.params))
+    return scenarios
+
+
+@pytest.fixture(scope="module")
+def victim_scenarios(quick_processes, request):
+    """The selected cases of the matrix below, 3 side by side (see SideBySide)."""
+
+    def scenario(params):
+        world, comm, how, victim = (params[k] for k in ("world", "comm", "how", "victim"))
+        survivors = [r for r in range(world) if r != victim]
+        return (world, comm, how, victim), failing_rank_job, world, (how, comm, victim), survivors
+
+    scenarios = side_by_side(
+        request, quick_processes, "test_a_rank_that_stops_or_dies_is_named_by_every_survivor", scenario
+    )
+    yield scenarios
+    scenarios.close()
+
+
 @pytest.mark.launches
 @pytest.mark.parametrize("world, comm, how, victim", VICTIM_CASES, ids=lambda v: str(v))
-def test_a_rank_that_stops_or_dies_is_named_by_every_survivor(quick_processes, world, comm, how, victim):
+def test_a_rank_that_stops_or_dies_is_named_by_every_survivor(victim_scenarios, world, comm, how, victim):
     """Issue 26: every rank position (rank 0, which hosts the store, included), SIGSTOP and
     SIGKILL, 3 and 4 ranks, every communicator. Each survivor names the victim; when the
     victim is rank 0 a survivor may not be able to tell (the store died with it) and then
     says so, pointing at rank 0; a rank that answered is never blamed."""
     survivors = [r for r in range(world) if r != victim]
-    with survivors_reports(quick_processes, failing_rank_job, world, (how, comm, victim), survivors) as got:
-        for rank, (message,) in got.items():
-            assert f"failed on rank {rank} of {world}" in message, message
-            named = f"rank {victim} did not answer" in message
-            if victim == 0:  # the store died with rank 0: a survivor may only be able to say that
-                named = named or "the store (hosted by rank 0)" in message
-            assert named, message
-            for other in survivors:
-                assert f"rank {other} did not answer" not in message, message
-            if victim != 0:
-                assert "the store (hosted by rank 0)" not in message, message
-
-
-@contextmanager
-def survivors_reports(ctx, job, world, args, survivors):
-    """Start ``job(rank, world, port, results, *args)`` on ``world`` processes of ``ctx``, yield
-    {rank: what it reported} once every survivor reported (asserted within 60 s), and kill
-    every process on the way out (a stopped victim too)."""
-    results, port = ctx.SimpleQueue(), free_port()
-    procs = [ctx.Process(target=job, args=(r, world, port, results, *args), daemon=True) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        got, deadline = {}, time.monotonic() + 60
-        while len(got) < len(survivors) and time.monotonic() < deadline:
-            if results.empty():
-                time.sleep(0.05)
-                continue
-            rank, *report = results.get()
-            got[rank] = tuple(report)
-        assert sorted(got) == survivors, f"survivors did not report within 60 s: {got}"
-        yield got
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.join(5)
+    got = victim_scenarios.reports((world, comm, how, victim))
+    assert sorted(got) == survivors, f"survivors did not report within 60 s: {got}"
+    for rank, (message,) in got.items():
+        assert f"failed on rank {rank} of {world}" in message, message
+        named = f"rank {victim} did not answer" in message
+        if victim == 0:  # the store died with rank 0: a survivor may only be able to say that
+            named = named or "the store (hosted by rank 0)" in message
+        assert named, message
+        for other in survivors:
+            assert f"rank {other} did not answer" not in message, message
+        if victim != 0:
+            assert "the store (hosted by rank 0)" not in message, message
 
 
 def optimizer_victim_job(rank, world_size, port, results, how, comm, victim, where, way="optimizer"):
@@ -530,6 +585,22 @@ def optimizer_victim_job(rank, world_size, port, results, how, comm, victim, whe
     time.sleep(120)  # stay up: see failing_rank_job
 
 
+@pytest.fixture(scope="module")
+def lost_rank_scenarios(quick_processes, request):
+    """The selected cases below, 3 side by side (see SideBySide)."""
+
+    def scenario(params):
+        key = tuple(params[k] for k in ("comm", "how", "victim", "where", "way"))
+        comm, how, victim, where, way = key
+        return key, optimizer_victim_job, 3, (how, comm, victim, where, way), [r for r in range(3) if r != victim]
+
+    scenarios = side_by_side(
+        request, quick_processes, "test_a_lost_rank_is_named_at_once_by_an_optimizer_of_many_groups", scenario
+    )
+    yield scenarios
+    scenarios.close()
+
+
 @pytest.mark.launches
 @pytest.mark.parametrize(
     "comm, how, victim, where, way",
@@ -542,19 +613,22 @@ def optimizer_victim_job(rank, world_size, port, results, how, comm, victim, whe
         ("allgather", "stop", 1, "last_group", "ddp"),
     ],
 )
-def test_a_lost_rank_is_named_at_once_by_an_optimizer_of_many_groups(quick_processes, comm, how, victim, where, way):
+def test_a_lost_rank_is_named_at_once_by_an_optimizer_of_many_groups(
+    lost_rank_scenarios, comm, how, victim, where, way
+):
     """A broken group fails every later collective at once: the survivors hear of the loss
     within one collective timeout and one meeting (2 s + 7 s here), not one per group
     (12 × 7 s), whichever thread runs the exchange (the step's last group runs on the
     caller's thread). Before the fix no survivor reported within 60 s."""
     survivors = [r for r in range(3) if r != victim]
-    with survivors_reports(quick_processes, optimizer_victim_job, 3, (how, comm, victim, where, way), survivors) as got:
-        for rank, (message, seconds) in got.items():
-            assert f"rank {victim} did not answer" in message, message
-            other = ({0, 1, 2} - {rank, victim}).pop()
-            assert f"rank {other} did not answer" not in message, message
-            # a liveness bound, far from the old behaviour's ~84 s: a second group's meeting is one too many
-            assert seconds < 2 * (2 + 7), (seconds, message)
+    got = lost_rank_scenarios.reports((comm, how, victim, where, way))
+    assert sorted(got) == survivors, f"survivors did not report within 60 s: {got}"
+    for rank, (message, seconds) in got.items():
+        assert f"rank {victim} did not answer" in message, message
+        other = ({0, 1, 2} - {rank, victim}).pop()
+        assert f"rank {other} did not answer" not in message, message
+        # a liveness bound, far from the old behaviour's ~84 s: a second group's meeting is one too many
+        assert seconds < 2 * (2 + 7), (seconds, message)
 
 
 # -- non-finite gradients ------------------------------------------------------------------
