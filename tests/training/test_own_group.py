@@ -116,24 +116,46 @@ def test_a_default_grace_owns_its_group_and_close_releases_it_and_its_subgroups(
         assert out["tiered"] == [0.5, 0.5] and out["split_groups"] > 0 and out["left_after_close"] == 0, out
 
 
-def test_a_dropped_distributed_optimizer_is_freed_with_its_grace_and_its_hooks_go_quiet():
-    """Autograd holds a parameter's hooks where the garbage collector cannot see: a hook bound to
-    the wrapper kept every dropped wrapper, its Grace and the Grace's process groups alive (and
-    its hooks exchanging) for the life of the process."""
-    import gc
-    import weakref
+def dropped_way_in(name):
+    """A way in over a local Grace, trained 4 steps: (model, wrapper, grace)."""
+    from grace_dgc.adam import OneBitAdam, ZeroOneAdam
+    from grace_dgc.schedules import DiLoCo
+    from grace_dgc.streaming import StreamingDiLoCo, streaming_grace
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    grace = grace_dgc.build("topk", "residual", "allgather", engine="local", compress_ratio=0.5)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    wrapper = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_parameters())
-    model(torch.ones(2, 4)).sum().backward()
-    wrapper.step()
+    sign = ("efsignsgd", "residual", "reduce_scatter")
+    made = {
+        "optimizer": lambda: (grace_dgc.DistributedOptimizer, torch.optim.SGD, ("topk", "residual", "allgather"), {}),
+        "diloco": lambda: (DiLoCo, torch.optim.SGD, ("none",), {"inner_steps": 2}),
+        "streaming": lambda: (StreamingDiLoCo, torch.optim.SGD, None, {"inner_steps": 2, "fragments": 1}),
+        "onebit_adam": lambda: (OneBitAdam, torch.optim.Adam, sign, {"freeze_step": 2}),
+        "zero_one_adam": lambda: (ZeroOneAdam, torch.optim.Adam, sign, {"var_freeze_step": 2}),
+    }
+    wrapper_class, optimizer_class, parts, settings = made[name]()
+    params = {"compress_ratio": 0.5} if name == "optimizer" else {"scale": "rms"} if parts == sign else {}
+    grace = streaming_grace(engine="local") if parts is None else grace_dgc.build(*parts, engine="local", **params)
+    wrapper = wrapper_class(optimizer_class(model.parameters(), lr=0.01), grace, model.named_parameters(), **settings)
+    for _ in range(4):
+        wrapper.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        wrapper.step()
+    return model, wrapper, grace
+
+
+@pytest.mark.parametrize("name", ["optimizer", "diloco", "streaming", "onebit_adam", "zero_one_adam"])
+def test_a_dropped_way_in_is_freed_with_its_grace(name):
+    """Autograd holds a parameter's hooks where the garbage collector cannot see: a hook bound to
+    the DistributedOptimizer kept every dropped wrapper, its Grace and the Grace's process groups
+    alive (and its hooks exchanging) for the life of the process. No way in may keep them."""
+    import gc
+    import weakref
+
+    model, wrapper, grace = dropped_way_in(name)
     alive = [weakref.ref(wrapper), weakref.ref(grace)]
     del wrapper, grace
     gc.collect()
     assert [ref() for ref in alive] == [None, None]
-    optimizer.zero_grad()
-    model(torch.ones(2, 4)).sum().backward()  # the dropped wrapper's hooks do nothing: plain autograd
+    model.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()  # a dropped wrapper's hooks do nothing: plain autograd
     assert torch.equal(model.bias.grad, torch.full((3,), 2.0))
