@@ -507,12 +507,12 @@ def _weak_hook(method: Callable[[torch.nn.Parameter], None]) -> Callable[[torch.
     cycle (parameter -> hook -> wrapper -> optimizer -> parameter) that was never freed: every
     wrapper a process dropped kept its model, its Grace and the Grace's process groups (gloo's
     threads), and its hooks went on firing. A dropped wrapper's hooks do nothing."""
-    weak = weakref.WeakMethod(method)
+    owner, function = weakref.ref(method.__self__), method.__func__  # type: ignore[attr-defined]
 
     def hook(param: torch.nn.Parameter) -> None:
-        bound = weak()
-        if bound is not None:
-            bound(param)
+        obj = owner()
+        if obj is not None:
+            function(obj, param)
 
     return hook
 
