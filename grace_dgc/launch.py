@@ -340,8 +340,11 @@ class _Baseline:
         torch.set_default_dtype(self.dtype)
         torch.use_deterministic_algorithms(self.deterministic)
         kernels._mode, kernels.failure = self.kernels
-        for registry in list(_REGISTRIES):  # a plugin a job registered is gone; a registry a job imported is taken now
-            registry.restore(self.registries.setdefault(registry, registry.snapshot()))
+        for registry in list(_REGISTRIES):  # a plugin a job registered is gone
+            if registry in self.registries:
+                registry.restore(self.registries[registry])
+            else:  # a registry a job imported: as that job left it
+                self.registries[registry] = registry.snapshot()
 
 
 def _pool_worker(
@@ -402,7 +405,7 @@ class RankPool:
         self._procs: list[Any] = []
         self._jobs: list[Any] = []
         self._results: Any = None
-        self._store: Any = None  # the jobs' store (torch engine), hosted here for the pool's life
+        self._store: Any = None  # the jobs' store (torch engine), hosted here while its ranks are up
         self._jobs_run = 0  # each job's keys go under a prefix of their own
 
     def _start(self) -> None:
@@ -410,10 +413,9 @@ class RankPool:
             self._procs, self._jobs, self._results = _start_horovodrun(self.world_size)
             self.starts += 1
             return
-        if self._store is None:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
-            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         ctx = mp.get_context("spawn")
         self._results = ctx.SimpleQueue()
         self._jobs = [ctx.SimpleQueue() for _ in range(self.world_size)]
