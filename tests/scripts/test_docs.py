@@ -108,3 +108,20 @@ def test_the_readme_and_getting_started_print_the_same_set_up_and_quickstart():
     readme, page = (ROOT / "README.md").read_text(), (ROOT / "docs" / "getting-started.md").read_text()
     shared = [m.group(0) for m in FENCE.finditer(readme)][:2]  # the set-up commands and the quickstart
     assert len(shared) == 2 and all(block in page for block in shared)
+
+
+def set_up_commands(text):
+    """The ``make`` targets of a page's first ``bash`` block (its set-up), in the order printed."""
+    block = next(m.group(2) for m in FENCE.finditer(text) if m.group(1) == "bash")
+    return [line.split()[1] for line in block.splitlines() if line.startswith("make ")]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_the_set_up_starts_with_the_main_job_then_the_fast_tests_then_the_whole_suite(page):
+    """A newcomer starts with ``make survey`` (it builds the environment and runs the main job),
+    then ``make test-fast``; ``make test``, the whole suite, comes last (CI runs it: .ci/run)."""
+    text = (ROOT / page).read_text()
+    assert set_up_commands(text) == ["survey", "test-fast", "test"], set_up_commands(text)
+    prose = " ".join(text[text.index("## Set-up") :].split("```")[2].split())  # the paragraph after the block
+    assert "`make survey` alone builds the environment and runs the main job" in prose, prose[:300]
+    assert "make test\n" in (ROOT / ".ci" / "run").read_text()  # the README's test command is CI's
