@@ -3,6 +3,7 @@
 or built from stated assumptions instead of a survey (:func:`assumed_methods`, Streaming
 DiLoCo's bandwidth simulation)."""
 
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -77,9 +78,25 @@ def assumed_methods(
 
 
 # -- from a survey directory ---------------------------------------------------------------
+#: a method's own compute is flagged when it is further than this many robust standard
+#: deviations (1.4826 · MAD) of the workload's runs from their median, and more than
+#: ``COMPUTE_FLOOR`` of it: the runs of one model do the same forward and backward, so a
+#: difference beyond the runs' noise is the machine or the method's own work on the
+#: training thread (e.g. the DDP hook compressing inside the backward), not compression
+COMPUTE_SIGMAS = 3.0
+COMPUTE_FLOOR = 0.10
+
+
 def measured_methods(records: Sequence[dict[str, Any]]) -> list[Method]:
     """One entry per method label: mean over seeds of its unshaped runs at the largest
-    measured worker count (shaped runs are used only when there is no unshaped one)."""
+    measured worker count (shaped runs are used only when there is no unshaped one).
+
+    Every method of a workload is projected on the **same compute** ``compute_s``: the median
+    forward + backward of all the workload's runs at that worker count (every method, every
+    seed: :func:`shared_compute`). A method changes the exchange, not the model's compute,
+    and one run's compute on a busy machine is noise (2.5–11.6 ms for the same model in one
+    survey). The method's own measurement stays beside it (``own_compute_s``), with the
+    workload's spread (``compute``) and ``compute_flagged`` when it lies outside that noise."""
     runs = latest_summaries(records)
     if not runs:
         raise GraceConfigError("no finished runs (summary lines) in this directory; run `grace-dgc survey` first")
@@ -87,10 +104,13 @@ def measured_methods(records: Sequence[dict[str, Any]]) -> list[Method]:
     by_label: dict[str, list[dict[str, Any]]] = {}
     for run in local:
         by_label.setdefault(run["label"], []).append(run)
-    methods = []
+    chosen = {}
     for label, rows in by_label.items():
         workers = max(r["workers"] for r in rows)
-        rows = [r for r in rows if r["workers"] == workers]
+        chosen[label] = [r for r in rows if r["workers"] == workers]
+    shared = shared_compute([r for rows in chosen.values() for r in rows])
+    methods = []
+    for label, rows in chosen.items():
         keys = (
             "compute_s",
             "compress_s",
@@ -109,18 +129,51 @@ def measured_methods(records: Sequence[dict[str, Any]]) -> list[Method]:
             rounds = COMPRESSORS.get(rows[0]["compressor"]).rounds
         except GraceConfigError:
             rounds = 1
+        reference = shared[_workload_key(rows[0])]
+        own = mean["compute_s"]
         methods.append(
             dict(
                 mean,
                 label=label,
-                workers=workers,
+                workers=rows[0]["workers"],
                 rounds=rounds,
                 compressor=rows[0]["compressor"],
                 schedule=rows[0].get("schedule"),
                 communicator=modelled_name(rows[0]["communicator"], rows[0].get("params") or {}),
+                compute_s=reference["median_s"],
+                own_compute_s=own,
+                compute=reference,
+                compute_flagged=abs(own - reference["median_s"]) > reference["tolerance_s"],
             )
         )
     return methods
+
+
+def _workload_key(run: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The runs that do the same forward and backward: one model, batch, worker count, device."""
+    return (run.get("workload") or run.get("script"), run.get("batch_size"), run["workers"], run.get("device"))
+
+
+def shared_compute(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """Per workload (:func:`_workload_key`), the compute every method of it is projected on:
+    the median of its runs' ``compute_s``, their spread (min, max), their count, and the
+    tolerance beyond which a method's own compute is flagged: max(``COMPUTE_SIGMAS`` ·
+    1.4826 · MAD, ``COMPUTE_FLOOR`` · median)."""
+    samples: dict[tuple[Any, ...], list[float]] = {}
+    for run in runs:
+        samples.setdefault(_workload_key(run), []).append(float(run["compute_s"]))
+    out = {}
+    for key, values in samples.items():
+        median = statistics.median(values)
+        sigma = 1.4826 * statistics.median(abs(v - median) for v in values)
+        out[key] = {
+            "median_s": median,
+            "min_s": min(values),
+            "max_s": max(values),
+            "runs": len(values),
+            "tolerance_s": max(COMPUTE_SIGMAS * sigma, COMPUTE_FLOOR * median),
+        }
+    return out
 
 
 def modelled_name(communicator: str, params: Mapping[str, Any]) -> str:

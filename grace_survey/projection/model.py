@@ -310,6 +310,9 @@ def project(
                         "utilization": method["compute_s"] / step,
                         "bytes_per_step": method["bytes_per_step"],
                         "measured_workers": method["workers"],
+                        # the method's own measured compute, when the projection used the workload's
+                        "own_compute_s": method.get("own_compute_s", method["compute_s"]),
+                        "compute_flagged": bool(method.get("compute_flagged", False)),
                     }
                 )
     return rows

@@ -11,7 +11,10 @@ Chan et al. 2007):
       in turn (pipelined tree per broadcast: log2 N latency hops, n bytes of bandwidth)
 
 Per optimizer step, with the survey's measured per-step figures of a method — compute c
-(forward + backward), compress s, decompress d (measured at W workers), payload bytes b
+(forward + backward: the same for every method of a workload, the median of all its runs,
+since a method changes the exchange and not the model and one run's compute on a busy
+machine is noise; each method's own is shown beside it, flagged when it lies outside the
+runs' noise), compress s, decompress d (measured at W workers), payload bytes b
 per worker (size headers included), e gradient exchanges per step (the fusion groups
 exchanged, each one set of collectives, as measured; the tensors, for surveys older than
 that count) and r rounds per exchange (PowerSGD: 2):
@@ -43,7 +46,7 @@ communicators (where they can carry its compressor), labelled ``method @ communi
 
 Dense baseline: the survey's ``none``/allreduce run projected by the same formula (its
 measured c, s, d and bytes B); without one, T_dense(N) = c + e·2(N−1)·α + 2(N−1)/N · B·β
-with the method's own compute and B its measured fp32 bytes per step (its e). Speedup =
+with the shared compute and B the method's measured fp32 bytes per step (its e). Speedup =
 T_dense(N) / T(N).
 Weak scaling: each node keeps the measured per-worker batch, so c does not change with N.
 Compute utilization = c / T(N): the share of a step spent computing. For each method, node
@@ -65,7 +68,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grace_dgc.errors import GraceConfigError
-from grace_survey.projection.methods import assumed_methods, measured_methods, modelled_name, with_communicators
+from grace_survey.projection.methods import (
+    assumed_methods,
+    measured_methods,
+    modelled_name,
+    shared_compute,
+    with_communicators,
+)
 from grace_survey.projection.model import (
     BACKWARD_SHARE,
     UTILIZATION_TARGETS,
@@ -88,12 +97,14 @@ from grace_survey.projection.model import (
     streaming_step,
     utilization_rows,
 )
+from grace_survey.report.conditions import launch_lines
 from grace_survey.report.plots import pyplot, save
-from grace_survey.running.results import read_records
+from grace_survey.running.results import latest_summaries, read_records
 from grace_survey.units import format_rate, human_bytes, parse_latency, parse_rate
 
 __all__ = [  # the command's own, then the model's and the methods' (this module held them before issue 41)
     "add_project_args",
+    "compute_lines",
     "format_mesh",
     "format_table",
     "format_utilization",
@@ -121,6 +132,7 @@ __all__ = [  # the command's own, then the model's and the methods' (this module
     "project_mesh",
     "project_step",
     "ring_allreduce",
+    "shared_compute",
     "streaming_step",
     "utilization_rows",
     "with_communicators",
@@ -163,18 +175,53 @@ def format_utilization(rows: Sequence[Mapping[str, Any]], fractions: Sequence[fl
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = [
         "| Method | Nodes | Bandwidth | Latency | Step time | Communication | Dense step | "
-        "Speedup vs dense | Utilization | Samples/s | Bytes/step/worker |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "Speedup vs dense | Utilization | Samples/s | Bytes/step/worker | Own measured compute |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        own = r.get("own_compute_s")
+        own_text = (
+            "—"
+            if own is None
+            else f"{own * 1000:.2f} ms" + (" ⚠ outside the runs' noise" if r.get("compute_flagged") else "")
+        )
         lines.append(
             f"| {r['label']} | {r['nodes']} | {format_rate(r['bandwidth_bps'])} | {r['latency_ms']:g} ms | "
             f"{r['step_s'] * 1000:.2f} ms | {r['communication_s'] * 1000:.2f} ms | "
             f"{r['dense_step_s'] * 1000:.2f} ms | {r['speedup']:.2f}× | {r['utilization']:.0%} | "
             f"{'n/a' if r['samples_per_s'] is None else format(r['samples_per_s'], '.0f')} | "
-            f"{human_bytes(r['bytes_per_step'])} |"
+            f"{human_bytes(r['bytes_per_step'])} | {own_text} |"
         )
     return "\n".join(lines)
+
+
+def compute_lines(methods: Sequence[Method]) -> list[str]:
+    """What compute the projection used, per workload: the shared median, the runs' spread,
+    and the methods whose own measurement lies outside the runs' noise."""
+    seen: dict[int, tuple[dict[str, Any], list[Method]]] = {}
+    for method in methods:
+        if "compute" in method:  # measured (not assumed) methods
+            seen.setdefault(id(method["compute"]), (method["compute"], []))[1].append(method)
+    lines = []
+    for reference, members in seen.values():
+        lines.append(
+            f"- **Compute: every method is projected on the same forward + backward, "
+            f"{reference['median_s'] * 1000:.2f} ms**, the median of the workload's {reference['runs']} run(s) at "
+            f"{members[0]['workers']} workers (every method, every seed; they measured "
+            f"{reference['min_s'] * 1000:.2f}–{reference['max_s'] * 1000:.2f} ms). A method changes the exchange, "
+            "not the model's compute; one run's compute is the machine's noise. Each method's compress, decompress "
+            "and error-feedback times and its bytes are its own."
+        )
+        flagged = [m for m in members if m.get("compute_flagged")]
+        if flagged:
+            shown = ", ".join(f"{m['label']} ({m['own_compute_s'] * 1000:.2f} ms)" for m in flagged)
+            lines.append(
+                f"- **⚠ Own compute outside the runs' noise** (more than {reference['tolerance_s'] * 1000:.2f} ms from "
+                f"the median): {shown}. The machine was busy during those runs, or the method works on the training "
+                "thread (the DDP hook compresses inside the backward); they are projected on the shared compute, "
+                "not ranked on their own. Rerun them on a quiet machine to tell which."
+            )
+    return lines
 
 
 def plot(rows: Sequence[Mapping[str, Any]], path: str) -> str:
@@ -307,7 +354,10 @@ def run_project(args: argparse.Namespace) -> int:
     node = (group, parse_rate(getattr(args, "node_bandwidth", "100gbit")))
     rows = [row for latency in latencies for row in project(methods, nodes, bandwidths, latency, node)]
     needs = utilization_rows(methods, nodes, latencies, node, targets)
-    _write_projection(args.out or args.dir or ".", rows, needs, targets)
+    notes = compute_lines(methods)
+    if assumed is None:
+        notes += [line for line in launch_lines(latest_summaries(read_records(args.dir))) if "Warning" in line]
+    _write_projection(args.out or args.dir or ".", rows, needs, targets, notes)
     return 0
 
 
@@ -366,10 +416,13 @@ def _methods(args: argparse.Namespace, nodes: Sequence[int]) -> list[Method]:
     return methods
 
 
-def _write_projection(out: str, rows: Sequence[Row], needs: Sequence[Row], targets: Sequence[float]) -> None:
-    """projection.md (both tables), projection.csv (the rows) and projection.png; the tables printed."""
+def _write_projection(
+    out: str, rows: Sequence[Row], needs: Sequence[Row], targets: Sequence[float], notes: Sequence[str] = ()
+) -> None:
+    """projection.md (what it was computed on, both tables), projection.csv (the rows) and
+    projection.png; the notes and tables printed."""
     os.makedirs(out, exist_ok=True)
-    table = format_table(rows) + "\n\n" + format_utilization(needs, targets)
+    table = "\n".join(notes) + "\n\n" * bool(notes) + format_table(rows) + "\n\n" + format_utilization(needs, targets)
     with open(os.path.join(out, "projection.md"), "w") as f:
         f.write(
             "# Projected step time and speedup over dense allreduce\n\n"
