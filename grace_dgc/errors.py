@@ -4,6 +4,7 @@ Every part validates its parameters with these helpers: numbers with :func:`chec
 (finite unless infinity has a documented meaning), flags with :func:`check_bool`.
 """
 
+import difflib
 import math
 import numbers
 from collections.abc import Callable
@@ -64,6 +65,13 @@ def check_range(
     high_open: bool = False,
     allow_inf: bool = False,
 ) -> float: ...
+
+
+def did_you_mean(word: str, choices: Any) -> str:
+    """`` Did you mean 'x'?`` for the closest of ``choices`` to a misspelt ``word`` (difflib's
+    match, as every name's error suggests one), else ``""``."""
+    close = difflib.get_close_matches(word, [str(choice) for choice in choices], n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def check_range(

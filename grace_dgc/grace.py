@@ -34,7 +34,7 @@ from . import handshake, wire
 from .engines import AutoEngine, create_engine
 from .engines.base import Engine
 from .engines.torch_engine import OWN_GROUP
-from .errors import GraceConfigError, GraceNonFiniteError, check_choice, check_range, on_every_rank
+from .errors import GraceConfigError, GraceNonFiniteError, check_choice, check_range, did_you_mean, on_every_rank
 from .interfaces import Communicator, Compressor, Memory, Payload, StateMismatch
 from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry
 from .stats import CONTROL, COUNTERS, Clock
@@ -855,7 +855,10 @@ def _route(params: dict[str, Any], parts: list[tuple[str, Registry, str]]) -> di
                 f"{kind} {name!r}: {', '.join(registry.accepted_params(name)) or '(none)'}"
                 for kind, registry, name in parts
             )
-            raise GraceConfigError(f"unknown parameter {key!r}. Accepted parameters: {accepted}")
+            known = [p for _, registry, name in parts for p in registry.accepted_params(name)]
+            raise GraceConfigError(
+                f"unknown parameter {key!r}.{did_you_mean(key, known)} Accepted parameters: {accepted}"
+            )
         for kind in takers:
             routed[kind][key] = value
     return routed

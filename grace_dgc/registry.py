@@ -9,20 +9,31 @@ first time a registry is listed or asked for a name it does not know. Names are
 case-insensitive. A plugin whose name is already taken by another object is not loaded,
 with a warning naming both; one that fails to import is remembered, with its error, as
 :attr:`Registry.broken` (a warning, and the error when it is asked for by name).
+
+A method needs no registration at all where it is named by where it lives: a *spec*,
+``"package.module:Class"`` or ``"path/to/file.py:Class"`` (:func:`import_spec`, the one
+importer of such specs: the survey's workloads go through it too). The spec is then the
+method's canonical name, so a process that only receives the name (a survey's rank, a
+spawned worker) imports the same class.
 """
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
+import hashlib
+import importlib
 import importlib.metadata
+import importlib.util
 import inspect
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic
 
-from .errors import GraceConfigError
+from .errors import GraceConfigError, did_you_mean
 
 if TYPE_CHECKING:
     # a bare ``Registry(...)`` is a Registry[Any] (PEP 696's default, known to type checkers;
@@ -49,6 +60,76 @@ def _dotted(obj: object) -> str:
     return reference(obj).replace(":", ".", 1)
 
 
+# -- specs: "package.module:attr" or "path/to/file.py:attr" ----------------------------------
+def is_spec(name: str) -> bool:
+    """``"module:attr"`` or ``"file.py:attr"`` rather than a registered name."""
+    return ":" in name
+
+
+def resolve_spec(name: str, base_dir: str | None = None) -> str:
+    """``name`` as another process will import it: a ``file.py:attr`` spec with an absolute
+    path (relative paths are from ``base_dir``, else the working directory); others unchanged."""
+    if not is_spec(name):
+        return name
+    target, _, attr = name.rpartition(":")
+    if target.endswith(".py") and not os.path.isabs(target):
+        target = os.path.abspath(os.path.join(base_dir or os.getcwd(), target))
+    return f"{target}:{attr}"
+
+
+def import_spec(spec: str, where: str, form: str) -> Any:
+    """The object ``spec`` names: ``attr`` of ``package.module`` (imported; the working
+    directory is on the path, as for ``python -m``) or of ``path/to/file.py`` (loaded from the
+    file once per path, its folder on the path for its own imports). Every failure is a
+    :class:`GraceConfigError` that starts with ``where`` (e.g. ``"compressor 'x.py:C'"``) and
+    names what is accepted; ``form`` is what the attribute is called there (``"Class"``)."""
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise GraceConfigError(f"{where}: give 'package.module:{form}' or 'path/to/file.py:{form}'")
+    try:
+        module = _import_file(target, where) if target.endswith(".py") else _import_module(target)
+    except GraceConfigError:
+        raise
+    except Exception as error:
+        raise GraceConfigError(f"{where}: importing {target} failed: {type(error).__name__}: {error}") from error
+    found = getattr(module, attr, None)
+    if found is None:
+        names = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+        close = difflib.get_close_matches(attr, names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise GraceConfigError(f"{where}: {target} has no {attr!r}{hint}; its callables: {', '.join(names) or 'none'}")
+    return found
+
+
+def _import_file(path: str, where: str) -> Any:
+    if not os.path.isfile(path):
+        raise GraceConfigError(f"{where}: the file {path} does not exist")
+    folder = os.path.dirname(path)
+    if folder not in sys.path:  # its own imports of modules beside it (`from helpers import ...`)
+        sys.path.insert(0, folder)
+    # one module per file (two files of one name are two modules), loaded once per process
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = f"grace_dgc_spec_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+    module = sys.modules.get(name)
+    if module is None:
+        found = importlib.util.spec_from_file_location(name, path)
+        assert found is not None and found.loader is not None
+        module = importlib.util.module_from_spec(found)
+        sys.modules[name] = module
+        try:
+            found.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]  # a fixed file imports on the next try
+            raise
+    return module
+
+
+def _import_module(target: str) -> Any:
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())  # `grace-dgc` is a console script: its sys.path lacks the cwd
+    return importlib.import_module(target)
+
+
 _REGISTRIES: weakref.WeakSet[Registry[Any]] = weakref.WeakSet()  # every registry made (see Registry.snapshot)
 
 
@@ -62,7 +143,10 @@ class Registry(Generic[T_co]):
     ``registered_name`` (classes; a workload's factories are not stamped, and may be
     registered under several names); ``check(name, obj)`` refuses what may not be registered
     (raising :class:`GraceConfigError`), plugins included; ``unknown_hint`` ends the error for
-    an unknown name.
+    an unknown name. ``spec_check(spec, obj)``, where given, lets a spec (:func:`is_spec`)
+    stand for a name: the object it imports, once ``spec_check`` accepts it (raising
+    :class:`GraceConfigError` if not), is not registered, and the spec (its file made absolute)
+    is its canonical name.
 
     A registry is read as its type says: a ``Registry[type[Compressor]]`` gives compressor
     classes, and is a ``Registry[type[Part]]`` where one is read (``T_co`` is covariant, so
@@ -79,6 +163,7 @@ class Registry(Generic[T_co]):
         stamp: bool = True,
         check: Callable[[str, T_co], None] | None = None,
         unknown_hint: str = "",
+        spec_check: Callable[[str, Any], None] | None = None,
     ) -> None:
         self.kind = kind  # "compressor", "memory", "communicator", "schedule", "workload"
         self.group = group  # entry-point group
@@ -86,6 +171,7 @@ class Registry(Generic[T_co]):
         self.stamp = stamp
         self.check = check
         self.unknown_hint = unknown_hint
+        self.spec_check = spec_check
         self._entries: dict[str, T_co] = {}  # canonical name -> registered object
         self._aliases: dict[str, str] = {}  # every accepted name (canonical ones included) -> canonical name
         self._plugins_loaded = False
@@ -198,34 +284,59 @@ class Registry(Generic[T_co]):
         return sorted(a for a, n in self._aliases.items() if n == name and a != name)
 
     def canonical(self, name: str) -> str:
-        """The canonical name of ``name`` (an alias, any case), else an error that lists the
-        valid names and suggests the closest (or says why a plugin of that name is broken)."""
+        """The canonical name of ``name`` (an alias, any case; a spec, with its file made
+        absolute), else an error that lists the valid names and suggests the closest (or says
+        why a plugin of that name is broken, or why a spec does not import)."""
         if not isinstance(name, str):
             raise GraceConfigError(f"{self.kind} must be given by name (a str), got {name!r}")
         if self.compose is not None and ">" in name:  # a composite: each stage by its own name
             stages = [self.canonical(stage.strip()) for stage in name.split(">")]
-            self.compose([self._entries[stage] for stage in stages])  # refuses what cannot be composed
+            self.compose([self._lookup(stage) for stage in stages])  # refuses what cannot be composed
             return ">".join(stages)
+        if self.spec_check is not None and is_spec(name):
+            spec = resolve_spec(name.strip())
+            self._import(spec)  # an error here, where the name is given
+            return spec
         key = name.lower()
         if key not in self._aliases:
             self.load_plugins()
         if key in self.broken:
             raise GraceConfigError(self.broken[key])
         if key not in self._aliases:
-            close = difflib.get_close_matches(key, sorted(self._aliases), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(key, sorted(self._aliases))
             raise GraceConfigError(
                 f"unknown {self.kind} {name!r}.{hint} Valid names: {', '.join(self.names())}{self.unknown_hint}"
             )
         return self._aliases[key]
 
+    def _import(self, spec: str) -> Any:
+        """The object an absolute ``spec`` names, checked by ``spec_check``; a class without a
+        name of its own (``registered_name`` in its own ``__dict__``: its decorator's) is given
+        the spec as its name, so that the ranks' handshake and a checkpoint name it alike."""
+        assert self.spec_check is not None
+        where = f"{self.kind} {spec!r}"
+        obj = import_spec(spec, where, "Class")
+        self.spec_check(where, obj)
+        if self.stamp and "registered_name" not in vars(obj):
+            obj.registered_name = spec
+        return obj
+
+    def _lookup(self, canonical: str) -> Any:
+        """The object of a canonical name (a spec's imported anew: a pooled rank's registries
+        forget what a job registered, not the modules it imported)."""
+        if self.spec_check is not None and is_spec(canonical):
+            return self._import(canonical)
+        return self._entries[canonical]
+
     def get(self, name: str) -> T_co:
-        """The object registered as ``name`` (a composite's stand-in for a name with ``>``)."""
+        """The object registered as ``name`` (a composite's stand-in for a name with ``>``;
+        the class a spec names)."""
         canonical = self.canonical(name)
         if ">" in canonical and self.compose is not None:
-            composite: T_co = self.compose([self._entries[stage] for stage in canonical.split(">")])
+            composite: T_co = self.compose([self._lookup(stage) for stage in canonical.split(">")])
             return composite
-        return self._entries[canonical]
+        found: T_co = self._lookup(canonical)
+        return found
 
     def accepted_params(self, name: str) -> list[str]:
         """Keyword parameters the class's constructor accepts (``engine`` is wired by build);
@@ -241,9 +352,39 @@ class Registry(Generic[T_co]):
         ]
 
 
-COMPRESSORS: Registry[type[Compressor]] = Registry("compressor", "grace_dgc.compressors")
-MEMORIES: Registry[type[Memory]] = Registry("memory", "grace_dgc.memories")
-COMMUNICATORS: Registry[type[Communicator]] = Registry("communicator", "grace_dgc.communicators")
+def _hint(kind: str, group: str) -> str:
+    """The end of an unknown method name's error: the forms that need no registration, and
+    where a registered class is known."""
+    return (
+        f"; or your own class as 'package.module:Class' or 'path/to/file.py:Class' (a class registered "
+        f"with @register_{kind} is known only in a process that imported its module, which a survey's ranks "
+        f"do not: name it in one of those forms, or install it with a '{group}' entry point; docs/plugins.md)"
+    )
+
+
+def _part_class(interface: str) -> Callable[[str, Any], None]:
+    """``spec_check`` of a method registry: the spec names a subclass of ``interface``."""
+
+    def check(where: str, obj: Any) -> None:
+        from . import interfaces
+
+        base = getattr(interfaces, interface)
+        if not (isinstance(obj, type) and issubclass(obj, base)):
+            what = obj.__name__ if isinstance(obj, type) else f"a {type(obj).__name__}"
+            raise GraceConfigError(f"{where} is {what}, not a class derived from grace_dgc.{interface}")
+
+    return check
+
+
+def _method_registry(kind: str, group: str, interface: str) -> Any:
+    return Registry(kind, group, unknown_hint=_hint(kind, group), spec_check=_part_class(interface))
+
+
+COMPRESSORS: Registry[type[Compressor]] = _method_registry("compressor", "grace_dgc.compressors", "Compressor")
+MEMORIES: Registry[type[Memory]] = _method_registry("memory", "grace_dgc.memories", "Memory")
+COMMUNICATORS: Registry[type[Communicator]] = _method_registry(
+    "communicator", "grace_dgc.communicators", "Communicator"
+)
 
 register_compressor = COMPRESSORS.register
 register_memory = MEMORIES.register

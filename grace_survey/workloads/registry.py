@@ -31,19 +31,14 @@ pin the generated data while the seed varies. Data order and model init are the 
 """
 
 import dataclasses
-import difflib
-import importlib
-import importlib.util
 import inspect
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from grace_dgc.errors import GraceConfigError, check_range
-from grace_dgc.registry import Registry, reference
+from grace_dgc.registry import Registry, import_spec, is_spec, reference, resolve_spec
 from grace_survey.workloads.builtin import BUILTIN, FC_HEAVY_SIZES
 from grace_survey.workloads.contract import (
     HYPER_PARAMETERS,
@@ -145,22 +140,6 @@ def workloads_table() -> str:
     return "\n".join(f"{a:{width}}  {b}" for a, b in rows)
 
 
-def is_spec(name: str) -> bool:
-    """``"module:factory"`` or ``"file.py:factory"`` rather than a registered name."""
-    return ":" in name
-
-
-def resolve_spec(name: str, base_dir: str | None = None) -> str:
-    """``name`` as the ranks will import it: a ``file.py:factory`` spec with an absolute path
-    (relative paths are from ``base_dir``, else the working directory); others unchanged."""
-    if not is_spec(name):
-        return name
-    target, _, attr = name.rpartition(":")
-    if target.endswith(".py") and not os.path.isabs(target):
-        target = os.path.abspath(os.path.join(base_dir or os.getcwd(), target))
-    return f"{target}:{attr}"
-
-
 def workload_factory(name: object) -> tuple[str, Callable[..., Workload]]:
     """(canonical name, factory) for a registered name or a ``module:factory`` spec."""
     if not isinstance(name, str) or not name.strip():
@@ -172,41 +151,12 @@ def workload_factory(name: object) -> tuple[str, Callable[..., Workload]]:
 
 
 def _import_factory(spec: str) -> Callable[..., Workload]:
-    target, _, attr = spec.rpartition(":")
-    where = f"workload {spec!r}"
-    if not target or not attr:
-        raise GraceConfigError(f"{where}: give 'package.module:factory' or 'path/to/file.py:factory'")
-    try:
-        if target.endswith(".py"):
-            if not os.path.isfile(target):
-                raise GraceConfigError(f"{where}: the file {target} does not exist")
-            folder = os.path.dirname(target)
-            if folder not in sys.path:  # its own imports of modules beside it (`from helpers import ...`)
-                sys.path.insert(0, folder)
-            module_name = "grace_dgc_workload_" + os.path.splitext(os.path.basename(target))[0]
-            module = sys.modules.get(module_name)
-            if module is None or getattr(module, "__file__", None) != target:
-                spec_ = importlib.util.spec_from_file_location(module_name, target)
-                assert spec_ is not None and spec_.loader is not None
-                module = importlib.util.module_from_spec(spec_)
-                sys.modules[module_name] = module
-                spec_.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path and "" not in sys.path:
-                sys.path.append(os.getcwd())  # `grace-dgc` is a console script: its sys.path lacks the cwd
-            module = importlib.import_module(target)
-    except GraceConfigError:
-        raise
-    except Exception as error:
-        raise GraceConfigError(f"{where}: importing {target} failed: {type(error).__name__}: {error}") from error
-    factory = getattr(module, attr, None)
-    if factory is None:
-        found = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-        close = difflib.get_close_matches(attr, found, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise GraceConfigError(f"{where}: {target} has no {attr!r}{hint}; its callables: {', '.join(found) or 'none'}")
+    factory = import_spec(spec, f"workload {spec!r}", "factory")  # as the methods' specs are imported
     if not callable(factory):
-        raise GraceConfigError(f"{where}: {attr} is a {type(factory).__name__}, not a function returning a Workload")
+        raise GraceConfigError(
+            f"workload {spec!r}: {spec.rpartition(':')[2]} is a {type(factory).__name__}, not a function "
+            "returning a Workload"
+        )
     return factory
 
 
