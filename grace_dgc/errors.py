@@ -67,13 +67,6 @@ def check_range(
 ) -> float: ...
 
 
-def did_you_mean(word: str, choices: Any) -> str:
-    """`` Did you mean 'x'?`` for the closest of ``choices`` to a misspelt ``word`` (difflib's
-    match, as every name's error suggests one), else ``""``."""
-    close = difflib.get_close_matches(word, [str(choice) for choice in choices], n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
 def check_range(
     name: str,
     value: Any,
@@ -105,6 +98,13 @@ def check_range(
         right = ("inf" if high is None else f"{high:g}") + (")" if high_open else "]")
         raise GraceConfigError(f"{name}={value!r} is out of range; accepted: {left}, {right}")
     return converted
+
+
+def did_you_mean(word: str, choices: Any) -> str:
+    """`` Did you mean 'x'?`` for the closest of ``choices`` to a misspelt ``word`` (difflib's
+    match, as every name's error suggests one), else ``""``."""
+    close = difflib.get_close_matches(word, [str(choice) for choice in choices], n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def check_bool(name: str, value: object) -> bool:
