@@ -6,6 +6,7 @@ import inspect
 import io
 import math
 import os
+import pickle
 import queue
 import time
 
@@ -838,17 +839,55 @@ def extra_step_job(rank, world_size, leaving=0):
     return "no error"
 
 
+def exiting_rank(rank, world_size, port, results, job, args):
+    """One rank as :func:`grace_dgc.launch.run_local` runs it (its process group, ``job``, its
+    result put, the group torn down), then the handlers of its exit: grace's leave and, on
+    rank 0, its linger as the store's host. A forkserver child ends with ``os._exit`` and
+    would skip them; a script's interpreter runs them."""
+    import atexit
+
+    from grace_dgc.launch import _worker
+
+    try:
+        _worker(rank, world_size, port, "gloo", job, args, results)
+    finally:
+        atexit._run_exitfuncs()
+
+
+def exited_results(scenarios, key, world):
+    """Every rank's result of the scenario ``key`` of :func:`exiting_rank` ranks."""
+    got = scenarios.reports(key)
+    assert sorted(got) == list(range(world)), f"ranks did not report within 60 s: {got}"
+    for rank, (ok, payload) in got.items():
+        assert ok, f"rank {rank}:\n{payload}"
+    return [pickle.loads(got[rank][1]) for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def leaving_scenarios(quick_processes, request):
+    """The cases below, 3 side by side (see SideBySide), each rank a process of its own that
+    exits as a script's would."""
+
+    def scenario(params):
+        world, leaving = params["world"], params["leaving"]
+        return (world, leaving), exiting_rank, world, (extra_step_job, (leaving,)), range(world)
+
+    scenarios = side_by_side(
+        request, quick_processes, "test_a_rank_stepping_more_than_the_others_gets_an_error_naming_who_is_gone", scenario
+    )
+    yield scenarios
+    scenarios.close()
+
+
 @pytest.mark.launches
 @pytest.mark.parametrize("world, leaving", [(2, 0), (3, 0), (2, 1), (3, 2)])
-def test_a_rank_stepping_more_than_the_others_gets_an_error_naming_who_is_gone(world, leaving):
+def test_a_rank_stepping_more_than_the_others_gets_an_error_naming_who_is_gone(leaving_scenarios, world, leaving):
     """Uneven steps without join(): the survivors' error says which rank has left and that
     join() is the fix. A rank other than 0 says so in the store as it exits; rank 0 hosts the
     store, so at its exit it breaks grace's groups and keeps the store up until the ranks still
     exchanging have read that it left (issue 53: they could only suspect it)."""
-    # fresh processes: rank 0's exit (its linger as the store's host) is what is tested
-    from grace_dgc.launch import run_local
-
-    results = run_local(extra_step_job, world, (leaving,), timeout=120)
+    # processes of their own: rank 0's exit (its linger as the store's host) is what is tested
+    results = exited_results(leaving_scenarios, (world, leaving), world)
     for rank, message in enumerate(results):
         if rank == leaving:
             continue
@@ -910,8 +949,9 @@ def lone_failure_job(rank, world_size, where, failing, communicator="sparse_allr
 def test_an_error_on_one_rank_reaches_every_rank_named_at_once(world, failing, where, communicator):
     from grace_dgc.launch import run_local
 
-    # processes of their own: the failed rank's peers wake when its process ends, as a script's
-    # would after the error; a kept-up rank lives on, and gloo keeps its peers waiting
+    # processes of their own, spawned (a script's exit, interpreter teardown included): the
+    # failed rank's peers wake when its process ends, as a script's would after the error; a
+    # kept-up rank lives on, and gloo keeps its peers waiting
     results = run_local(lone_failure_job, world, args=(where, failing, communicator), timeout=120)
     for rank, (kind, message, seconds) in enumerate(results):
         if rank == failing:
