@@ -35,6 +35,15 @@ if TYPE_CHECKING:
     from .grace import Grace
 
 
+#: how a hook user restores grace's state, named by the warning of a resume that forgot it
+RESUME = (
+    "restore the DDP hook's state: every rank saves its own state.state_dict() (state, hook = "
+    "grace_dgc.ddp_comm_hook(...)) beside the model and the optimizer, and on resume calls "
+    "state.load_state_dict() with it before the first step; or, into rank 0's file, "
+    "grace_dgc.gather_state(state), restored with grace_dgc.load_gathered_state(state, ...)"
+)
+
+
 class GraceHookState:
     """What the hook needs: the :class:`~grace_dgc.Grace` and each parameter's name.
 
@@ -63,7 +72,7 @@ class GraceHookState:
             _check_group_is_grace_alone(grace, model)
             # e.g. the momentum memory takes over SGD's momentum (optimizer None: nothing to take over)
             grace.attach_optimizer(optimizer, {n: p for p, n in self.names.items()})
-            grace.watch({n: p for p, n in self.names.items()}, optimizer)
+            grace.watch({n: p for p, n in self.names.items()}, optimizer, RESUME)
         elif optimizer is not None:
             raise GraceConfigError("ddp_comm_hook(grace, model, optimizer): optimizer needs the model")
         self._named_by_model = model is not None
@@ -213,11 +222,16 @@ def ddp_comm_hook(
 ) -> tuple[GraceHookState, Callable[[GraceHookState, GradBucket], torch.futures.Future[Tensor]]]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
-    ``model``: the DDP model (or the module it wraps) — names the parameters after
-    ``named_parameters()``; recommended, and needed by memories that read parameters.
-    ``optimizer``: handed to memories that take over the optimizer's momentum (``momentum``).
-    ``grace`` runs over the same ranks as DDP, on a process group of its own by default
-    (:func:`grace_dgc.build`); give ``process_group=`` the ranks of DDP's group when DDP runs over a subgroup.
+    :param grace: runs over the same ranks as DDP, on a process group of its own by default
+        (:func:`grace_dgc.build`); give ``process_group=`` the ranks of DDP's group when DDP
+        runs over a subgroup.
+    :param model: the DDP model (or the module it wraps): names the parameters after
+        ``named_parameters()``; recommended, and needed by memories that read parameters.
+    :param optimizer: handed to memories that take over the optimizer's momentum
+        (``momentum``); with it (and ``model``), a resume that restored the optimizer's state
+        but not the hook's is warned of at the first exchange.
+    :returns: the hook's state (a :class:`GraceHookState`: checkpoint its ``state_dict()`` on
+        every rank) and the hook.
     """
     if not hasattr(grace, "step_async"):
         raise GraceConfigError(f"ddp_comm_hook needs a Grace (grace_dgc.build(...)), got {type(grace).__name__}")

@@ -161,6 +161,10 @@ class _GraceReduceScatter:
         return self.owner._reduce_scatter(output_tensor, input_tensor, group, op, self.name)
 
 
+#: how an FSDP user restores grace's state, named by the warning of a resume that forgot it
+RESUME = "restore the FSDPCompression: put it beside the model's and the optimizer's state in dcp.save and dcp.load"
+
+
 class FSDPCompression:
     """What :func:`fsdp_compression` installed: its Graces, their stats, and every rank's state
     for ``torch.distributed.checkpoint`` (a ``Stateful``: put it in the dict you hand to
@@ -199,7 +203,7 @@ class FSDPCompression:
         if optimizer is not None:  # a resume that restored the optimizer but not grace is warned of
             for grace in (reduce_scatter, replicate):
                 if grace is not None:
-                    grace.watch({}, optimizer)
+                    grace.watch({}, optimizer, RESUME)
 
     def _check_replicate(self, grace: Grace, shard_group: Any) -> None:
         """The replicate Grace must run over the replicas of this rank's shard: the ranks that

@@ -151,6 +151,7 @@ class Grace:
         self._audited = False  # the parts' declarations checked against what they keep
         self._watched: dict[str, Tensor] = {}  # see watch: compared across ranks at the next exchange
         self._watched_optimizer: torch.optim.Optimizer | None = None
+        self._resume_route: str | None = None  # see watch: how the way in restores grace's state
         self._loaded_rank: int | None = None  # whose state load_state_dict restored (None: none loaded)
         self._resume_to_check = False  # see _warn_of_a_partial_resume: after watch() or a load
 
@@ -173,13 +174,17 @@ class Grace:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def watch(self, params: Mapping[str, Tensor], optimizer: torch.optim.Optimizer | None = None) -> None:
+    def watch(
+        self, params: Mapping[str, Tensor], optimizer: torch.optim.Optimizer | None = None, resume: str | None = None
+    ) -> None:
         """The model a wrapper trains (DistributedOptimizer, the DDP hook): at the next exchange
         (1) the ranks compare a fingerprint of each parameter's values, and ranks that start from
         different models are a :class:`GraceConfigError` naming the parameters and the fix
         (``broadcast_parameters``), not a silent divergence; (2) a resume that restored
-        ``optimizer``'s state but not grace's own (or another rank's) is warned about once."""
-        self._watched, self._watched_optimizer = dict(params), optimizer
+        ``optimizer``'s state but not grace's own (or another rank's) is warned about once,
+        naming ``resume``: how the wrapper's user restores grace's state (default: the
+        DistributedOptimizer's and the schedules' ways)."""
+        self._watched, self._watched_optimizer, self._resume_route = dict(params), optimizer, resume
         self._resume_to_check = True
         if optimizer is not None:
             warn_of_error_feedback_under_adam(self.compressor, self.memory, optimizer)
@@ -412,7 +417,7 @@ class Grace:
         rank's) trains on, with its error feedback, momenta or Q lost: say so once."""
         if not any(part.STATE for _, part in self._parts()):
             return  # nothing of grace's to lose
-        fix = (
+        fix = self._resume_route or (
             "save every rank's grace state (grace_dgc.gather_state(optimizer or schedule) into rank 0's file, "
             "restored with grace_dgc.load_gathered_state; or grace_dgc.PerRankState with "
             "torch.distributed.checkpoint; or the DistributedOptimizer's or schedule's state_dict() written by "

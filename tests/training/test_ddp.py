@@ -7,6 +7,7 @@ DistributedOptimizer on the same model and data (bit for bit), an uninterrupted 
 
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -366,3 +367,91 @@ def test_find_unused_parameters_needs_grace_on_a_group_of_its_own():
     (refused, a), (_, b) = run_ranks(find_unused_job, 2)
     assert refused is not None and "find_unused_parameters=True" in refused and "without process_group" in refused
     assert torch.equal(a, b)
+
+
+def forgotten_resume_job(rank, world_size):
+    """3 steps through the hook with the optimizer given, a checkpoint, then fresh objects resumed
+    three ways; per way, the grace warnings of the first resumed steps."""
+
+    def make():
+        ddp = ddp_with(0)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        state, hook = grace_dgc.ddp_comm_hook(grace_dgc.build(*TOPK[:3], **TOPK[3]), ddp, opt)
+        ddp.register_comm_hook(state, hook)
+        return ddp, opt, state
+
+    data = batches(rank)
+    ddp, opt, state = make()
+    train(ddp, opt, data[:3])
+    saved = {"model": ddp.module.state_dict(), "opt": opt.state_dict(), "grace": state.state_dict()}
+    rank0 = [saved if rank == 0 else None]
+    torch.distributed.broadcast_object_list(rank0, src=0)
+    caught_by_way = {}
+    for how in ("model and optimizer only", "rank 0's hook state everywhere", "every rank its own"):
+        ddp, opt, state = make()
+        ddp.module.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        if how == "rank 0's hook state everywhere":
+            state.load_state_dict(rank0[0]["grace"])
+        elif how == "every rank its own":
+            state.load_state_dict(saved["grace"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(ddp, opt, data[3:])
+        caught_by_way[how] = [str(w.message) for w in caught if "grace" in str(w.message)]
+    return caught_by_way
+
+
+def test_a_hook_resume_that_forgot_the_hooks_state_warns_naming_the_hooks_state():
+    """The warning names the route a hook user holds (``state.load_state_dict``, the hook's
+    ``gather_state``), not the DistributedOptimizer's; a resume that restored it is silent."""
+    for rank, caught in enumerate(run_ranks(forgotten_resume_job, WORLD)):
+        forgot = caught["model and optimizer only"]
+        assert len(forgot) == 1 and "grace's state starts empty" in forgot[0], (rank, forgot)
+        assert "state.load_state_dict()" in forgot[0] and "DDP hook's state" in forgot[0], forgot[0]
+        assert "DistributedOptimizer" not in forgot[0] and "gather_state(state)" in forgot[0], forgot[0]
+        everywhere = caught["rank 0's hook state everywhere"]
+        if rank == 0:
+            assert everywhere == [], everywhere
+        else:
+            assert len(everywhere) == 1 and "rank 1 resumed from rank 0's grace state" in everywhere[0], everywhere
+            assert "state.load_state_dict()" in everywhere[0] and "DistributedOptimizer" not in everywhere[0]
+        assert caught["every rank its own"] == [], caught["every rank its own"]
+
+
+def docs_script_job(rank, world_size, script, out_dir):
+    """docs/engines.md's DDP hook script, as printed, on these ranks: run whole, then again with
+    ``resume``. The pool's ranks already hold the process group the script's first line makes,
+    so ``init_process_group`` and ``destroy_process_group`` are the only calls left out."""
+    import contextlib
+    import os
+    import sys
+    from unittest import mock
+
+    printed = []
+    for argv in ([], ["resume"]):
+        out = io.StringIO()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(torch.distributed, "init_process_group"))
+            stack.enter_context(mock.patch.object(torch.distributed, "destroy_process_group"))
+            stack.enter_context(mock.patch.object(sys, "argv", ["ddp_hook.py", *argv]))
+            stack.enter_context(mock.patch.dict(os.environ, {"OUT_DIR": out_dir}))
+            stack.enter_context(contextlib.redirect_stdout(out))
+            exec(compile(script, "ddp_hook.py", "exec"), {"__name__": "__main__"})
+        printed.append(out.getvalue().strip())
+    return printed
+
+
+def test_the_hook_script_of_the_docs_saves_and_resumes_bit_for_bit_as_printed(tmp_path):
+    """docs/engines.md 'With DDP': the run resumed from its step-10 checkpoint (each rank its own
+    file, the hook's state among it) ends with the uninterrupted run's parameters and bytes."""
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "engines.md").read_text()
+    section = page[page.index("## With DDP") :]
+    script = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "state.load_state_dict(" in script and "state.state_dict()" in script
+    for rank, (whole, resumed) in enumerate(run_ranks(docs_script_job, WORLD, (script, str(tmp_path)))):
+        assert re.fullmatch(rf"rank {rank} parameters \w{{16}} bytes \d+", whole), whole
+        assert whole == resumed, (whole, resumed)

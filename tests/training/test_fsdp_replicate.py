@@ -275,4 +275,5 @@ def test_the_fsdp2_scripts_of_the_docs_run_as_printed(tmp_path, page, heading, r
 
 def test_a_resume_that_forgot_graces_state_under_fsdp_is_warned_of(results):
     for r in results:
-        assert len(r["forgotten"]) == 1 and "gather_state" in r["forgotten"][0], r["forgotten"]
+        assert len(r["forgotten"]) == 1 and "FSDPCompression" in r["forgotten"][0], r["forgotten"]
+        assert "dcp.load" in r["forgotten"][0] and "DistributedOptimizer" not in r["forgotten"][0], r["forgotten"]
