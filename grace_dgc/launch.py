@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -197,11 +199,18 @@ def _best_effort(call: Callable[[], object]) -> None:
 
 @contextmanager
 def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """What a rank starts with: ``variables``, and SIGINT ignored (a Ctrl-C reaches the whole
+    process group; the launcher, which gets it, stops its ranks, which would each print a
+    KeyboardInterrupt traceback). Python sets handlers on the main thread only."""
     saved = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
+    main = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         yield
     finally:
+        if main:
+            signal.signal(signal.SIGINT, handler)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
