@@ -62,11 +62,16 @@ TOP_LEVEL: Schema = {
 }
 METHOD_KEYS: Schema = {
     "label": ((str,), "the method's name in tables and plots (unique)"),
-    "compressor": ((str,), "registered compressor (grace_dgc.list_compressors())"),
-    "memory": ((str,), "registered memory (default none)"),
+    "compressor": (
+        (str,),
+        "registered compressor (grace_dgc.list_compressors()), or your own class as 'package.module:Class' or "
+        "'path/to/file.py:Class' (relative to the config's folder)",
+    ),
+    "memory": ((str,), "registered memory (default none), or your own class as a compressor's"),
     "communicator": (
         (str,),
-        "registered communicator (default: allreduce if the compressor's payloads are summable, else allgather)",
+        "registered communicator (default: allreduce if the compressor's payloads are summable, else allgather), "
+        "or your own class as a compressor's",
     ),
     "params": ((dict,), "parameters for grace_dgc.build, e.g. {compress_ratio = 0.01}"),
     "fusion_bytes": (

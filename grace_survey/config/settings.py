@@ -18,6 +18,7 @@ from typing import Any, Self
 
 from grace_dgc.engines.local import PlanEngine
 from grace_dgc.errors import GraceConfigError
+from grace_dgc.registry import Registry
 from grace_survey.config.cell import Cell, cell_hash, run_id, tuning_key  # noqa: F401  (cell_hash, run_id, tuning_key: API)
 from grace_survey.config.presets import KPERCENTS, PRESET_ALIASES, PRESETS, preset_dict, preset_name  # noqa: F401
 from grace_survey.config.schema import (
@@ -224,33 +225,63 @@ class SurveyConfig:
         """One ``[[methods]]`` table's parts and parameters, checked by the real builder on every
         world size of the grid, on paper (no process, no network)."""
         import grace_dgc
-        from grace_dgc.registry import COMPRESSORS
+        from grace_dgc.registry import COMMUNICATORS, COMPRESSORS, MEMORIES
 
         if not isinstance(method, dict):
             raise GraceConfigError(f"{where} must be a table with at least 'compressor'")
         _check_keys(method, METHOD_KEYS, where)
         if "compressor" not in method:
             raise GraceConfigError(
-                f"{where}: 'compressor' is required (one of {', '.join(grace_dgc.list_compressors())})"
+                f"{where}: 'compressor' is required (one of {', '.join(grace_dgc.list_compressors())}, or your own "
+                "class as 'package.module:Class' or 'path/to/file.py:Class')"
             )
-        compressor = COMPRESSORS.canonical(method["compressor"])
-        summable = COMPRESSORS.get(compressor).summable
+        compressor = self._part(method, "compressor", COMPRESSORS, where)
+        memory = self._part(method, "memory", MEMORIES, where, "none")
+        fallback = "allreduce" if COMPRESSORS.get(compressor).summable else "allgather"
+        communicator = self._part(method, "communicator", COMMUNICATORS, where, fallback)
         spec: dict[str, Any] = {
-            "label": method.get("label", compressor),
+            "label": method.get("label", _default_label(compressor)),
             "compressor": compressor,
-            "memory": method.get("memory", "none"),
-            "communicator": method.get("communicator", "allreduce" if summable else "allgather"),
+            "memory": memory,
+            "communicator": communicator,
             "params": dict(method.get("params", {})),
             "tags": dict(method.get("tags", {})),
         }
         for size in self.workers:
+            on = f" on {size} workers" if size > 1 else ""
             try:
-                parts = spec["compressor"], spec["memory"], spec["communicator"]
-                grace_dgc.build(*parts, engine=PlanEngine(size), **spec["params"])
+                grace_dgc.build(compressor, memory, communicator, engine=PlanEngine(size), **spec["params"])
             except GraceConfigError as err:
-                on = f" on {size} workers" if size > 1 else ""
                 raise GraceConfigError(f"{where} ({spec['label']!r}){on}: {err}") from None
+            except (ValueError, TypeError) as err:  # a plugin's own check of its parameters
+                refused = _refused_by(err, spec)
+                raise GraceConfigError(
+                    f"{where} ({spec['label']!r}){on}: {refused}: {type(err).__name__}: {err}"
+                ) from err
         return spec
+
+    def _part(
+        self, method: dict[str, Any], kind: str, registry: Registry[Any], where: str, default: str | None = None
+    ) -> str:
+        """``method[kind]`` checked (an unknown name is an error naming the method, as any other
+        of its errors): a registered name as given (the runs' fingerprints hold it so), a compressor
+        chain's stages canonical, and a spec with its file made absolute, from the config's folder
+        (written back into ``method``: the saved config and the ranks import the same file)."""
+        from grace_dgc.registry import is_spec, resolve_spec
+
+        if kind not in method:
+            assert default is not None
+            return default
+        given: str = method[kind]
+        if is_spec(given):
+            given = ">".join(resolve_spec(stage.strip(), self.base_dir) for stage in given.split(">"))
+            method[kind] = given
+        labelled = f" ({method['label']!r})" if "label" in method else ""
+        try:
+            canonical = registry.canonical(given)
+        except GraceConfigError as err:
+            raise GraceConfigError(f"{where}{labelled}: {err}") from None
+        return canonical if kind == "compressor" or is_spec(given) else given
 
     # -- the grid --------------------------------------------------------------------
     def cells(self, cache_dir: str | None = None, tensorboard_dir: str | None = None) -> list[Cell]:
@@ -426,6 +457,45 @@ def _method_settings(method: Mapping[str, Any], spec: dict[str, Any], where: str
         if "lr" in method:
             raise GraceConfigError(f"{where}: give lr or tune_lr, not both")
         spec["tune_lr"] = [float(c) for c in cands]
+
+
+def _default_label(compressor: str) -> str:
+    """A method's label when it gives none: its compressor's name; a spec's class by the name
+    its decorator registered, else by its own name (a label names no file)."""
+    from grace_dgc.registry import COMPRESSORS, is_spec
+
+    def short(stage: str) -> str:
+        if not is_spec(stage):
+            return stage
+        name: str = getattr(COMPRESSORS.get(stage), "registered_name", stage)
+        return name if name != stage else stage.rpartition(":")[2]
+
+    return ">".join(short(stage) for stage in compressor.split(">"))
+
+
+def _refused_by(error: BaseException, spec: Mapping[str, Any]) -> str:
+    """Which part of ``spec``'s method raised ``error`` while it was built, with the method's
+    parameters: the part whose constructor is the outermost frame of the traceback that runs
+    on one of the three parts (else the method's three names)."""
+    from grace_dgc.registry import COMMUNICATORS, COMPRESSORS, MEMORIES
+
+    kinds = {"compressor": COMPRESSORS, "memory": MEMORIES, "communicator": COMMUNICATORS}
+    classes = {}
+    for kind, registry in kinds.items():
+        try:
+            classes[kind] = registry.get(spec[kind])
+        except GraceConfigError:  # a chain's stand-in: named as a whole below
+            pass
+    params = ", ".join(f"{key}={value!r}" for key, value in spec["params"].items()) or "no parameters"
+    trace = error.__traceback__
+    while trace is not None:
+        self_ = trace.tb_frame.f_locals.get("self")
+        for kind, cls in classes.items():
+            if isinstance(cls, type) and type(self_) is cls:
+                return f"{kind} {spec[kind]!r} refused its parameters ({params})"
+        trace = trace.tb_next
+    parts = ", ".join(f"{kind} {spec[kind]!r}" for kind in kinds)
+    return f"the method ({parts}) refused its parameters ({params})"
 
 
 def _schedule(raw: object, spec: Mapping[str, Any], where: str) -> dict[str, Any]:
