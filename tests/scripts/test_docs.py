@@ -125,3 +125,118 @@ def test_the_set_up_starts_with_the_main_job_then_the_fast_tests_then_the_whole_
     prose = " ".join(text[text.index("## Set-up") :].split("```")[2].split())  # the paragraph after the block
     assert "`make survey` alone builds the environment and runs the main job" in prose, prose[:300]
     assert "make test\n" in (ROOT / ".ci" / "run").read_text()  # the README's test command is CI's
+
+
+def sphinx_roles_extension():
+    """scripts/griffe_sphinx_roles.py, the griffe extension mkdocs.yml loads by its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("griffe_sphinx_roles", ROOT / "scripts" / "griffe_sphinx_roles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.fast  # single-process, but griffe asks git where the package's repository is (one short process)
+def test_sphinx_roles_become_references_to_where_the_object_is_defined_or_code(tmp_path):
+    griffe = pytest.importorskip("griffe")
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        '"""The package: :func:`make` makes a :class:`Thing`."""\n\nfrom .core import Thing, make\n'
+    )
+    (package / "core.py").write_text(
+        '"""See :class:`~pkg.core.Thing`, :meth:`Thing.go`, :func:`.make`, :mod:`pkg.core`,\n'
+        ':func:`the maker <make>`, :class:`torch.Tensor`, :meth:`!nolink`, :func:`missing`, :func:`helper`."""\n\n\n'
+        "class Thing:\n"
+        '    """A thing."""\n\n'
+        "    def go(self):\n"
+        '        """Go; then :meth:`stop`; also :py:func:`pkg.make`."""\n\n'
+        "    def stop(self):\n"
+        '        """Stop."""\n\n\n'
+        "def make():\n"
+        '    """Make one."""\n'
+    )
+    (package / "other.py").write_text('def helper():\n    """Help."""\n')  # imported by no one
+    loader = griffe.GriffeLoader(
+        extensions=griffe.load_extensions(sphinx_roles_extension().SphinxRoles()), search_paths=[str(tmp_path)]
+    )
+    pkg = loader.load("pkg")
+
+    def ref(path, shown):
+        return f'<autoref identifier="{path}" optional><code>{shown}</code></autoref>'
+
+    assert (
+        pkg.docstring.value == f"The package: {ref('pkg.core.make', 'make')} makes a {ref('pkg.core.Thing', 'Thing')}."
+    )
+    core = pkg["core"].docstring.value
+    for expected in (
+        ref("pkg.core.Thing", "Thing"),  # ~ shows the last name
+        ref("pkg.core.Thing.go", "Thing.go"),  # scoped: the module's class
+        ref("pkg.core.make", "make"),  # .name: a search by suffix
+        ref("pkg.core", "pkg.core"),
+        ref("pkg.core.make", "the maker"),  # title <target>
+        ref("torch.Tensor", "torch.Tensor"),  # a full path not loaded: optional, so code unless rendered
+        "<code>nolink</code>",  # !: never a link
+        "<code>missing</code>",  # names nothing: code
+        ref("pkg.other.helper", "helper"),  # the one loaded object of that name
+    ):
+        assert expected in core, (expected, core)
+    assert (
+        pkg["core.Thing.go"].docstring.value
+        == f"Go; then {ref('pkg.core.Thing.stop', 'stop')}; also {ref('pkg.core.make', 'pkg.make')}."
+    )
+
+
+RAW_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|attr|mod|data|obj|exc|const):(?:`|&#x60;|<code>)")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The documentation site, built as ``make docs`` builds it (--strict) into a folder of its own."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("mkdocs")
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def test_the_built_site_shows_no_raw_sphinx_role_and_links_the_cross_references(site):
+    pages = {page.relative_to(site).as_posix(): page.read_text() for page in site.rglob("*.html")}
+    raw = {name: RAW_ROLE.findall(text) for name, text in pages.items() if RAW_ROLE.search(text)}
+    assert raw == {}, raw
+    api = "".join(text for name, text in pages.items() if name.startswith("api/"))
+    links = re.findall(r'<a class="autorefs autorefs-internal"[^>]*><code>', api)
+    assert len(links) > 100, len(links)  # the docstrings' roles, now links (195 when written)
+    core = pages["api/core/index.html"]
+    assert re.search(r'href="#grace_dgc\.grace\.Grace\.close"><code>Grace\.close</code></a>', core)  # build's
+    signature = re.sub(r"<[^>]+>", "", core[core.index('id="grace_dgc.grace.build"') :][:4000])
+    assert "compressor: str" in signature and "-&gt; Grace" in signature, signature[:600]  # typed signatures
+    hook = core[core.index('id="grace_dgc.ddp.ddp_comm_hook"') :][:8000]
+    assert "<th>Type</th>" in hook and "<code>optimizer</code>" in hook  # :param: fields as a table
+
+
+def test_the_navigation_groups_the_results_and_leaves_the_run_logs_out(site):
+    home = (site / "index.html").read_text()
+    nav = home[home.index('<nav class="md-nav md-nav--primary"') :]
+    assert re.search(r">\s*Results\s*<", nav) and re.search(r">\s*GPU checks\s*<", nav)
+    assert re.search(r">\s*Survey reports", nav) and "issue 40" not in nav
+    for log in ("h100-session-2026-11-28", "h200-session-runs"):  # a lent machine's raw outputs
+        assert (site / "results" / log / "index.html").exists() and f"results/{log}/" not in nav, log
+
+
+def test_the_api_index_example_runs_as_printed_on_one_process():
+    page = (ROOT / "docs" / "api" / "index.md").read_text()
+    namespace = {"__name__": "__main__"}
+    exec(compile(next(m.group(2) for m in FENCE.finditer(page) if m.group(1) == "python"), "api", "exec"), namespace)
+    grace = namespace["grace"]
+    try:
+        assert grace.stats()["steps"] == 1 and 0 < grace.stats()["compression_ratio"] < 0.1
+    finally:
+        grace.close()
