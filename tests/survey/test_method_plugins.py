@@ -112,9 +112,9 @@ def user(tmp_path, monkeypatch, registries):
     return folder
 
 
-def write_config(tmp_path, methods):
+def write_config(tmp_path, methods, seeds=(0,)):
     path = tmp_path / "conf" / "survey.toml"
-    path.write_text(f'workload = "../user/my_workload.py:make"\nworkers = 2\nseeds = [0]\n{methods}')
+    path.write_text(f'workload = "../user/my_workload.py:make"\nworkers = 2\nseeds = {list(seeds)}\n{methods}')
     return str(path)
 
 
@@ -135,6 +135,7 @@ def test_the_users_own_three_parts_named_by_file_and_module_train_on_two_ranks(u
         fusion_bytes = 0
         params = {k = 4, beta = 0.5}
         """,
+        seeds=(0, 1),  # two runs on the same kept-up ranks: the second finds the module imported, its name forgotten
     )
     conf = cfg.load_config(toml)
     file = user / "my_methods.py"
@@ -144,14 +145,14 @@ def test_the_users_own_three_parts_named_by_file_and_module_train_on_two_ranks(u
     assert method["label"] == "signtopk"  # the name its decorator gave it
     assert conf.to_dict()["methods"][0]["compressor"] == f"{file}:SignTopK"  # the saved config imports the same
     summaries, failures = runner.run_grid(conf, str(tmp_path / "out"), progress=False, log=lambda *a: None)
-    assert not failures, failures
-    (run,) = summaries
-    # every rank built SignTopK and sent what it compresses: per tensor (one per bucket) k fp32 signs,
-    # k int64 indices and one fp32 scale (the bias of 2 elements: 2 of each), and allgather's header
-    # (an int64 length per payload tensor)
-    header = 3 * 8
-    assert run["bytes_per_step"] == 3 * (4 * 4 + 4 * 8 + 4 + header) + (2 * 4 + 2 * 8 + 4 + header)
-    assert run["dense_bytes_per_step"] == 4 * (12 * 16 + 16 + 16 * 2 + 2)
+    assert not failures and len(summaries) == 2, failures
+    for run in summaries:
+        # every rank built SignTopK and sent what it compresses: per tensor (one per bucket) k fp32 signs,
+        # k int64 indices and one fp32 scale (the bias of 2 elements: 2 of each), and allgather's header
+        # (an int64 length per payload tensor)
+        header = 3 * 8
+        assert run["bytes_per_step"] == 3 * (4 * 4 + 4 * 8 + 4 + header) + (2 * 4 + 2 * 8 + 4 + header)
+        assert run["dense_bytes_per_step"] == 4 * (12 * 16 + 16 + 16 * 2 + 2)
 
 
 def test_a_decorator_registered_plugin_is_unknown_by_name_and_the_error_says_how_to_name_it(user, tmp_path, capsys):
