@@ -143,10 +143,10 @@ class Registry(Generic[T_co]):
     ``registered_name`` (classes; a workload's factories are not stamped, and may be
     registered under several names); ``check(name, obj)`` refuses what may not be registered
     (raising :class:`GraceConfigError`), plugins included; ``unknown_hint`` ends the error for
-    an unknown name. ``spec_check(spec, obj)``, where given, lets a spec (:func:`is_spec`)
+    an unknown name. ``spec_check(where, obj)``, where given, lets a spec (:func:`is_spec`)
     stand for a name: the object it imports, once ``spec_check`` accepts it (raising
-    :class:`GraceConfigError` if not), is not registered, and the spec (its file made absolute)
-    is its canonical name.
+    :class:`GraceConfigError`, its message starting with ``where``, if not), is not registered,
+    and the spec (its file made absolute) is its canonical name.
 
     A registry is read as its type says: a ``Registry[type[Compressor]]`` gives compressor
     classes, and is a ``Registry[type[Part]]`` where one is read (``T_co`` is covariant, so
@@ -357,8 +357,9 @@ def _hint(kind: str, group: str) -> str:
     where a registered class is known."""
     return (
         f"; or your own class as 'package.module:Class' or 'path/to/file.py:Class' (a class registered "
-        f"with @register_{kind} is known only in a process that imported its module, which a survey's ranks "
-        f"do not: name it in one of those forms, or install it with a '{group}' entry point; docs/plugins.md)"
+        f"with @register_{kind} is known only in a process that imported its module, and a survey's ranks "
+        f"import only what their config names: name it in one of those forms, or install it with a '{group}' "
+        "entry point; docs/plugins.md)"
     )
 
 
