@@ -17,6 +17,7 @@ Architectures: 90 (H100, H200), 80 (A100); any other that the installed Triton s
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import sys
 import time
@@ -105,41 +106,54 @@ def options(name):
     return dict(kernels.HADAMARD_META) if name.startswith(("hadamard", "stochastic")) else {}
 
 
+def compile_for(arch, only, wide):
+    """Compile every variant for compute capability ``arch``: (variants tried, failures named)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sys.path.insert(0, str(ROOT))
+    from grace_dgc import triton_kernels
+
+    failures, count = [], 0
+    target = GPUTarget("cuda", arch, 32)
+    for n_type in ["i32", "i64"] if wide else ["i32"]:
+        for name, signature, constants in variants(n_type):
+            if not name.startswith(only):
+                continue
+            label = f"sm_{arch} {name} {', '.join(f'{k}={v}' for k, v in constants.items())} " + " ".join(
+                f"{k}:{v}" for k, v in signature.items() if v != C
+            )
+            fn = getattr(triton_kernels, f"{name}_kernel")
+            try:
+                source = ASTSource(fn, signature, constexprs=constants)
+                compiled = triton.compile(source, target=target, options=options(name))
+                if "cubin" not in compiled.asm:
+                    raise RuntimeError("no cubin produced")
+            except Exception as error:  # every variant is tried; each failure is named
+                failures.append(f"{label}: {type(error).__name__}: {str(error).strip()[:2000]}")
+                print(f"FAILED {label}", flush=True)
+            count += 1
+    return count, failures
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90: H100)")
     parser.add_argument("--only", default="", help="compile only the kernels whose name starts with this")
     parser.add_argument("--wide", action="store_true", help="also n as a 64-bit integer (tensors of 2^31+ elements)")
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="architectures compiled at once (default: the cores)"
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("TRITON_INTERPRET is set: the kernels would be interpreted, not compiled; unset it")
-    sys.path.insert(0, str(ROOT))
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from grace_dgc import triton_kernels
-
-    failures, count, started = [], 0, time.monotonic()
-    for arch in args.arch:
-        target = GPUTarget("cuda", arch, 32)
-        for n_type in ["i32", "i64"] if args.wide else ["i32"]:
-            for name, signature, constants in variants(n_type):
-                if not name.startswith(args.only):
-                    continue
-                label = f"sm_{arch} {name} {', '.join(f'{k}={v}' for k, v in constants.items())} " + " ".join(
-                    f"{k}:{v}" for k, v in signature.items() if v != C
-                )
-                fn = getattr(triton_kernels, f"{name}_kernel")
-                try:
-                    source = ASTSource(fn, signature, constexprs=constants)
-                    compiled = triton.compile(source, target=target, options=options(name))
-                    if "cubin" not in compiled.asm:
-                        raise RuntimeError("no cubin produced")
-                except Exception as error:  # every variant is tried; each failure is named
-                    failures.append(f"{label}: {type(error).__name__}: {str(error).strip()[:2000]}")
-                    print(f"FAILED {label}", flush=True)
-                count += 1
+    started = time.monotonic()
+    # one process per architecture: a compile is mostly ptxas and MLIR passes, one core each
+    with concurrent.futures.ProcessPoolExecutor(max(1, min(args.jobs, len(args.arch)))) as pool:
+        done = list(pool.map(compile_for, args.arch, [args.only] * len(args.arch), [args.wide] * len(args.arch)))
+    count = sum(c for c, _ in done)
+    failures = [f for _, fs in done for f in fs]
     print(f"{count - len(failures)} of {count} kernel variants compiled ({time.monotonic() - started:.0f} s)")
     for failure in failures:
         print(failure)

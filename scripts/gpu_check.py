@@ -152,7 +152,7 @@ def steps(device, gpus, scratch):
         (
             "dense-path overhead on gloo",
             [py, "benchmarks/bench_overhead.py", "--backend", "gloo", "--ranks", "1", "--steps", "2"]
-            + ["--repeats", "1", "--batch", "4"],
+            + ["--repeats", "1", "--batch", "4", "--widths", "256", "512", "10"],  # not the 25.2M-parameter MLP
         ),
         (
             "dense-path overhead, host-bound (48 small tensors)",
