@@ -1,9 +1,10 @@
-# Two entry points for a fresh machine with Python 3.11:
-#   make test    — create .venv, install torch 2.13.0 (CPU), the project, Horovod; lint (ruff, mypy); build the docs
-#                  site (mkdocs --strict); run the tests
+# Entry points for a fresh machine with Python 3.11, in the order a newcomer runs them:
+#   make survey  — the main job: create .venv (torch 2.13.0 CPU and the project), run the quick comparative
+#                  survey and write its report
 #   make test-fast — the fast tier: single-process tests and a few multi-rank cases (tests/README.md)
+#   make test    — the whole suite, what CI runs: the venv plus Horovod; lint (ruff, mypy); the docs site
+#                  (mkdocs --strict); every test
 #   make docs    — the documentation site from docs/ into site/ (--strict: a broken link or stale reference fails)
-#   make survey  — the main job: the quick comparative survey and its report
 #   make gpu-check — on a machine with a GPU: CUDA tests, GPU benchmarks and a short training run, one report under
 #                  docs/results/ (scripts/gpu_check.py; a CUDA build of torch, cu128, when nvidia-smi is present;
 #                  with a CUDA torch already installed: `python scripts/gpu_check.py`)
