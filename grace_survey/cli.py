@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from grace_dgc.cli_support import USER_ERRORS, OneLineParser, debug_requested, e
 from grace_dgc.errors import GraceConfigError
 from grace_survey.projection.project import add_project_args, run_project
 from grace_survey.report.writer import add_report_args, run_report
-from grace_survey.running.results import CONFIG_JSON, RESULTS, SUMMARY_CSV
+from grace_survey.running.results import CONFIG_JSON, GRID_JSON, RESULTS, SUMMARY_CSV
 from grace_survey.script.protocol import SCRIPT_RUNS
 
 if TYPE_CHECKING:
@@ -80,6 +81,12 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     """What the command line overrides in the config: workers, epochs, steps, data, network."""
     parser.add_argument("--workers", metavar="N[,N...]", help="ranks per run (overrides the config)")
     parser.add_argument("--epochs", type=int, help="epochs per run (overrides the config)")
+    parser.add_argument(
+        "--seeds",
+        type=_seeds,
+        metavar="S[,S...]",
+        help="the seeds to run, e.g. 0,1,2 or 0-4 (overrides seeds/repeats in the config)",
+    )
     parser.add_argument("--max-steps", type=int, metavar="S", help="at most S steps per epoch (overrides)")
     parser.add_argument(
         "--data-dir",
@@ -129,6 +136,20 @@ def _preset(name: str) -> str:
     except GraceConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return name
+
+
+def _seeds(text: str) -> list[int]:
+    """``--seeds``' type: ``0,1,2``, ``0-4`` or a mix (``0-2,7``): distinct ints >= 0."""
+    seeds: list[int] = []
+    try:
+        for part in text.split(","):
+            low, dash, high = part.strip().partition("-")
+            seeds += range(int(low), int(high) + 1) if dash else [int(low)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seeds as 0,1,2 or a range 0-4") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct seeds >= 0, as 0,1,2 or a range 0-4")
+    return seeds
 
 
 def _existing_dir(path: str, named: str) -> None:
@@ -189,6 +210,9 @@ def _checked_config(args: argparse.Namespace) -> SurveyConfig:
         script_args=args.script_args,
         launcher=args.launcher,
     )
+    if args.seeds is not None:  # the seeds replace the config's seeds or repeats
+        raw = {k: v for k, v in config.to_dict().items() if k != "repeats"}
+        config = SurveyConfig(dict(raw, seeds=args.seeds, name=config.name), source=config.source)
     if args.data_dir is None and config.data_dir is not None:
         _existing_dir(config.data_dir, f"data_dir = {config.data_dir!r} in {config.source}")
     check_files(config.workload, config.data_dir)  # present, not yet read: no folder is created first
@@ -198,9 +222,11 @@ def _checked_config(args: argparse.Namespace) -> SurveyConfig:
 class _Undo:
     """What a failed survey leaves: nothing it wrote before its first recorded run. A folder
     it created is removed; in one that was there, only the survey's own entries that it
-    added (and survey_config.json restored); the user's files are never touched."""
+    added (and survey_config.json and survey_grid.json restored); the user's files are never
+    touched."""
 
-    ENTRIES = (CONFIG_JSON, RESULTS, SUMMARY_CSV, "data-cache", "tensorboard", SCRIPT_RUNS)
+    ENTRIES = (CONFIG_JSON, GRID_JSON, RESULTS, SUMMARY_CSV, "data-cache", "tensorboard", SCRIPT_RUNS)
+    RESTORED = (CONFIG_JSON, GRID_JSON)
 
     def __init__(self, out: str) -> None:
         self.out = os.path.abspath(out)
@@ -209,7 +235,7 @@ class _Undo:
         while not os.path.exists(path) and os.path.dirname(path) != path:
             self.root, path = path, os.path.dirname(path)
         self.present = set() if self.root else {e for e in self.ENTRIES if os.path.exists(self._at(e))}
-        self.config = self._read(CONFIG_JSON) if CONFIG_JSON in self.present else None
+        self.saved = {e: self._read(e) for e in self.RESTORED if e in self.present}
         self.results = self._size(RESULTS)
 
     def _at(self, entry: str) -> str:
@@ -236,9 +262,11 @@ class _Undo:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.remove(path)
-        if self.config is not None and self._read(CONFIG_JSON) != self.config:
-            with open(self._at(CONFIG_JSON), "wb") as f:
-                f.write(self.config)
+        for entry, content in self.saved.items():
+            if os.path.isfile(self._at(entry)) and self._read(entry) == content:
+                continue
+            with open(self._at(entry), "wb") as f:
+                f.write(content)
 
 
 def run_survey(args: argparse.Namespace) -> int:
@@ -259,7 +287,13 @@ def run_survey(args: argparse.Namespace) -> int:
             raise
         print(error_line(err), file=sys.stderr)
         return 2
-    except BaseException:  # a bug (its traceback shown) or ^C: still nothing half-written
+    except KeyboardInterrupt as stop:  # ^C: the ranks are stopped; what was recorded stays
+        if undo is not None:
+            undo()
+        if args.network_tag is None:  # a shaped network's child leaves the word to its parent
+            print(_interrupted_line(stop, args), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BaseException:  # a bug (its traceback shown): still nothing half-written
         if undo is not None:
             undo()
         raise
@@ -278,6 +312,32 @@ def run_survey(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+
+
+def _interrupted_line(stop: KeyboardInterrupt, args: argparse.Namespace) -> str:
+    """The one line a Ctrl-C ends a survey with: the runs kept, the runs left, the command
+    that finishes the survey (it skips the runs kept)."""
+    from grace_survey.running.grid import SurveyInterrupted
+
+    command = _this_command(args)
+    if not isinstance(stop, SurveyInterrupted):  # before the first run started: nothing was kept
+        return f"interrupted before any run started; to run the survey: {command}"
+    left = stop.total - stop.kept
+    return f"interrupted: {stop.kept} of {stop.total} runs kept, {left} left; run the same command to finish: {command}"
+
+
+def _this_command(args: argparse.Namespace) -> str:
+    """The command line that started this survey, as the user can type it again (where the
+    survey was started from Python, its --config or --preset and --out)."""
+    argv = sys.argv[1:]
+    if "survey" in argv:
+        survey_module = sys.argv[0].endswith(os.path.join("grace_survey", "cli.py"))
+        return f"{'python -m grace_survey.cli' if survey_module else 'grace-dgc'} {shlex.join(argv)}"
+    source = ["--config", args.config] if args.config else ["--preset", args.preset]
+    return shlex.join(["grace-dgc", "survey", *source, "--out", args.out])
 
 
 def _guarded(fn: Command) -> Command:

@@ -1,11 +1,15 @@
 """The grid driver: every unfinished cell of a config, each in its own process group on this
 machine (:func:`grace_dgc.launch.run_local`), shaped networks in a network namespace."""
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,6 +20,7 @@ from grace_survey.config.cell import Cell
 from grace_survey.extras import require
 from grace_survey.running import netem
 from grace_survey.running.execute import run_cell
+from grace_survey.running.rerun import earlier_cells, plan_lines, remove_stale_outputs
 from grace_survey.running.results import (
     CONFIG_JSON,
     Record,
@@ -23,6 +28,7 @@ from grace_survey.running.results import (
     finished_runs,
     latest_summaries,
     read_records,
+    write_grid,
     write_summary_csv,
 )
 from grace_survey.running.train import load_workload
@@ -66,6 +72,7 @@ def prepare(config: "SurveyConfig", out_dir: str, check_workload: bool = True) -
     cache_dir = os.path.join(out_dir, "data-cache")
     os.makedirs(cache_dir, exist_ok=True)
     cells = config.cells(cache_dir=cache_dir, tensorboard_dir=os.path.join(out_dir, "tensorboard"))
+    write_grid(out_dir, {cell.run_id: cell.cell_hash for cell in cells})
     if not check_workload:
         return cells, None
     workload = load_workload(cells[0])
@@ -78,6 +85,15 @@ def prepare(config: "SurveyConfig", out_dir: str, check_workload: bool = True) -
     return cells, workload
 
 
+class SurveyInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`run_grid`, after its ranks were stopped and its files written:
+    ``kept`` of the grid's ``total`` runs have their results in the folder."""
+
+    def __init__(self, kept: int, total: int) -> None:
+        super().__init__(f"interrupted: {kept} of {total} runs kept")
+        self.kept, self.total = kept, total
+
+
 def run_grid(
     config: "SurveyConfig",
     out_dir: str,
@@ -87,18 +103,26 @@ def run_grid(
     fresh_ranks: bool = False,
 ) -> tuple[list[Record], list[tuple[str, str]]]:
     """Run every unfinished cell of ``config`` (only those of ``network_tag`` if given),
-    skipping runs whose summary is already in ``out_dir``. Cells of a shaped network are
-    run in a shaped namespace (see :mod:`grace_survey.running.netem`) unless this process is
-    already inside one with that shaping. The cells of one world size run one after another
-    in one :class:`~grace_dgc.launch.RankPool` (its ranks started once); ``fresh_ranks``
-    starts ranks for each run instead. Returns (summaries, failures)."""
+    skipping runs whose summary is already in ``out_dir`` (and saying which it reuses, which it
+    runs again and why). Cells of a shaped network are run in a shaped namespace (see
+    :mod:`grace_survey.running.netem`) unless this process is already inside one with that
+    shaping. The cells of one world size run one after another in one
+    :class:`~grace_dgc.launch.RankPool` (its ranks started once); ``fresh_ranks`` starts ranks
+    for each run instead. Progress bars only where stderr is a terminal (a line per run
+    otherwise). Returns (summaries, failures); Ctrl-C raises :class:`SurveyInterrupted` once
+    the ranks are stopped. A run recorded removes the projection's files made before it."""
     tqdm = require("tqdm.auto", "the survey's progress bars").tqdm
+    progress = progress and _terminal(tqdm)
 
+    earlier = earlier_cells(out_dir) if network_tag is None else {}
     # a shaped-network child runs a share of a grid its parent has already checked
     cells, _ = prepare(config, out_dir, check_workload=network_tag is None and config.script is None)
     if network_tag is not None:
         cells = [c for c in cells if c.network["tag"] == network_tag]
     done = finished_runs(out_dir)
+    if network_tag is None:
+        for line in plan_lines(cells, done, earlier, read_records(out_dir), out_dir):
+            log(line)
     inside = netem.current_shaping()
     by_network: dict[str, list[Cell]] = {}
     for cell in cells:
@@ -107,26 +131,66 @@ def run_grid(
     bar = tqdm(
         total=len(cells), desc=f"survey {config.name}", position=0, unit="run", dynamic_ncols=True, disable=not progress
     )
-    grid = _GridRun(config, out_dir, progress, fresh_ranks, log, bar)
-    try:
-        for tag, group in by_network.items():
-            net = group[0].network
-            todo = [c for c in group if done.get(c.run_id) != c.cell_hash]
-            bar.update(len(group) - len(todo))
-            if not todo:
-                continue
-            shaped = _is_shaped(net)
-            if shaped and (inside is None or inside.get("tag") != tag):
-                grid.run_shaped_child(tag, net, todo, inside)
-                continue
-            for cell in todo:
-                grid.run_cell(cell, shaped)
-    finally:
-        for pool in grid.pools.values():
-            pool.close()
-        bar.close()
-        write_summary_csv(out_dir)
+    grid = _GridRun(config, out_dir, progress, fresh_ranks, log, bar, total=len(cells))
+    interrupted = False
+    with _one_interrupt():
+        try:
+            for tag, group in by_network.items():
+                net = group[0].network
+                todo = [c for c in group if done.get(c.run_id) != c.cell_hash]
+                grid.advance(len(group) - len(todo))
+                if not todo:
+                    continue
+                shaped = _is_shaped(net)
+                if shaped and (inside is None or inside.get("tag") != tag):
+                    grid.run_shaped_child(tag, net, todo, inside)
+                    continue
+                for cell in todo:
+                    grid.run_cell(cell, shaped)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            for pool in grid.pools.values():
+                pool.close()  # an interrupted job's ranks are stopped already
+            bar.close()
+            write_summary_csv(out_dir)
+            if grid.summaries and network_tag is None:
+                removed = remove_stale_outputs(out_dir)
+                if removed:
+                    log(
+                        f"[survey] removed {', '.join(removed)}: made from the results before these runs "
+                        f"(grace-dgc project {out_dir} makes them again)"
+                    )
+    if interrupted:
+        finished = finished_runs(out_dir)
+        raise SurveyInterrupted(sum(finished.get(c.run_id) == c.cell_hash for c in cells), len(cells))
     return grid.summaries, grid.failures
+
+
+def _terminal(tqdm: Any) -> bool:
+    """Whether progress bars have somewhere to go: stderr is a terminal, or tqdm draws in a
+    notebook. A log file gets a line per run instead of the bars' escape codes."""
+    return sys.stderr.isatty() or "notebook" in getattr(tqdm, "__module__", "")
+
+
+@contextlib.contextmanager
+def _one_interrupt() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt once; a second one, while the ranks are stopped and the
+    files written, is ignored (it would cut that short). As it was after. Python sets handlers
+    on the main thread only: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+
+    def once(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, once)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _is_shaped(net: Mapping[str, Any]) -> bool:
@@ -154,9 +218,16 @@ class _GridRun:
     fresh_ranks: bool
     log: Callable[[str], object]
     bar: Any
+    total: int = 0  # the grid's runs, reused ones included
+    done: int = 0  # of them, reused or tried so far
     summaries: list[Record] = dataclasses.field(default_factory=list)
     failures: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     pools: dict[tuple[int, str], RankPool] = dataclasses.field(default_factory=dict)  # (workers, backend) -> ranks
+
+    def advance(self, runs: int) -> None:
+        """``runs`` more of the grid reused or tried."""
+        self.done += runs
+        self.bar.update(runs)
 
     def run_shaped_child(
         self, tag: str, net: Mapping[str, Any], todo: list[Cell], inside: Mapping[str, Any] | None
@@ -181,7 +252,7 @@ class _GridRun:
                 self.summaries.append(finished[cell.run_id])
             else:
                 self.failures.append((cell.run_id, f"shaped-network child exited with {code}"))
-        self.bar.update(len(todo))
+        self.advance(len(todo))
 
     def run_cell(self, cell: Cell, shaped: bool) -> None:
         """Run one cell here (one broken run does not stop the survey: its error is recorded)."""
@@ -192,7 +263,8 @@ class _GridRun:
             assert summary is not None, "rank 0 returns the cell's summary"
             self.summaries.append(summary)
             self.bar.write(
-                f"[survey] {cell['run_id']}: test acc {_shown(summary['final_test_accuracy'])}, "
+                f"[survey] {self.done + 1}/{self.total} {cell.run_id}: "
+                f"test acc {_shown(summary['final_test_accuracy'])}, "
                 f"{summary['bytes_per_step']:.0f} B/step, ratio {summary['compression_ratio']:.4g}, "
                 f"{summary['train_time_s']:.1f} s"
             )
@@ -201,8 +273,8 @@ class _GridRun:
             self.failures.append((cell.run_id, str(err)))
             error = {"type": "error", "run_id": cell.run_id, "cell_hash": cell.cell_hash, "message": str(err)[-4000:]}
             append_record(self.out_dir, error)
-            self.bar.write(f"[survey] {cell['run_id']} FAILED: {message}")
-        self.bar.update(1)
+            self.bar.write(f"[survey] {self.done + 1}/{self.total} {cell.run_id} FAILED: {message}")
+        self.advance(1)
 
     def _train(self, cell: Cell, backend: str, device: str) -> Record | None:
         """The cell's summary: its script's ranks (script mode), ranks started for it, or the pool's."""

@@ -14,6 +14,7 @@ from grace_survey.running.summary import STEP_TIMES
 RESULTS = "results.jsonl"
 SUMMARY_CSV = "summary.csv"
 CONFIG_JSON = "survey_config.json"
+GRID_JSON = "survey_grid.json"  # run_id → cell_hash of the grid the last survey into the folder ran
 
 Record = dict[str, Any]  # one results.jsonl line (parsed JSON)
 
@@ -56,6 +57,23 @@ def read_records(out_dir: str) -> list[Record]:
 def finished_runs(out_dir: str) -> dict[str, str | None]:
     """run_id → cell_hash of every run with a summary line."""
     return {r["run_id"]: r.get("cell_hash") for r in read_records(out_dir) if r.get("type") == "summary"}
+
+
+def write_grid(out_dir: str, runs: dict[str, str]) -> None:
+    """survey_grid.json: the runs (run_id → cell_hash) of the grid a survey runs into
+    ``out_dir``; the report keeps the results of these runs only."""
+    with open(os.path.join(out_dir, GRID_JSON), "w") as f:
+        json.dump({"runs": runs}, f, indent=1)
+
+
+def read_grid(out_dir: str) -> dict[str, str] | None:
+    """survey_grid.json's runs, or None where there is none (a survey older than the file)."""
+    path = os.path.join(out_dir, GRID_JSON)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        runs: dict[str, str] = json.load(f)["runs"]
+    return runs
 
 
 def latest_summaries(records: Iterable[Record]) -> list[Record]:

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import math
 import resource
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -301,8 +302,12 @@ def _start(
 
 
 def _progress_bar(total: int, desc: str | None, shown: bool) -> Any:
-    """The steps' progress bar (tqdm; disabled unless ``shown``)."""
+    """The steps' progress bar (tqdm; disabled unless ``shown``). Its lock is one of this
+    process's threads: tqdm's default, a named semaphore made in a spawned rank, outlives a
+    rank its launcher stops (Ctrl-C) as "leaked semaphore objects" at exit."""
     tqdm = require("tqdm.auto", "the survey's progress bars").tqdm
+    if "_lock" not in vars(tqdm):
+        tqdm.set_lock(threading.RLock())
     return tqdm(total=total, desc=desc, position=1, leave=False, unit="step", dynamic_ncols=True, disable=not shown)
 
 
