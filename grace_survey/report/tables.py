@@ -1,7 +1,9 @@
 """The report's tables apart from the headline and the seed statistics: throughput, bytes and
 final accuracy (:func:`general_table`, with the language models' :func:`loss_gap` and
-perplexity), the methods' settings, the seed001 format (:func:`target_table`), the seed000
-format (:func:`kpercent_tables`) and the lr-tuning outcomes (:func:`tuning_table`)."""
+perplexity), the methods' settings, epochs and time to the target in the columns of the
+ResNet-20 time-to-accuracy experiment (:func:`target_table`), accuracy and loss per share of the
+gradient sent, as the k-percent masking experiment gives them (:func:`kpercent_tables`), and
+the lr-tuning outcomes (:func:`tuning_table`)."""
 
 import math
 import statistics
@@ -121,7 +123,9 @@ def methods_table(groups: Sequence[Group]) -> str:
 
 
 def target_table(groups: Sequence[Group]) -> str:
-    """The seed001 table: epochs and time to the target accuracy and the final figures."""
+    """Epochs and time to the target accuracy and the final figures, in the columns of the
+    ResNet-20 time-to-accuracy experiment the survey grew from (preset
+    ``dgc-resnet20-time-to-accuracy``). Mean epochs as the headline shows them (2 decimals)."""
     target = groups[0].runs[0]["target_accuracy"]
     epochs = max(r["epochs"] for g in groups for r in g.runs)
     pct = f"{target * 100:g}%"
@@ -133,10 +137,10 @@ def target_table(groups: Sequence[Group]) -> str:
     for g in groups:
         reached = g.values("epochs_to_target")
         if len(reached) == len(g.runs):
-            ep = f"{statistics.mean(reached):g} epochs"
+            ep = f"{statistics.mean(reached):.2f} epochs"
             tt = human_seconds(g.mean("time_to_target_s"))
         elif reached:
-            ep = f"{statistics.mean(reached):g} epochs ({len(reached)}/{len(g.runs)} seeds)"
+            ep = f"{statistics.mean(reached):.2f} epochs ({len(reached)}/{len(g.runs)} seeds)"
             tt = human_seconds(g.mean("time_to_target_s"))
         else:
             ep, tt = "not reached", "—"
@@ -149,7 +153,8 @@ def target_table(groups: Sequence[Group]) -> str:
 
 
 def kpercent_tables(groups: Sequence[Group]) -> list[str]:
-    """The seed000 tables, one per worker count, for runs tagged with ``kpercent``."""
+    """The k-percent masking tables (``Send k% grads | Accuracy | Loss``, preset
+    ``kpercent-masking``), one per worker count, for runs tagged with ``kpercent``."""
     tagged = [g for g in groups if "kpercent" in g.runs[0].get("tags", {})]
     out = []
     for workers, network in dict.fromkeys((g.workers, g.network) for g in tagged):

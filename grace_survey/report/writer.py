@@ -22,9 +22,11 @@ Sections, in order:
    difference" is not "equal").
 4. **Do the seeds support the differences?**: final accuracy CIs and Welch tests against
    the baseline.
-5. The methods' settings, the seed001 format (epochs and time to the target, final
-   test/train accuracy, compression ratio, gradient update size), the seed000 format
-   (``Send k% grads | Accuracy | Loss``) for runs tagged ``kpercent``, the lr-tuning
+5. The methods' settings, the time-to-accuracy table (epochs and time to the target,
+   final test/train accuracy, compression ratio, gradient update size), the k-percent masking
+   table (``Send k% grads | Accuracy | Loss``) for runs tagged ``kpercent`` (the two
+   experiments the survey grew from: presets ``dgc-resnet20-time-to-accuracy`` and
+   ``kpercent-masking``), the lr-tuning
    outcomes, plots (matplotlib, Agg: test accuracy and loss per epoch, accuracy vs measured
    compression ratio, time split per step as stacked bars), failed runs, definitions.
 
@@ -51,7 +53,7 @@ from grace_survey.report.headline import (
     target_text,
 )
 from grace_survey.report.notes import explanations
-from grace_survey.report.plots import PLOTS, write_plots
+from grace_survey.report.plots import CAPTIONS, PLOTS, write_plots
 from grace_survey.report.significance import (
     scipy_stats,
     significance_table,
@@ -63,9 +65,9 @@ from grace_survey.report.tables import (
     target_table,
     tuning_table,
 )
-from grace_survey.running.results import CONFIG_JSON, Record, read_records
+from grace_survey.running.results import CONFIG_JSON, GRID_JSON, Record, latest_summaries, read_grid, read_records
 
-__all__ = ["DEFINITIONS", "add_report_args", "main", "run_report", "write_report"]
+__all__ = ["DEFINITIONS", "add_report_args", "current_runs", "main", "run_report", "write_report"]
 
 
 DEFINITIONS = """\
@@ -104,7 +106,13 @@ def write_report(out_dir: str, report_dir: str | None = None, target: float | No
     """Write report.md and the PNGs; returns the report's path. The headline's target is
     ``target`` when given, else the survey's current one (its config.json: a target changed
     since the runs finished applies without running them again), else the runs' own."""
-    groups, tuning, failures = gather(read_records(out_dir))
+    records, left_out = current_runs(read_records(out_dir), read_grid(out_dir))
+    groups, tuning, failures = gather(records)
+    if not groups and left_out:
+        raise GraceConfigError(
+            f"no run in {out_dir!r} was made with the settings its last survey asked for ({len(left_out)} "
+            f"from an earlier configuration, e.g. {left_out[0]['run_id']!r}); run that survey again to finish it"
+        )
     if not groups:
         raise GraceConfigError(
             f"no finished runs in {out_dir!r} (results.jsonl has no summary lines); "
@@ -120,6 +128,7 @@ def write_report(out_dir: str, report_dir: str | None = None, target: float | No
     write_plots(groups, report_dir)
     parts = (
         _preamble(config, groups)
+        + _left_out_section(left_out)
         + _headline_section(groups)
         + _general_section(groups)
         + _significance_section(groups)
@@ -132,6 +141,44 @@ def write_report(out_dir: str, report_dir: str | None = None, target: float | No
     with open(path, "w") as f:
         f.write("\n".join(parts))
     return path
+
+
+def current_runs(records: Sequence[Record], grid: Mapping[str, str] | None) -> tuple[list[Record], list[Record]]:
+    """(the records of the runs of ``grid`` — run_id → cell_hash, the grid the last survey into
+    the folder ran — and the latest summary of each run left out): a run made with other
+    settings (before --epochs changed, say, and not yet run again) or of another grid (a
+    method or seed no longer in the config) is no part of this survey's tables. Every record
+    is kept where there is no grid (a survey older than survey_grid.json)."""
+    if grid is None:
+        return list(records), []
+
+    def current(record: Record) -> bool:
+        if record.get("type") not in ("summary", "error"):
+            return True  # epochs join their summary's attempt; tuning its key
+        run = str(record.get("run_id"))
+        return run in grid and record.get("cell_hash", grid[run]) == grid[run]
+
+    kept = [r for r in records if current(r)]
+    finished = {r["run_id"] for r in kept if r.get("type") == "summary"}
+    left_out = [r for r in latest_summaries(records) if r["run_id"] not in finished]
+    return kept, left_out
+
+
+def _left_out_section(left_out: Sequence[Record]) -> list[str]:
+    """The runs in results.jsonl that the tables leave out (:func:`current_runs`), named."""
+    if not left_out:
+        return []
+    names = ", ".join(f"`{r['run_id']}`" for r in left_out[:12])
+    more = f" and {len(left_out) - 12} more" if len(left_out) > 12 else ""
+    return [
+        "## Runs left out",
+        "",
+        f"{len(left_out)} run(s) in results.jsonl were made with settings other than those the last survey into "
+        f"this folder asked for ({GRID_JSON}): an earlier configuration's, or a method, worker count or seed it no "
+        f"longer names. They are not in the tables or plots: {names}{more}. A run of the survey's grid among them "
+        "is run again by the next `grace-dgc survey` into this folder.",
+        "",
+    ]
 
 
 def _survey_config(out_dir: str) -> dict[str, Any]:
@@ -217,14 +264,29 @@ def _significance_section(groups: Sequence[Group]) -> list[str]:
 
 
 def _method_sections(groups: Sequence[Group], tuning: Sequence[Record]) -> list[str]:
-    """The methods' settings, the seed001 and seed000 formats, the lr tuning (each where it applies)."""
+    """The methods' settings, the two founding experiments' tables, the lr tuning (each where it applies)."""
     parts = ["## Methods", "", methods_table(groups), ""]
     target = groups[0].runs[0].get("target_accuracy")
     if target is not None:
-        parts += [f"## Epochs and time to {target * 100:g}% (the seed001 format)", "", target_table(groups), ""]
+        parts += [
+            f"## Epochs and time to {target * 100:g}%, per method",
+            "",
+            "In the columns of the time-to-accuracy experiment the survey grew from (dense against DGC on "
+            "CIFAR-10 ResNet-20: preset `dgc-resnet20-time-to-accuracy`); means over seeds.",
+            "",
+            target_table(groups),
+            "",
+        ]
     kp = kpercent_tables(groups)
     if kp:
-        parts += ["## Send k% of the gradient (the seed000 format)", ""]
+        parts += [
+            "## Send k% of the gradient",
+            "",
+            "Accuracy and loss when each step sends only the largest k % of the gradient by magnitude, without "
+            "error feedback: the masking experiment the survey grew from (preset `kpercent-masking`); mean ± std "
+            "over seeds.",
+            "",
+        ]
         for table in kp:
             parts += [table, ""]
     if tuning:
@@ -235,7 +297,7 @@ def _method_sections(groups: Sequence[Group], tuning: Sequence[Record]) -> list[
 def _plots_section() -> list[str]:
     parts = ["## Plots", ""]
     for name, title, _ in PLOTS:
-        parts += [f"![{title}]({name})", ""]
+        parts += [f"![{title}]({name})", ""] + ([f"*{CAPTIONS[name]}*", ""] if name in CAPTIONS else [])
     return parts
 
 

@@ -453,15 +453,15 @@ def test_report_on_fixture(tmp_path):
     text = open(path).read()
     # the general table: mean ± sample std over the two seeds
     assert "| 100 (send all) | 2 | local | 2 | 0.9100 ± 0.0141 | 0.2900 ± 0.0141 |" in text
-    # the seed000 table, rows by decreasing k
+    # the k-percent masking table, rows by decreasing k
     lines = text.splitlines()
     start = lines.index("| Send k% grads | Accuracy | Loss |")
     assert lines[start + 2].startswith("| 100 (send all) | 0.9100 ± 0.0141 |")
     assert lines[start + 3].startswith("| 1 | 0.8600 ± 0.0141 |")
     assert lines[start + 4] == "| 0 (send none) | 0.1000 | 2.3000 |"
-    # the seed001 table
+    # the time-to-accuracy table (epochs as the headline shows them)
     assert "| Model | Epochs to 80% | Time to 80% | Test acc (after 3 epochs) |" in text
-    assert "| 100 (send all) | 2 epochs | 4 s | 91.00% | 92.00% | 1 | 3.91 KB |" in text
+    assert "| 100 (send all) | 2.00 epochs | 4 s | 91.00% | 92.00% | 1 | 3.91 KB |" in text
     assert "| 0 (send none) | not reached | — | 10.00% |" in text
     assert "0.01: 0.5000, 0.1: diverged | 0.01 |" in text
     assert "`broken w2 s0`: ValueError: boom" in text
