@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import shutil
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -43,8 +45,17 @@ def _fitting(cls: type[Compressor]) -> str:
     return ", ".join(c for c in registry.COMMUNICATORS.names() if registry.COMMUNICATORS.get(c).fits(method))
 
 
-def registry_table(markdown: bool = False) -> str:
-    """The methods table (as in the README): one row per registered name."""
+KIND_TITLES = {
+    "compressor": "compressors: what goes on the wire",
+    "memory": "memories: error feedback, what was not sent is kept",
+    "communicator": "communicators: how payloads move",
+}
+
+
+def registry_table(markdown: bool = False, width: int | None = None) -> str:
+    """The methods table (as in the README): one row per registered name. As text, one row a
+    line where ``width`` (default: the terminal's, 100 columns where stdout is not a terminal)
+    holds it, else a block per name, wrapped to ``width``."""
     rows = []
     for kind, reg in (
         ("compressor", registry.COMPRESSORS),
@@ -63,9 +74,36 @@ def registry_table(markdown: bool = False) -> str:
             for row in rows
         ]
         return "\n".join(lines)
+    width = width or output_width()
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(5)]
     fmt = "  ".join(f"{{:{w}}}" for w in widths) + "  {}"
-    return "\n".join(fmt.format(*r) for r in [header] + rows)
+    table = [fmt.format(*r).rstrip() for r in [header] + rows]
+    if max(len(line) for line in table) <= width:
+        return "\n".join(table)
+    return _blocks(rows, width)
+
+
+def output_width() -> int:
+    """The columns text is wrapped to: the terminal's, or 100 where stdout is not a terminal (a log, a pipe)."""
+    return shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else 100
+
+
+def _blocks(rows: Sequence[tuple[str, ...]], width: int) -> str:
+    """The registry as a block per name under a heading per kind, every line at most ``width``
+    wide: the name, its aliases and what it is; its parameters; the communicators it fits."""
+    width = max(width, 40)
+    lines: list[str] = []
+    for kind, title in KIND_TITLES.items():
+        lines += ([""] if lines else []) + [title]
+        for _, name, aliases, params, fitting, summary in (row for row in rows if row[0] == kind):
+            also = f" (also {aliases})" if aliases else ""
+            lines += textwrap.wrap(f"{name}{also}: {summary}", width, initial_indent="  ", subsequent_indent="      ")
+            for label, text in (("parameters", params), ("communicators", fitting)):
+                if text:
+                    lines += textwrap.wrap(
+                        f"{label}: {text}", width, initial_indent="      ", subsequent_indent="        "
+                    )
+    return "\n".join(lines)
 
 
 def workloads_table() -> str:

@@ -1,5 +1,6 @@
 """A small, complete distributed training run per method on generated data (no files)."""
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -8,7 +9,7 @@ from torch import Tensor
 
 import grace_dgc
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.launch import run_local
+from grace_dgc.launch import RankPool
 
 DEFAULT_PARAMS = {
     "topk": {"compress_ratio": 0.01},
@@ -78,11 +79,23 @@ def train(rank: int, world_size: int, compressor: str, memory: str, steps: int, 
 
 
 def run_demo(methods: Sequence[Sequence[str]], workers: int = 2, steps: int = 60) -> None:
-    print(f"{'method':24} {'final loss':>10} {'bytes/step':>12} {'ratio':>8}")
-    for parts in methods:
-        compressor, memory = parts[0], (parts[1] if len(parts) > 1 else "none")
-        stats = run_local(train, workers, (compressor, memory, steps))[0]
-        print(
-            f"{compressor + '+' + memory:24} {stats['loss']:10.4f} "
-            f"{stats['bytes_per_step']:12.0f} {stats['compression_ratio']:8.4f}"
-        )
+    """Train each method on ``workers`` local gloo ranks (started once, kept up across the
+    methods) and print its row as it finishes: the method's name as it starts (flushed, so a
+    terminal or a log shows which one runs), then its loss, bytes, ratio and seconds."""
+    print(
+        f"{len(methods)} method(s), {steps} steps each, on {workers} gloo rank(s) on this machine "
+        "(started once: the first method waits for them)",
+        flush=True,
+    )
+    print(f"{'method':24} {'final loss':>10} {'bytes/step':>12} {'ratio':>8} {'seconds':>8}", flush=True)
+    with RankPool(workers) as pool:
+        for parts in methods:
+            compressor, memory = parts[0], (parts[1] if len(parts) > 1 else "none")
+            print(f"{compressor + '+' + memory:24} ", end="", flush=True)
+            started = time.perf_counter()
+            stats = pool.run(train, (compressor, memory, steps))[0]
+            print(
+                f"{stats['loss']:10.4f} {stats['bytes_per_step']:12.0f} {stats['compression_ratio']:8.4f} "
+                f"{time.perf_counter() - started:8.1f}",
+                flush=True,
+            )
