@@ -135,32 +135,11 @@ def run_grid(
     interrupted = False
     with _one_interrupt():
         try:
-            for tag, group in by_network.items():
-                net = group[0].network
-                todo = [c for c in group if done.get(c.run_id) != c.cell_hash]
-                grid.advance(len(group) - len(todo))
-                if not todo:
-                    continue
-                shaped = _is_shaped(net)
-                if shaped and (inside is None or inside.get("tag") != tag):
-                    grid.run_shaped_child(tag, net, todo, inside)
-                    continue
-                for cell in todo:
-                    grid.run_cell(cell, shaped)
+            grid.run_networks(by_network, done, inside)
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            for pool in grid.pools.values():
-                pool.close()  # an interrupted job's ranks are stopped already
-            bar.close()
-            write_summary_csv(out_dir)
-            if grid.summaries and network_tag is None:
-                removed = remove_stale_outputs(out_dir)
-                if removed:
-                    log(
-                        f"[survey] removed {', '.join(removed)}: made from the results before these runs "
-                        f"(grace-dgc project {out_dir} makes them again)"
-                    )
+            grid.finish(stale_outputs=network_tag is None)  # a shaped network's child: its parent's
     if interrupted:
         finished = finished_runs(out_dir)
         raise SurveyInterrupted(sum(finished.get(c.run_id) == c.cell_hash for c in cells), len(cells))
@@ -223,6 +202,37 @@ class _GridRun:
     summaries: list[Record] = dataclasses.field(default_factory=list)
     failures: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     pools: dict[tuple[int, str], RankPool] = dataclasses.field(default_factory=dict)  # (workers, backend) -> ranks
+
+    def run_networks(
+        self, by_network: Mapping[str, list[Cell]], done: Mapping[str, str | None], inside: Mapping[str, Any] | None
+    ) -> None:
+        """The unfinished cells of each network: here, or in a shaped namespace's child survey."""
+        for tag, group in by_network.items():
+            net = group[0].network
+            todo = [c for c in group if done.get(c.run_id) != c.cell_hash]
+            self.advance(len(group) - len(todo))
+            if not todo:
+                continue
+            shaped = _is_shaped(net)
+            if shaped and (inside is None or inside.get("tag") != tag):
+                self.run_shaped_child(tag, net, todo, inside)
+                continue
+            for cell in todo:
+                self.run_cell(cell, shaped)
+
+    def finish(self, stale_outputs: bool) -> None:
+        """The ranks stopped, the bar closed, summary.csv written; where a run was recorded and
+        ``stale_outputs``, the projection's files made from the results before it removed."""
+        for pool in self.pools.values():
+            pool.close()  # an interrupted job's ranks are stopped already
+        self.bar.close()
+        write_summary_csv(self.out_dir)
+        removed = remove_stale_outputs(self.out_dir) if self.summaries and stale_outputs else []
+        if removed:
+            self.log(
+                f"[survey] removed {', '.join(removed)}: made from the results before these runs "
+                f"(grace-dgc project {self.out_dir} makes them again)"
+            )
 
     def advance(self, runs: int) -> None:
         """``runs`` more of the grid reused or tried."""
