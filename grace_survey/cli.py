@@ -325,6 +325,8 @@ def _interrupted_line(stop: KeyboardInterrupt, args: argparse.Namespace) -> str:
     command = _this_command(args)
     if not isinstance(stop, SurveyInterrupted):  # before the first run started: nothing was kept
         return f"interrupted before any run started; to run the survey: {command}"
+    if stop.kept == 0:
+        return f"interrupted before any of its {stop.total} runs finished: nothing kept; to run the survey: {command}"
     left = stop.total - stop.kept
     return f"interrupted: {stop.kept} of {stop.total} runs kept, {left} left; run the same command to finish: {command}"
 
