@@ -99,7 +99,7 @@ from grace_survey.projection.model import (
 )
 from grace_survey.report.conditions import launch_lines
 from grace_survey.report.plots import pyplot, save
-from grace_survey.running.results import latest_summaries, read_records
+from grace_survey.running.results import current_runs, latest_summaries, read_grid, read_records
 from grace_survey.units import format_rate, human_bytes, parse_latency, parse_rate
 
 __all__ = [  # the command's own, then the model's and the methods' (this module held them before issue 41)
@@ -356,7 +356,7 @@ def run_project(args: argparse.Namespace) -> int:
     needs = utilization_rows(methods, nodes, latencies, node, targets)
     notes = compute_lines(methods)
     if assumed is None:
-        notes += [line for line in launch_lines(latest_summaries(read_records(args.dir))) if "Warning" in line]
+        notes += [line for line in launch_lines(latest_summaries(_current_records(args.dir))) if "Warning" in line]
     _write_projection(args.out or args.dir or ".", rows, needs, targets, notes)
     return 0
 
@@ -410,10 +410,16 @@ def _methods(args: argparse.Namespace, nodes: Sequence[int]) -> list[Method]:
             args.buckets,
         )
     else:
-        methods = measured_methods(read_records(args.dir))
+        methods = measured_methods(_current_records(args.dir))
     if getattr(args, "overlap", "none") == "backward":
         methods = [dict(m, overlap="backward") for m in methods]
     return methods
+
+
+def _current_records(out_dir: str) -> list[dict[str, Any]]:
+    """The records of the grid the last survey into ``out_dir`` ran (as its report reads them:
+    runs of other settings or methods no longer in the config are left out)."""
+    return current_runs(read_records(out_dir), read_grid(out_dir))[0]
 
 
 def _write_projection(

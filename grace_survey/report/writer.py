@@ -65,7 +65,14 @@ from grace_survey.report.tables import (
     target_table,
     tuning_table,
 )
-from grace_survey.running.results import CONFIG_JSON, GRID_JSON, Record, latest_summaries, read_grid, read_records
+from grace_survey.running.results import (
+    CONFIG_JSON,
+    GRID_JSON,
+    Record,
+    current_runs,
+    read_grid,
+    read_records,
+)
 
 __all__ = ["DEFINITIONS", "add_report_args", "current_runs", "main", "run_report", "write_report"]
 
@@ -141,27 +148,6 @@ def write_report(out_dir: str, report_dir: str | None = None, target: float | No
     with open(path, "w") as f:
         f.write("\n".join(parts))
     return path
-
-
-def current_runs(records: Sequence[Record], grid: Mapping[str, str] | None) -> tuple[list[Record], list[Record]]:
-    """(the records of the runs of ``grid`` — run_id → cell_hash, the grid the last survey into
-    the folder ran — and the latest summary of each run left out): a run made with other
-    settings (before --epochs changed, say, and not yet run again) or of another grid (a
-    method or seed no longer in the config) is no part of this survey's tables. Every record
-    is kept where there is no grid (a survey older than survey_grid.json)."""
-    if grid is None:
-        return list(records), []
-
-    def current(record: Record) -> bool:
-        if record.get("type") not in ("summary", "error"):
-            return True  # epochs join their summary's attempt; tuning its key
-        run = str(record.get("run_id"))
-        return run in grid and record.get("cell_hash", grid[run]) == grid[run]
-
-    kept = [r for r in records if current(r)]
-    finished = {r["run_id"] for r in kept if r.get("type") == "summary"}
-    left_out = [r for r in latest_summaries(records) if r["run_id"] not in finished]
-    return kept, left_out
 
 
 def _left_out_section(left_out: Sequence[Record]) -> list[str]:

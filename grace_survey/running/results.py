@@ -6,7 +6,7 @@ import csv
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from grace_survey.running.summary import STEP_TIMES
@@ -84,6 +84,27 @@ def latest_summaries(records: Iterable[Record]) -> list[Record]:
             latest.pop(r["run_id"], None)
             latest[r["run_id"]] = r
     return list(latest.values())
+
+
+def current_runs(records: Sequence[Record], grid: Mapping[str, str] | None) -> tuple[list[Record], list[Record]]:
+    """(the records of the runs of ``grid`` — run_id → cell_hash, the grid the last survey into
+    the folder ran — and the latest summary of each run left out): a run made with other
+    settings (before --epochs changed, say, and not yet run again) or of another grid (a
+    method or seed no longer in the config) is no part of this survey's tables. Every record
+    is kept where there is no grid (a survey older than survey_grid.json)."""
+    if grid is None:
+        return list(records), []
+
+    def current(record: Record) -> bool:
+        if record.get("type") not in ("summary", "error"):
+            return True  # epochs join their summary's attempt; tuning its key
+        run = str(record.get("run_id"))
+        return run in grid and record.get("cell_hash", grid[run]) == grid[run]
+
+    kept = [r for r in records if current(r)]
+    finished = {r["run_id"] for r in kept if r.get("type") == "summary"}
+    left_out = [r for r in latest_summaries(records) if r["run_id"] not in finished]
+    return kept, left_out
 
 
 SUMMARY_COLUMNS = [

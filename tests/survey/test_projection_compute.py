@@ -132,3 +132,15 @@ def test_the_projection_file_states_its_compute_and_the_busy_machine_warning(tmp
     assert "every method is projected on the same forward + backward, 4.50 ms" in text
     assert "trained on a busy machine" in text
     assert "Own measured compute" in text and "Own measured compute" in capsys.readouterr().out
+
+
+def test_the_projection_reads_the_grid_the_last_survey_ran_as_the_report_does(tmp_path):
+    """A run of earlier settings (before --epochs changed, say) is no part of the projection."""
+    records = [summary(label, 0, 0.004, cell_hash="now") for label in METHODS]
+    records.append(summary("topk", 1, 0.004, cell_hash="before", bytes_per_step=1e9))
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    grid = {r["run_id"]: "now" for r in records[:3]} | {records[3]["run_id"]: "changed"}
+    (tmp_path / "survey_grid.json").write_text(json.dumps({"runs": grid}))
+    assert cli.project_main([str(tmp_path), "--nodes", "8", "--bandwidth", "1gbit"]) == 0
+    text = (tmp_path / "projection.md").read_text()
+    assert "the median of the workload's 3 run(s)" in text and "953.67 MB" not in text and "7.81 KB" in text
