@@ -21,7 +21,7 @@ from grace_survey.report.significance import (
     scipy_stats,
     too_few,
 )
-from grace_survey.units import human_bytes, human_seconds
+from grace_survey.units import human_bytes, human_seconds, shown_path
 
 STEP_TIMES = ("compute_s", "compress_s", "communicate_s", "decompress_s", "step_s")  # the table's ms columns
 
@@ -118,7 +118,8 @@ def methods_table(groups: Sequence[Group]) -> str:
         lrs = sorted({x["lr"] for x in g.runs if x.get("lr") is not None})
         lr = ", ".join(f"{x:g}" for x in lrs if x is not None) or "the script's"
         lr += " (tuned)" if r.get("lr_tuning") else ""
-        lines.append(f"| {g.label} | {r['compressor']} | {r['memory']} | {r['communicator']} | {params} | {lr} |")
+        parts = " | ".join(str(shown_path(r[part])) for part in ("compressor", "memory", "communicator"))  # no home dir
+        lines.append(f"| {g.label} | {parts} | {params} | {lr} |")
     return "\n".join(lines)
 
 

@@ -235,3 +235,15 @@ def test_a_misspelt_part_or_parameter_names_its_place_and_the_closest_name(user,
     with pytest.raises(GraceConfigError) as error:
         cfg.load_config(toml)
     assert str(error.value).startswith(expected.format(file=user / "my_methods.py", folder=user)), str(error.value)
+
+
+def test_the_reports_methods_table_shows_a_plugins_file_by_name_not_its_absolute_path():
+    from grace_survey.report.grouping import Group
+    from grace_survey.report.tables import methods_table
+
+    group = Group("mine", 2, "local")
+    spec = "/home/someone/project/my_methods.py:SignTopK"
+    group.runs.append({"compressor": spec, "memory": "residual", "communicator": "pkg.comms:Ring", "params": {"k": 3}})
+    table = methods_table([group])
+    assert "| mine | my_methods.py:SignTopK | residual | pkg.comms:Ring | k=3 |" in table
+    assert "/home/someone" not in table
