@@ -39,9 +39,14 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# the whole suite; prints the 25 slowest tests and each folder's time against its budget (docs/development.md)
+# the whole suite: on TEST_WORKERS processes, a test file per worker (pytest-xdist: a multi-rank case mostly waits on
+# its ranks, so two share 2 cores well), then the cases marked `alone` (they time a fault or measure the machine's
+# load) with nothing beside them; prints the slowest tests and each folder's time against its budget
+# (docs/development.md)
+TEST_WORKERS ?= 2
 test: venv horovod lint docs
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" --durations=25
+	$(PY) -m pytest -q -m alone --durations=5
 
 # every single-process test and the multi-rank cases marked fast (each part, each way in): minutes, for
 # the edit-test loop; `make test` stays the suite that guards main

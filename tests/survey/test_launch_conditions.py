@@ -100,6 +100,7 @@ def spin(seconds):
 
 
 @pytest.mark.launches
+@pytest.mark.alone  # it measures the other processes' share of the machine: there must be none but its own
 def test_neighbours_counts_other_processes_not_the_runs_own():
     import multiprocessing
 
