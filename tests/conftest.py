@@ -130,8 +130,9 @@ def pytest_sessionfinish(session):
 SURVEY_SOURCE = Path(importlib.util.find_spec("grace_survey").origin).parent
 
 
-# seconds per folder for the whole suite on the 2-core reference machine (docs/development.md)
-BUDGET_SECONDS = {"core": 450.0, "training": 300.0, "survey": 330.0, "scripts": 120.0}
+# seconds of test time per folder in each part of make test on the 2-core reference machine (2 workers beside each
+# other, then the cases marked alone: docs/development.md)
+BUDGET_SECONDS = {"core": 500.0, "training": 330.0, "survey": 580.0, "scripts": 130.0}
 _FOLDER_SECONDS: dict[str, float] = {}
 
 
