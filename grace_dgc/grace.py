@@ -194,15 +194,11 @@ class Grace:
         (:meth:`Memory.attach_optimizer`; the optimizer wrappers and the DDP hook call this)."""
         attach = self.memory.attach_optimizer
         if len(inspect.signature(attach).parameters) == 3:  # a plugin written for (optimizer, grace, params)
-            warnings.warn(
+            raise GraceConfigError(
                 f"{type(self.memory).__qualname__}.attach_optimizer(optimizer, grace, named_parameters): the grace "
-                "argument is gone; define attach_optimizer(optimizer, named_parameters)",
-                DeprecationWarning,
-                stacklevel=2,
+                "argument was removed; define attach_optimizer(self, optimizer, named_parameters)"
             )
-            cast(Any, attach)(optimizer, self, dict(named_parameters))
-        else:
-            attach(optimizer, dict(named_parameters))
+        attach(optimizer, dict(named_parameters))
 
     def expect_groups(self, groups: Sequence[Sequence[tuple[str, Tensor]]]) -> None:
         """Declare the fusion groups of one step, in order, as (name, tensor) pairs: the

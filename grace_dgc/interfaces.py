@@ -452,8 +452,8 @@ class Memory(Part):
         """Called (through :meth:`Grace.attach_optimizer`) by ``DistributedOptimizer``, the DDP
         hook and the schedules with the optimizer (or None) and ``{name: parameter}``: for
         memories that read parameters or take over the optimizer's momentum (``momentum``).
-        A plugin written for the earlier ``(optimizer, grace, named_parameters)`` is still
-        called so, with a DeprecationWarning."""
+        A plugin written for the earlier ``(optimizer, grace, named_parameters)`` is refused
+        by name (:class:`~grace_dgc.errors.GraceConfigError`)."""
 
 
 class Cost(NamedTuple):

@@ -186,7 +186,7 @@ def _imports(path: pathlib.Path) -> set[str]:
     return {m for m in found if m.startswith(("grace_dgc", "grace_survey"))}
 
 
-@pytest.mark.parametrize("app", ["grace_survey", "grace_dgc.survey", "grace_dgc.compat"])
+@pytest.mark.parametrize("app", ["grace_survey", "grace_dgc.compat"])
 def test_the_core_imports_neither_the_survey_nor_the_grace_shim(app):
     """The data path, the parts and the engines stand alone; only the package's face
     (``__init__``: ``from_params``) reaches an app (the command line finds the survey's
@@ -260,14 +260,15 @@ def test_no_import_circles_in_the_package():
             visit(module, [module])
 
 
-def test_a_plugin_memory_of_the_earlier_attach_optimizer_form_is_still_called_and_warned():
-    """attach_optimizer lost its unused ``grace`` argument; a plugin still written for
-    ``(optimizer, grace, named_parameters)`` gets it, with a DeprecationWarning."""
+def test_a_plugin_memory_of_the_earlier_attach_optimizer_form_is_refused_by_name():
+    """attach_optimizer lost its unused ``grace`` argument before 0.1.0 (issue 55: no shim for a
+    release that never was); a plugin still written for ``(optimizer, grace, named_parameters)``
+    is told what to define instead."""
     seen = {}
 
     class Old(grace_dgc.Memory):
         def attach_optimizer(self, optimizer, grace, named_parameters):
-            seen["old"] = (optimizer, grace, sorted(named_parameters))
+            seen["old"] = True
 
     class New(grace_dgc.Memory):
         def attach_optimizer(self, optimizer, named_parameters):
@@ -275,9 +276,9 @@ def test_a_plugin_memory_of_the_earlier_attach_optimizer_form_is_still_called_an
 
     grace = grace_dgc.build(engine="local")
     grace.memory = Old()
-    with pytest.warns(DeprecationWarning, match="the grace argument is gone"):
+    with pytest.raises(GraceConfigError, match=r"define attach_optimizer\(self, optimizer, named_parameters\)"):
         grace.attach_optimizer(None, {"w": torch.zeros(1)})
-    assert seen["old"] == (None, grace, ["w"])
+    assert "old" not in seen
     grace.memory = New()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
