@@ -36,8 +36,12 @@ def plan(methods: str, workers: int = 2, steps: int = 60) -> list[list[str]]:
     pairs = []
     for item in methods.split(","):
         parts = [part.strip() for part in item.split(":")]
+        if len(parts) > 1 and (parts[0].endswith(".py") or "." in parts[0] or "/" in parts[0]):
+            parts[:2] = [f"{parts[0]}:{parts[1]}"]  # your own class, file.py:Class or package.module:Class
         if len(parts) > 2 or not parts[0]:
-            raise GraceConfigError(f"--methods item {item!r}: give compressor[:memory], e.g. topk:residual")
+            raise GraceConfigError(
+                f"--methods item {item!r}: give compressor[:memory], e.g. topk:residual or my_methods.py:Mine:residual"
+            )
         compressor = grace_dgc.registry.COMPRESSORS.canonical(parts[0])
         memory = grace_dgc.registry.MEMORIES.canonical(parts[1] if len(parts) == 2 else "none")
         params: dict = DEFAULT_PARAMS.get(compressor, {})

@@ -69,7 +69,7 @@ class MomentumMemory(Memory):
             None if gradient_clipping is None else check_range("gradient_clipping", gradient_clipping, 0, low_open=True)
         )
         self.momentum_masking = check_bool("momentum_masking", momentum_masking)
-        self.world_size = 1
+        self.world_size, self.rank = 1, 0
         self.parameters: dict[str, Tensor] = {}  # name -> parameter (for weight decay), from attach_optimizer
         # name -> (momentum, nesterov, weight_decay) taken from SGD groups
         self.settings: dict[str, tuple[float, bool, float]] = {}
@@ -77,8 +77,9 @@ class MomentumMemory(Memory):
         self.velocities: dict[str, Tensor] = {}  # v
 
     def bind(self, engine: Engine) -> None:
-        """Called by Grace: clipping scales its threshold by the world size."""
-        self.world_size = engine.size
+        """Called by Grace: clipping scales its threshold by the world size; rank 0 alone says
+        what it took over (every rank takes over the same: the handshake compares them)."""
+        self.world_size, self.rank = engine.size, engine.rank
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer | None, named_parameters: Any) -> None:
         """Called by DistributedOptimizer: learn the parameters; take over SGD's momentum."""
@@ -124,7 +125,7 @@ class MomentumMemory(Memory):
                 f"group {index}: momentum={momentum}, nesterov={group.get('nesterov', False)}, weight_decay={decay}"
             )
             group.update(momentum=0, weight_decay=0, nesterov=False)
-        if moved:
+        if moved and self.rank == 0:
             log.warning(
                 "momentum memory took over SGD's momentum/weight decay (SGD's set to 0, "
                 "applied before compression instead): %s",

@@ -470,3 +470,22 @@ def test_the_momentum_memory_under_an_optimizer_with_moments_is_refused_unless_m
             opt.step()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_only_rank_0_says_the_momentum_memory_took_over_sgds_momentum(caplog):
+    """Every rank takes over the same settings (the handshake compares them): one line, not one
+    per rank (a survey's log showed it ten times)."""
+    from grace_dgc.engines.local import PlanEngine
+
+    class Rank1(PlanEngine):
+        rank = 1
+
+    for engine, lines in ((PlanEngine(2), 1), (Rank1(2), 0)):
+        model = torch.nn.Linear(3, 2)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        grace = grace_dgc.build("none", "momentum", "allreduce", engine=engine)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="grace_dgc"):
+            grace.attach_optimizer(sgd, dict(model.named_parameters()))
+        assert len([r for r in caplog.records if "took over SGD" in r.message]) == lines
+        assert sgd.param_groups[0]["momentum"] == 0  # taken over on every rank alike

@@ -320,3 +320,15 @@ def test_the_interrupted_line_names_the_command_as_typed(monkeypatch):
         "interrupted before any of its 9 runs finished: nothing kept; to run the survey: "
         "grace-dgc survey --preset quick --out runs/q"
     )
+
+
+def test_the_demo_takes_your_own_compressor_by_file(tmp_path):
+    from grace_dgc.demo import plan
+
+    (tmp_path / "my_methods.py").write_text(
+        "import grace_dgc\n\n\nclass Mine(grace_dgc.compressors.fp16.FP16Compressor):\n    pass\n"
+    )
+    spec = f"{tmp_path / 'my_methods.py'}:Mine"
+    pairs = plan(f"{spec}:residual,{spec},topk:residual", workers=2)
+    assert [memory for _, memory in pairs] == ["residual", "none", "residual"]
+    assert pairs[0][0].endswith("my_methods.py:Mine") and pairs[2][0] == "topk"
