@@ -35,7 +35,21 @@ def _params(cls: type[object]) -> str:
 
 
 def _summary(cls: type[object]) -> str:
-    return (inspect.getdoc(cls) or "").split("\n")[0].rstrip(".:")
+    """The docstring's first line, carried on through the paragraph until its parentheses
+    close (a citation may wrap), without reST's double backquotes."""
+    lines = (inspect.getdoc(cls) or "").split("\n\n")[0].split("\n")
+    text = lines[0]
+    for line in lines[1:]:
+        if text.count("(") <= text.count(")"):
+            break
+        text += " " + line.strip()
+    depth, end = 0, len(text)
+    for i, char in enumerate(text):  # where the first opened parenthesis closes, if the line ran past it
+        depth += (char == "(") - (char == ")")
+        if depth == 0 and char == ")" and i >= len(lines[0]):
+            end = i + 1
+            break
+    return text[:end].replace("``", "").rstrip(".:;, ")
 
 
 def _fitting(cls: type[Compressor]) -> str:
