@@ -206,7 +206,7 @@ def test_dense_rule_and_bytes(shape, dense_1d, dense, fp16):
 
 class FakeEngine:
     def __init__(self, size):
-        self.size = size
+        self.size, self.rank = size, 0
 
 
 def reference_momentum(grads, params, k, m, nesterov, wd, clip, world):
