@@ -11,14 +11,13 @@ its metadata (a source tree on ``PYTHONPATH``), the survey's are found by name."
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import importlib.metadata
 import os
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .errors import GraceConfigError, GraceDataError
+from .errors import GraceConfigError, GraceDataError, closest
 
 COMMANDS_GROUP, LISTINGS_GROUP = "grace_dgc.commands", "grace_dgc.listings"
 # what pyproject.toml declares for the survey: used where no installed metadata says it
@@ -51,8 +50,8 @@ class OneLineParser(argparse.ArgumentParser):
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         if action.choices is not None and value not in action.choices:
             choices = [str(choice) for choice in action.choices]
-            close = difflib.get_close_matches(str(value), choices, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            close = closest(str(value), choices)
+            hint = f" (did you mean {close!r}?)" if close else ""
             raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint}; accepted: {', '.join(choices)}")
 
 

@@ -100,11 +100,17 @@ def check_range(
     return converted
 
 
-def did_you_mean(word: str, choices: Any) -> str:
-    """`` Did you mean 'x'?`` for the closest of ``choices`` to a misspelt ``word`` (difflib's
-    match, as every name's error suggests one), else ``""``."""
+def closest(word: str, choices: Any) -> str | None:
+    """The closest of ``choices`` to a misspelt ``word`` (difflib's match), else None: the one
+    suggestion behind every "did you mean" of the library and the survey."""
     close = difflib.get_close_matches(word, [str(choice) for choice in choices], n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, choices: Any) -> str:
+    """`` Did you mean 'x'?`` for the :func:`closest` of ``choices`` to ``word``, else ``""``."""
+    close = closest(word, choices)
+    return f" Did you mean {close!r}?" if close else ""
 
 
 def check_bool(name: str, value: object) -> bool:

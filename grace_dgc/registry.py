@@ -19,7 +19,6 @@ spawned worker) imports the same class.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import hashlib
 import importlib
@@ -33,7 +32,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic
 
-from .errors import GraceConfigError, did_you_mean
+from .errors import GraceConfigError, closest, did_you_mean
 
 if TYPE_CHECKING:
     # a bare ``Registry(...)`` is a Registry[Any] (PEP 696's default, known to type checkers;
@@ -95,8 +94,8 @@ def import_spec(spec: str, where: str, form: str) -> Any:
     found = getattr(module, attr, None)
     if found is None:
         names = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-        close = difflib.get_close_matches(attr, names, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        close = closest(attr, names)
+        hint = f" (did you mean {close!r}?)" if close else ""
         raise GraceConfigError(f"{where}: {target} has no {attr!r}{hint}; its callables: {', '.join(names) or 'none'}")
     return found
 

@@ -1,12 +1,11 @@
 """The built-in survey grids, named by what they reproduce (the seed documents' tables). The
 names they first had (by document number) are kept as aliases."""
 
-import difflib
 import math
 from collections.abc import Callable
 from typing import Any
 
-from grace_dgc.errors import GraceConfigError
+from grace_dgc.errors import GraceConfigError, closest
 
 Raw = dict[str, Any]  # a config as from TOML
 
@@ -294,8 +293,8 @@ def preset_name(name: object) -> str:
         raise GraceConfigError(f"a preset is given by name (a str), got {name!r}")
     if name in PRESETS or name in PRESET_ALIASES:
         return PRESET_ALIASES.get(name, name)
-    close = difflib.get_close_matches(name.lower(), [*PRESETS, *PRESET_ALIASES], n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest(name.lower(), [*PRESETS, *PRESET_ALIASES])
+    hint = f" (did you mean {close!r}?)" if close else ""
     raise GraceConfigError(
         f"unknown preset {name!r}{hint}; accepted: {', '.join(PRESETS)} "
         f"(or the earlier names {', '.join(PRESET_ALIASES)})"

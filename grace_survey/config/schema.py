@@ -1,11 +1,10 @@
 """The survey config's schema: every key a config may hold, its types and meaning (the error
 for an unknown key lists them), and the small checks shared by the loader."""
 
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from grace_dgc.errors import GraceConfigError
+from grace_dgc.errors import GraceConfigError, closest
 
 # key -> (accepted types, description); None means "optional, no default here"
 Schema = dict[str, tuple[tuple[type, ...], str]]
@@ -129,9 +128,9 @@ def _check_keys(table: Mapping[str, Any], accepted: Schema, where: str) -> None:
     if unknown:
         hints = []
         for key in unknown:
-            close = difflib.get_close_matches(key, list(accepted), n=1)
+            close = closest(key, accepted)
             if close:
-                hints.append(f"did you mean {close[0]!r} for {key!r}?")
+                hints.append(f"did you mean {close!r} for {key!r}?")
         hint = f" ({' '.join(hints)})" if hints else ""
         raise GraceConfigError(
             f"unknown key(s) {', '.join(map(repr, unknown))} in {where}{hint}; "
