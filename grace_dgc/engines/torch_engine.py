@@ -125,10 +125,7 @@ def _linger_as_the_stores_host(store: Any, world: int) -> None:
     for engine in list(_engines):
         if engine.group is not None and engine._broken is None:  # never the user's default group
             engine._broken = "rank 0 has left: its process exited"
-            try:
-                dist.distributed_c10d._abort_process_group(engine.group)
-            except Exception:  # best effort: the group may be gone already
-                pass
+            engine._release()
     wait_until(lambda: all(has(LEFT_KEY, r) or has(DIAGNOSING_KEY, r) for r in others), HOST_NOTICE_SECONDS)
     diagnosing = [r for r in others if has(DIAGNOSING_KEY, r)]
     wait_until(lambda: all(has(LEFT_SEEN_KEY, r) or has(LEFT_KEY, r) for r in diagnosing), HOST_LINGERS_SECONDS)
@@ -140,6 +137,7 @@ def _linger_as_the_stores_host(store: Any, world: int) -> None:
 # own (a logged loss's all_reduce, DDP's, another Grace's handshake); on one group the ranks could
 # issue the two in different orders and wait forever, or abort in gloo ("collective mismatch").
 OWN_GROUP = "own"
+_RELEASED = object()  # the group of an engine that fail() or close() released (never a default group)
 DEFAULT_TIMEOUT = 300.0  # seconds: far below torch's 30 min, far above any sane step
 POLL_SECONDS = 20e-6  # between checks of an NCCL collective's completion (see TorchEngine._run)
 DIAGNOSIS_MARGIN = 5.0  # seconds a survivor waits for the others beyond the collective timeout (see _patience)
@@ -184,6 +182,11 @@ class TorchEngine(Engine):
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
+        # kept apart from the group, which fail() releases: the diagnosis still names ranks
+        self._global_ranks = [
+            r if process_group is None else dist.get_global_rank(process_group, r) for r in range(self.size)
+        ]
+        self._group_name = "default" if process_group is None else getattr(process_group, "group_name", "")
         self._backend = dist.get_backend(process_group)
         self._polled = "nccl" in self._backend  # see _run
         _on_exit(leave=(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()))
@@ -203,7 +206,11 @@ class TorchEngine(Engine):
         return rank
 
     def _global(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+        return self._global_ranks[rank]
+
+    def _usable(self, kind: str) -> None:
+        if self._broken is not None:
+            raise GraceCommError(f"{kind} not started on rank {self.rank} of {self.size}: {self._broken}")
 
     def _run(self, kind: str, launch: Callable[[], Any]) -> None:
         """Run one collective (``launch()`` starts it asynchronously), waiting at most
@@ -214,8 +221,7 @@ class TorchEngine(Engine):
         collective fails at once with the first diagnosis, instead of each waiting out its own
         timeout and meeting. A step of many groups otherwise took a timeout and a meeting per
         group before its caller heard of the failure (issue 53)."""
-        if self._broken is not None:
-            raise GraceCommError(f"{kind} not started on rank {self.rank} of {self.size}: {self._broken}")
+        self._usable(kind)
         self._calls += 1
         start = time.perf_counter()
         try:
@@ -245,8 +251,9 @@ class TorchEngine(Engine):
 
     def fail(self, error: BaseException) -> None:
         """Post this rank's error in the store (where the others' :meth:`_diagnose` reads
-        it), then abort the process group: gloo closes its connections, so a peer blocked
-        in a collective ends now instead of at its timeout. A collective that failed here
+        it), then release the process group (:meth:`_release`), so a peer blocked in a
+        collective ends now instead of at its timeout, and stay (bounded) until the others
+        have read the error: rank 0 hosts the store. A collective that failed here
         (:class:`GraceCommError`) needs neither: its peers' collectives failed or time out
         alike, and aborting a group whose peer is stopped would block."""
         if self._failed or isinstance(error, GraceCommError):
@@ -261,12 +268,39 @@ class TorchEngine(Engine):
             bounded(lambda: store.set(f"{ERROR_KEY}{self._global(self.rank)}", f"{type(error).__name__}: {text}"), 10)
         except Exception:  # best effort: the store may be gone or its host stopped
             pass
-        try:
-            dist.distributed_c10d._abort_process_group(self.group)
-            # rank 0 hosts the store: stay until the others have read the error (at most 5 s)
+        self._release()
+        try:  # rank 0 hosts the store: stay until the others have read the error
             others = [f"{SEEN_KEY}{self._global(r)}" for r in range(self.size) if r != self.rank]
-            bounded(lambda: store.wait(others, timedelta(seconds=min(self.timeout, 5.0))), 10)
-        except Exception:  # best effort: the group or the store may be gone already
+            seconds = min(self.timeout, 10.0) + DIAGNOSIS_MARGIN
+            bounded(lambda: store.wait(others, timedelta(seconds=seconds)), seconds + 5)
+        except Exception:  # best effort: the store may be gone already
+            pass
+
+    def _release(self) -> None:
+        """Abort this engine's process group (and its splits'), so that a peer blocked in a
+        collective with this rank fails now: NCCL ends its kernels on abort; gloo closes its
+        connections only when the group is freed (abort alone left a peer waiting until this
+        process exited, and then its store, in rank 0, went in the same moment as the
+        connections: the peer could not read why). So the group is also dropped here: abort
+        removes torch's references, this drops the engine's. Bounded: freeing a gloo group
+        joins its worker threads, which one of this rank's own collectives may still hold."""
+        for engine in self._splits:
+            engine._release()
+        if self.group is _RELEASED:
+            return
+        box = [self.group]
+        self.group = _RELEASED
+
+        def abort_and_free() -> None:
+            group = box.pop()
+            try:
+                dist.distributed_c10d._abort_process_group(group)
+            finally:
+                del group  # the last reference: gloo's connections close with it
+
+        try:
+            bounded(abort_and_free, 5)
+        except Exception:  # best effort: the group may be gone already
             pass
 
     def _posted_error(self, store: Any) -> str | None:
@@ -368,8 +402,7 @@ class TorchEngine(Engine):
         A group fails once (see :meth:`_run`), but not always in the same collective on every
         rank: a survivor whose collective completed before the loss (a ring that had all it
         needed) fails in the next one, and meeting by collective it would blame the other."""
-        name = "default" if self.group is None else getattr(self.group, "group_name", "")
-        return f"{name}:" + "-".join(map(str, (self._global(r) for r in range(self.size))))
+        return f"{self._group_name}:" + "-".join(map(str, (self._global(r) for r in range(self.size))))
 
     def close(self) -> None:
         """Release the group this engine made for itself (:data:`OWN_GROUP`): gloo's sockets,
@@ -384,6 +417,7 @@ class TorchEngine(Engine):
                 dist.destroy_process_group(self.group)
             except Exception:  # best effort: the default group may be destroyed already
                 pass
+            self.group = _RELEASED
 
     def _linger_as_host(self, store: Any, answering: list[int]) -> None:
         """Say this rank is done with the store; the rank that hosts it (global rank 0) waits
@@ -437,6 +471,7 @@ class TorchEngine(Engine):
         return out
 
     def split(self, groups: Sequence[Sequence[int]]) -> Engine | None:
+        self._usable("split")
         mine = None
         for ranks in groups:  # new_group is collective over the whole default group, in order
             group = dist.new_group([self._global(r) for r in ranks])
@@ -451,6 +486,7 @@ class TorchEngine(Engine):
         return engine
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        self._usable("broadcast_object")
         box = [obj if self.rank == root else None]
         device = self.control_device if self.backend == "nccl" else None
         dist.broadcast_object_list(box, src=self._global(root), group=self.group, device=device)

@@ -901,10 +901,11 @@ def test_a_rank_stepping_more_than_the_others_gets_an_error_naming_who_is_gone(l
 # -- a failure on one rank reaches every rank (issue 20) ------------------------------------
 
 
-def lone_failure_job(rank, world_size, where, failing, communicator="sparse_allreduce"):
+def lone_failure_job(rank, world_size, where, failing, communicator="sparse_allreduce", stay=0.0):
     """Rank ``failing`` meets an error on its own at the second step: before its payload
     goes out (``compress``) or between two collectives of one exchange (``all_to_all``).
-    Returns (error type, message, seconds until the error) on every rank."""
+    Returns (error type, message, seconds until the error) on every rank; the failed rank
+    stays ``stay`` seconds more before its process ends."""
     import time
 
     compressor = "topk" if communicator == "sparse_allreduce" else "none"
@@ -934,7 +935,9 @@ def lone_failure_job(rank, world_size, where, failing, communicator="sparse_allr
     try:
         grace.step(torch.ones(64), "w")
     except Exception as error:
-        return type(error).__name__, str(error), time.monotonic() - start
+        seconds = time.monotonic() - start
+        time.sleep(stay if rank == failing else 0.0)
+        return type(error).__name__, str(error), seconds
     return None, "no error", time.monotonic() - start
 
 
@@ -963,6 +966,20 @@ def test_an_error_on_one_rank_reaches_every_rank_named_at_once(world, failing, w
         assert f"rank {failing} failed first (RuntimeError: boom" in message, message
         # far below the 60 s timeout: the failed rank woke the others
         assert seconds < 30, (rank, seconds, message)
+
+
+def test_the_failed_rank_wakes_its_peers_before_its_process_ends():
+    """The failed rank's own group is released at its error, not at its exit: gloo closes a
+    group's connections only when it is freed (abort alone does not), so its peers slept in
+    their collective until the process ended, and rank 0's store went in the same moment
+    (a peer then could not say why: the CI failure of 2026-12-05). Rank 0 stays 20 s after
+    its error here; its peers must know why long before."""
+    from grace_dgc.launch import run_local
+
+    results = run_local(lone_failure_job, 3, args=("compress", 0, "allreduce", 20.0), timeout=120)
+    for rank, (kind, message, seconds) in enumerate(results[1:], start=1):
+        assert kind == "GraceCommError" and "rank 0 failed first (RuntimeError: boom" in message, (rank, message)
+        assert seconds < 15, (rank, seconds, message)
 
 
 # -- uneven inputs: join() ------------------------------------------------------------------
