@@ -5,16 +5,11 @@ optimizer = grace_dgc.DistributedOptimizer(optimizer, grace, model.named_paramet
 """
 
 from . import communicators, compressors, memories  # noqa: F401  (register the built-ins)
-from .adam import OneBitAdam, ZeroOneAdam
-from .checkpoint import PerRankState, gather_state, load_gathered_state
 from .compat import grace_from_params as from_params  # GRACE's dict and defaults: compat owns them
-from .ddp import ddp_comm_hook
 from .engines import create_engine
 from .errors import GraceCommError, GraceConfigError
-from .fsdp import FSDPCompression, fsdp_compression
 from .grace import Grace, build
 from .interfaces import Communicator, Compressor, Memory
-from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from .registry import (
     list_communicators,
     list_compressors,
@@ -23,8 +18,24 @@ from .registry import (
     register_compressor,
     register_memory,
 )
-from .schedules import DiLoCo, LocalSGD, OuterSync, SparseLoCo, list_schedules, register_schedule, sparseloco_grace
-from .streaming import StreamingDiLoCo, streaming_grace
+from .training import schedules  # noqa: F401  (grace_dgc.schedules.create(...))
+from .training.checkpoint import PerRankState, gather_state, load_gathered_state
+from .training.ddp import ddp_comm_hook
+from .training.fsdp import FSDPCompression, fsdp_compression
+from .training.optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from .training.schedules import (
+    DiLoCo,
+    LocalSGD,
+    OneBitAdam,
+    OuterSync,
+    SparseLoCo,
+    StreamingDiLoCo,
+    ZeroOneAdam,
+    list_schedules,
+    register_schedule,
+    sparseloco_grace,
+    streaming_grace,
+)
 
 __version__ = "0.1.0"
 

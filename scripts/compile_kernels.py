@@ -9,7 +9,7 @@ a CPU (tests/core/test_kernels.py), which proves their arithmetic but not that t
 construct the interpreter accepts may not compile, or may compile differently. This script
 closes that gap before a GPU is lent. It exits 1, naming each variant that failed and why.
 
-The variants mirror grace_dgc/kernels.py's launches: each kernel with every dtype, mode, bit
+The variants mirror grace_dgc/kernels/__init__.py's launches: each kernel with every dtype, mode, bit
 width and flag its wrappers pass, and n as a 32-bit integer, or 64-bit with ``--wide``.
 Architectures: 90 (H100, H200), 80 (A100); any other that the installed Triton supports.
 """
@@ -30,7 +30,7 @@ C = "constexpr"
 
 
 def variants(n_type):
-    """(kernel name, signature, constexprs) of every launch in grace_dgc/kernels.py."""
+    """(kernel name, signature, constexprs) of every launch in grace_dgc/kernels/__init__.py."""
     from grace_dgc import kernels
 
     block, select_block = kernels.BLOCK, kernels.SELECT_BLOCK
@@ -113,7 +113,7 @@ def compile_for(arch, only, wide):
     from triton.compiler import ASTSource
 
     sys.path.insert(0, str(ROOT))
-    from grace_dgc import triton_kernels
+    from grace_dgc.kernels import triton as triton_kernels
 
     failures, count = [], 0
     target = GPUTarget("cuda", arch, 32)

@@ -51,7 +51,7 @@ def grace_warnings():
 
 
 def assert_a_dense_checkpoint_is_warned_of_and_trained_on(results: list[dict]) -> None:
-    """The one rule of the three trainers (grace_dgc.integrations): a checkpoint without grace state
+    """The one rule of the three trainers (grace_dgc.training.integrations): a checkpoint without grace state
     resumes with one warning, grace's state empty, and training goes on."""
     for rank in results:
         warned = [m for m in rank["dense_resume"] if "holds no grace_dgc state" in m]

@@ -15,7 +15,7 @@ from horovod.torch import DistributedOptimizer as _horovod_optimizer
 
 from ..errors import GraceConfigError
 from ..grace import Grace
-from ..optimizer import DistributedOptimizer as _grace_optimizer
+from ..training.optimizer import DistributedOptimizer as _grace_optimizer
 
 
 def DistributedOptimizer(

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import grace_dgc
-from grace_dgc.adam import AdamSchedule
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.schedules import OuterSync
-from grace_dgc.schedules import accepted_params as accepted_schedule_params
-from grace_dgc.schedules import create as create_schedule
 from grace_dgc.stats import GRACE_KEYS
+from grace_dgc.training.schedules import OuterSync
+from grace_dgc.training.schedules import accepted_params as accepted_schedule_params
+from grace_dgc.training.schedules import create as create_schedule
+from grace_dgc.training.schedules.adam import AdamSchedule
 from grace_survey.extras import require
 from grace_survey.running.metrics import RankTotals, epoch_record
 from grace_survey.workloads import data

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from grace_dgc.integrations import logged_stats, own_group
-from grace_dgc.integrations.accelerate import GraceAccelerate, attach
+from grace_dgc.training.integrations import logged_stats, own_group
+from grace_dgc.training.integrations.accelerate import GraceAccelerate, attach
 from grace_survey.script.api import cell_grace, report_metrics
 
 _attached: list[GraceAccelerate] = []  # the last survey_attach's, for survey_log's grace statistics
@@ -34,7 +34,7 @@ def survey_attach(
     optimizer: Any = None,
     **params: Any,
 ) -> GraceAccelerate:
-    """:func:`grace_dgc.integrations.accelerate.attach` with the cell's method (:func:`cell_grace`,
+    """:func:`grace_dgc.training.integrations.accelerate.attach` with the cell's method (:func:`cell_grace`,
     on a process group of its own); run alone, the method given."""
 
     def made() -> Any:

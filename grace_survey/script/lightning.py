@@ -17,8 +17,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from grace_dgc.integrations import own_group
-from grace_dgc.integrations.lightning import GraceDDPStrategy
+from grace_dgc.training.integrations import own_group
+from grace_dgc.training.integrations.lightning import GraceDDPStrategy
 from grace_survey.script.api import cell_grace, report_metrics
 
 

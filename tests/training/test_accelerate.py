@@ -84,7 +84,7 @@ def accelerate_job(rank, world_size, directory):
     from accelerate import Accelerator
     from accelerate.tracking import GeneralTracker
 
-    from grace_dgc.integrations.accelerate import attach
+    from grace_dgc.training.integrations.accelerate import attach
 
     warnings.filterwarnings("ignore")
     tracker = type("MemoryTracker", (Tracker, GeneralTracker), {})()

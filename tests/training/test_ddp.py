@@ -16,8 +16,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import grace_dgc
-from grace_dgc.ddp import grace_hook
 from grace_dgc.errors import GraceConfigError
+from grace_dgc.training.ddp import grace_hook
 
 WORLD, STEPS = 2, 5
 
@@ -320,7 +320,7 @@ def ddp_join_job(rank, world_size):
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel
 
-    from grace_dgc.ddp import GraceHookState, grace_hook
+    from grace_dgc.training.ddp import GraceHookState, grace_hook
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))

@@ -51,7 +51,7 @@ def _data():
 def _train(directory, method=None, accumulate=1, resume=None, steps=STEPS):
     from transformers import Trainer, TrainingArguments
 
-    from grace_dgc.integrations.hf_trainer import attach
+    from grace_dgc.training.integrations.hf_trainer import attach
 
     args = TrainingArguments(
         output_dir=directory,

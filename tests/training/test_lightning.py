@@ -95,7 +95,7 @@ def lightning_job(rank, world_size, directory):
 
     from lightning.pytorch.strategies import DDPStrategy
 
-    from grace_dgc.integrations.lightning import GraceDDPStrategy
+    from grace_dgc.training.integrations.lightning import GraceDDPStrategy
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -157,7 +157,7 @@ def test_a_checkpoint_of_another_method_is_refused_by_name_and_a_dense_one_warne
 
 
 def test_the_strategy_refuses_a_second_hook_and_a_method_given_twice():
-    from grace_dgc.integrations.lightning import GraceDDPStrategy
+    from grace_dgc.training.integrations.lightning import GraceDDPStrategy
 
     with pytest.raises(GraceConfigError, match="ddp_comm_hook cannot be given"):
         GraceDDPStrategy(ddp_comm_hook=lambda state, bucket: None)
@@ -171,7 +171,7 @@ def test_lightning_cli_builds_the_strategy_from_its_class_path(tmp_path):
     import lightning.pytorch as pl
     from lightning.pytorch.cli import LightningCLI
 
-    from grace_dgc.integrations.lightning import GraceDDPStrategy
+    from grace_dgc.training.integrations.lightning import GraceDDPStrategy
 
     config = tmp_path / "config.yaml"
     config.write_text(
@@ -179,7 +179,7 @@ def test_lightning_cli_builds_the_strategy_from_its_class_path(tmp_path):
         "  accelerator: cpu\n"
         "  devices: 1\n"
         "  strategy:\n"
-        "    class_path: grace_dgc.integrations.lightning.GraceDDPStrategy\n"
+        "    class_path: grace_dgc.training.integrations.lightning.GraceDDPStrategy\n"
         "    init_args:\n"
         "      compressor: topk\n"
         "      memory: residual\n"

@@ -118,9 +118,9 @@ def test_a_default_grace_owns_its_group_and_close_releases_it_and_its_subgroups(
 
 def dropped_way_in(name):
     """A way in over a local Grace, trained 4 steps: (model, wrapper, grace)."""
-    from grace_dgc.adam import OneBitAdam, ZeroOneAdam
-    from grace_dgc.schedules import DiLoCo
-    from grace_dgc.streaming import StreamingDiLoCo, streaming_grace
+    from grace_dgc.training.schedules import DiLoCo
+    from grace_dgc.training.schedules.adam import OneBitAdam, ZeroOneAdam
+    from grace_dgc.training.schedules.streaming import StreamingDiLoCo, streaming_grace
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)

@@ -4,12 +4,12 @@ Hugging Face Trainer.
 Each integration is a module of its own, imported by name, so the library never needs these
 packages (``pip install 'grace_dgc[integrations]'`` brings them, pinned in constraints.txt):
 
-* :mod:`grace_dgc.integrations.lightning`: :class:`~grace_dgc.integrations.lightning.GraceDDPStrategy`,
-  a DDP strategy by name, from Python or a LightningCLI YAML;
-* :mod:`grace_dgc.integrations.accelerate`: :func:`~grace_dgc.integrations.accelerate.attach`,
-  one call after ``accelerator.prepare``;
-* :mod:`grace_dgc.integrations.hf_trainer`: :func:`~grace_dgc.integrations.hf_trainer.attach`,
-  one call before ``trainer.train()``.
+* :mod:`.lightning`: :class:`~grace_dgc.training.integrations.lightning.GraceDDPStrategy`, a DDP
+  strategy by name, from Python or a LightningCLI YAML;
+* :mod:`.accelerate`: :func:`~grace_dgc.training.integrations.accelerate.attach`, one call after
+  ``accelerator.prepare``;
+* :mod:`.hf_trainer`: :func:`~grace_dgc.training.integrations.hf_trainer.attach`, one call before
+  ``trainer.train()``.
 
 All three keep every rank's state (residuals, momenta, owner errors) and the counters of
 :meth:`Grace.stats` in the trainer's own checkpoint (rank 0 writes it, gathered from every

@@ -1,6 +1,6 @@
 """PyTorch Lightning: grace_dgc as a DDP strategy.
 
-    from grace_dgc.integrations.lightning import GraceDDPStrategy
+    from grace_dgc.training.integrations.lightning import GraceDDPStrategy
 
     trainer = lightning.pytorch.Trainer(
         accelerator="cpu", devices=2,
@@ -11,7 +11,7 @@ or from a LightningCLI config, by class path::
 
     trainer:
       strategy:
-        class_path: grace_dgc.integrations.lightning.GraceDDPStrategy
+        class_path: grace_dgc.training.integrations.lightning.GraceDDPStrategy
         init_args: {compressor: topk, memory: residual, communicator: allgather, params: {compress_ratio: 0.01}}
 
 What it adds to Lightning's :class:`DDPStrategy`:
@@ -26,7 +26,7 @@ What it adds to Lightning's :class:`DDPStrategy`:
    rank 0's checkpoint under ``"grace_dgc"``; on resume (``fit(ckpt_path=...)``) each rank
    loads its own part, and another method, settings or world size is refused by name.
    Lightning itself writes rank 0's state only, so a residual would otherwise be lost;
-4. ``grace/<stat>`` (bytes, ratio, phase times: :data:`grace_dgc.integrations.LOGGED`) is
+4. ``grace/<stat>`` (bytes, ratio, phase times: :data:`grace_dgc.training.integrations.LOGGED`) is
    logged with ``log_dict`` after every optimizer step (its own exchange counted), and the epoch is handed to the parts
    that follow one (DGC's warm-up).
 
@@ -45,10 +45,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 
+from ...errors import GraceConfigError
+from ...grace import Grace, build
 from ..checkpoint import gather_state, load_gathered_state
 from ..ddp import GraceHookState, ddp_comm_hook
-from ..errors import GraceConfigError
-from ..grace import Grace, build
 from . import logged_stats, own_group, warn_of_a_checkpoint_without_grace
 
 log = logging.getLogger(__name__)

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from .errors import GraceConfigError, GraceNonFiniteError, check_bool, check_range, on_every_rank
-from .optimizer import WrappingOptimizer
-from .schedules import STATE_FORMAT, refuse_other_state, register_schedule
+from ...errors import GraceConfigError, GraceNonFiniteError, check_bool, check_range, on_every_rank
+from ..optimizer import WrappingOptimizer
+from .registry import STATE_FORMAT, refuse_other_state, register_schedule
 
 if TYPE_CHECKING:
-    from .grace import Grace
+    from ...grace import Grace
 
 Fill = Callable[[torch.nn.Parameter, Tensor], object]  # writes what a parameter sends into a buffer
 
@@ -63,7 +63,7 @@ class AdamSchedule(WrappingOptimizer):
         bias_correction: bool = True,
         momentum_mask: bool = True,
     ) -> None:
-        from .grace import build  # grace imports schedules' neighbours; built here, at run time
+        from ...grace import build  # grace imports schedules' neighbours; built here, at run time
 
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             raise GraceConfigError(

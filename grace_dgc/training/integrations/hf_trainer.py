@@ -1,6 +1,6 @@
 """The Hugging Face ``Trainer``: grace_dgc in one call before ``train``.
 
-    from grace_dgc.integrations.hf_trainer import attach
+    from grace_dgc.training.integrations.hf_trainer import attach
 
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     attach(trainer, "topk", "residual", "allgather", compress_ratio=0.01)
@@ -38,10 +38,10 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from ...errors import GraceConfigError
+from ...grace import Grace, build
 from ..checkpoint import gather_state, load_gathered_state
 from ..ddp import GraceHookState, ddp_comm_hook
-from ..errors import GraceConfigError
-from ..grace import Grace, build
 from . import logged_stats, own_group, warn_of_a_checkpoint_without_grace
 
 STATE_FILE = "grace_dgc.pt"

@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 import torch
 from torch import Tensor
 
-from .errors import GraceConfigError
-from .workspace import flat_span
+from ..errors import GraceConfigError
+from ..workspace import flat_span
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from torch.distributed import GradBucket
 
-    from .grace import Grace
+    from ..grace import Grace
 
 
 #: how a hook user restores grace's state, named by the warning of a resume that forgot it

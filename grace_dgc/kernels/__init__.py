@@ -1,5 +1,5 @@
 """Fused GPU kernels (Triton) for the bit packing, the sign and 2-bit codecs and the
-threshold selection of the compressors (the kernels themselves: :mod:`grace_dgc.triton_kernels`).
+threshold selection of the compressors (the kernels themselves: :mod:`grace_dgc.kernels.triton`).
 
 Why: on a GPU every torch op is a kernel launch and a full pass over memory. Packing 1-, 2- or
 4-bit codes by the SWAR stages of :mod:`grace_dgc.wire` takes about ten such passes over the
@@ -70,7 +70,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import GraceConfigError
+from ..errors import GraceConfigError
 
 MODES = ("auto", "torch", "triton")
 AUTO_DEVICES = ("cuda",)  # where ``auto`` uses the kernels
@@ -169,7 +169,7 @@ def enabled(device: torch.device | str, dtype: torch.dtype | None = None, kernel
 @functools.cache
 def _kernels() -> Any:
     """The module of jitted kernels, imported once (Triton reads TRITON_INTERPRET then)."""
-    from . import triton_kernels
+    from . import triton as triton_kernels
 
     return triton_kernels
 

@@ -1,27 +1,5 @@
-"""Synchronization schedules: *when* and *what* a :class:`~grace_dgc.grace.Grace` exchanges.
-
-A :class:`~grace_dgc.optimizer.DistributedOptimizer` exchanges every gradient at every step.
-A schedule exchanges rarely and something else: DiLoCo and local SGD run ``inner_steps``
-steps of a local optimizer with no communication at all, then exchange the *outer gradient*
-(how far each rank moved since the last synchronization) through the Grace — any compressor,
-memory and communicator, error feedback included — and apply the average with an outer
-optimizer. Streaming DiLoCo's quantized outer gradient is a Grace with a quantizing
-compressor; MuLoCo's compressed delta with error feedback is a Grace with ``residual`` memory.
-
-Schedules are registered by name like the parts (``@register_schedule("name")``, the
-entry-point group ``grace_dgc.schedules``) and built with :func:`create`::
-
-    grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.1)
-    grace_dgc.broadcast_parameters(model.state_dict(), root_rank=0)  # ranks start alike
-    opt = grace_dgc.schedules.create(
-        "diloco", torch.optim.AdamW(model.parameters(), lr=4e-4), grace, model.named_parameters(), inner_steps=500
-    )
-    for x, y in data:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()  # a local AdamW step; every 500th also synchronizes
-    opt.synchronize_now()  # the last partial round, before evaluating or saving
-"""
+"""The outer-loop schedules: DiLoCo, local SGD and SparseLoCo, one algorithm
+(:class:`OuterSync`) with each method's defaults."""
 
 from __future__ import annotations
 
@@ -34,85 +12,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from .errors import GraceConfigError, check_bool, check_range
-from .optimizer import WrappingOptimizer
-from .registry import Registry
+from ...errors import GraceConfigError, check_bool, check_range
+from ..optimizer import WrappingOptimizer
+from .registry import STATE_FORMAT, refuse_other_state, register_schedule
 
 if TYPE_CHECKING:
-    from .grace import Grace
+    from ...grace import Grace
 
 log = logging.getLogger("grace_dgc")
-
-SCHEDULES = Registry("schedule", "grace_dgc.schedules")
-register_schedule = SCHEDULES.register
-
-STATE_FORMAT = 1
-
-
-def list_schedules(pattern: str = "*") -> list[str]:
-    """Sorted canonical schedule names matching a shell-style ``pattern``."""
-    return SCHEDULES.names(pattern)
-
-
-# the positional arguments every schedule takes; the others are its parameters
-_WIRED = ("optimizer", "grace", "named_parameters")
-
-
-def refuse_other_state(
-    state: Any, keys: tuple[str, ...], name: str, mine: dict[str, Any], may_differ: dict[str, str]
-) -> None:
-    """What every schedule's ``load_state_dict`` checks first, before anything is loaded: a
-    dict with ``keys``, of this format, saved by schedule ``name`` with settings equal to
-    ``mine`` (except those in ``may_differ``); else a :class:`GraceConfigError` naming what differs."""
-    if not isinstance(state, dict) or any(key not in state for key in keys):
-        got = f"keys {sorted(state)[:8]}" if isinstance(state, dict) else type(state).__name__
-        raise GraceConfigError(f"load_state_dict needs a schedule's state_dict() (with {', '.join(keys)}); got {got}")
-    if state["format"] != STATE_FORMAT:
-        raise GraceConfigError(f"schedule state format {state['format']!r} is not supported; accepted: {STATE_FORMAT}")
-    if state["schedule"] != name:
-        raise GraceConfigError(
-            f"the state was saved by schedule {state['schedule']!r}; this one is {name!r}: "
-            "build the same schedule to resume"
-        )
-    saved = state["settings"]
-    differing = [
-        f"{key}: saved {saved.get(key, '(not set)')!r}, this run {mine.get(key, '(not set)')!r}"
-        for key in sorted(set(saved) | set(mine))
-        if saved.get(key, "(not set)") != mine.get(key, "(not set)") and key not in may_differ
-    ]
-    if differing:
-        raise GraceConfigError(
-            f"the state was saved with other settings of schedule {name!r}: {'; '.join(differing)}. "
-            "Build with the saved settings to resume"
-        )
-
-
-def accepted_params(name: str) -> list[str]:
-    """The keyword parameters of schedule ``name`` (its settings)."""
-    return [p for p in SCHEDULES.accepted_params(name) if p not in _WIRED]
-
-
-def create(
-    name: str,
-    optimizer: torch.optim.Optimizer,
-    grace: Grace,
-    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-    **params: Any,
-) -> OuterSync:
-    """Build the schedule registered as ``name`` over the inner ``optimizer`` and ``grace``.
-
-    An unknown name is an error listing the valid ones (with the closest match); an unknown
-    parameter is an error naming it and the parameters the schedule accepts."""
-    canonical = SCHEDULES.canonical(name)
-    accepted = accepted_params(canonical)
-    unknown = sorted(set(params) - set(accepted))
-    if unknown:
-        raise GraceConfigError(
-            f"unknown parameter{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for schedule "
-            f"{canonical!r}. Accepted parameters: {', '.join(accepted) or '(none)'}"
-        )
-    schedule: OuterSync = SCHEDULES.get(canonical)(optimizer, grace, named_parameters, **params)
-    return schedule
 
 
 class OuterSync(WrappingOptimizer):
@@ -495,7 +402,7 @@ def sparseloco_grace(
     entries, their values in ``bits`` bits on a grid over ±``range_sigmas``/2 σ), error
     feedback decayed by ``beta``, exchanged by allgather. Other keywords (``engine``,
     ``process_group``, ``communicator``, …) go to :func:`grace_dgc.build`."""
-    from .grace import build
+    from ...grace import build
 
     build_params.setdefault("communicator", "allgather")
     return build(

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .errors import GraceConfigError
-from .grace import Grace
+from ..errors import GraceConfigError
+from ..grace import Grace
 
 FORMAT = "grace_dgc gathered state 1"
 

@@ -48,12 +48,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..communicators.chunked import Chunked
+from ..communicators.reduce_scatter import ReduceScatter as ReduceScatterCommunicator
+from ..errors import GraceConfigError
+from ..grace import Grace
+from ..interfaces import Compressor, Ctxs, Payloads, Sent, Tensors
 from .checkpoint import rank_entry, read_rank_entry
-from .communicators.chunked import Chunked
-from .communicators.reduce_scatter import ReduceScatter as ReduceScatterCommunicator
-from .errors import GraceConfigError
-from .grace import Grace
-from .interfaces import Compressor, Ctxs, Payloads, Sent, Tensors
 
 __all__ = ["FSDPCompression", "fsdp_compression"]
 

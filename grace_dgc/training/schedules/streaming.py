@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from .errors import GraceConfigError, check_choice, check_range
-from .schedules import OuterSync, register_schedule
+from ...errors import GraceConfigError, check_choice, check_range
+from .outer import OuterSync
+from .registry import register_schedule
 
 if TYPE_CHECKING:
-    from .grace import Grace
+    from ...grace import Grace
 
 log = logging.getLogger("grace_dgc")
 
@@ -263,7 +264,7 @@ class StreamingDiLoCo(OuterSync):
 def streaming_grace(compressor: str = "fp4", **build_params: Any) -> Grace:
     """Streaming DiLoCo's Grace as the paper runs it: the outer gradients in 4 bits (``fp4``,
     E3M0), averaged in fp32 after an allgather. Other keywords go to :func:`grace_dgc.build`."""
-    from .grace import build
+    from ...grace import build
 
     build_params.setdefault("communicator", "allgather")
     return build(compressor, "none", **build_params)

@@ -1,6 +1,6 @@
 """Hugging Face Accelerate: grace_dgc in one call after ``accelerator.prepare``.
 
-    from grace_dgc.integrations.accelerate import attach
+    from grace_dgc.training.integrations.accelerate import attach
 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     grace = attach(accelerator, model, "topk", "residual", "allgather", optimizer=optimizer, compress_ratio=0.01)
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ...errors import GraceConfigError
+from ...grace import Grace, build
 from ..checkpoint import gather_state, load_gathered_state
 from ..ddp import GraceHookState, ddp_comm_hook
-from ..errors import GraceConfigError
-from ..grace import Grace, build
 from . import logged_stats, own_group, warn_of_a_checkpoint_without_grace
 
 STATE_FILE = "grace_dgc.pt"  # every rank's state, beside Accelerate's files (as the Trainer's callback)
@@ -83,7 +83,7 @@ class GraceAccelerate:
         if not isinstance(state, dict) or "grace_dgc" not in state:
             raise GraceConfigError(
                 f"not a grace_dgc checkpoint entry (a dict with 'grace_dgc'), got {type(state).__name__}: "
-                "was the state saved with grace_dgc.integrations.accelerate.attach registered?"
+                "was the state saved with grace_dgc.training.integrations.accelerate.attach registered?"
             )
         load_gathered_state(self.grace, state["grace_dgc"])
 

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .engines import create_engine
-from .engines.base import Engine
-from .errors import GraceConfigError, check_bool, on_every_rank
+from ..engines import create_engine
+from ..engines.base import Engine
+from ..errors import GraceConfigError, check_bool, on_every_rank
 
 if TYPE_CHECKING:
-    from .grace import Grace
+    from ..grace import Grace
 
 
 _DDPS: weakref.WeakSet[Any] = weakref.WeakSet()  # every live DistributedDataParallel (see _note_a_ddp)
