@@ -35,7 +35,13 @@ WAYS: dict[str, tuple[str, str, str, dict[str, Any], dict[str, Any]]] = {
     "fsdp": ("qsgd", "residual", "reduce_scatter", {"quantum_num": 7}, {}),
     "diloco": ("topk", "residual", "allgather", {"compress_ratio": 0.3}, {"inner_steps": 2}),
     "local_sgd": ("none", "none", "allreduce", {}, {"inner_steps": 3}),
-    "sparseloco": ("chunk_topk>statq", "residual", "allgather", {"chunk": 16, "k": 4, "beta": 0.95}, {"inner_steps": 2}),
+    "sparseloco": (
+        "chunk_topk>statq",
+        "residual",
+        "allgather",
+        {"chunk": 16, "k": 4, "beta": 0.95},
+        {"inner_steps": 2},
+    ),
     "streaming_diloco": ("fp4", "none", "allgather", {}, {"inner_steps": 2, "fragments": 2}),
     "onebit_adam": ("onebit", "residual", "allgather", {}, {"freeze_step": 2}),
     "zero_one_adam": ("onebit", "residual", "allgather", {}, {"var_freeze_step": 3, "local_step_scaler": 4}),
@@ -187,7 +193,9 @@ def main() -> int:
             )
             same_counters = all(before[r][way]["counters"] == after[r][way]["counters"] for r in range(WORLD))
             failures += not (same and same_counters)
-            print(f"{way:18s} parameters {'equal' if same else 'DIFFER'}, counters {'equal' if same_counters else 'DIFFER'}")
+            print(
+                f"{way:18s} parameters {'equal' if same else 'DIFFER'}, counters {'equal' if same_counters else 'DIFFER'}"
+            )
             if not same_counters:
                 for r in range(WORLD):
                     a, b = before[r][way]["counters"], after[r][way]["counters"]
