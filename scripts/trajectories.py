@@ -193,9 +193,8 @@ def main() -> int:
             )
             same_counters = all(before[r][way]["counters"] == after[r][way]["counters"] for r in range(WORLD))
             failures += not (same and same_counters)
-            print(
-                f"{way:18s} parameters {'equal' if same else 'DIFFER'}, counters {'equal' if same_counters else 'DIFFER'}"
-            )
+            verdict = f"parameters {'equal' if same else 'DIFFER'}, counters {'equal' if same_counters else 'DIFFER'}"
+            print(f"{way:18s} {verdict}")
             if not same_counters:
                 for r in range(WORLD):
                     a, b = before[r][way]["counters"], after[r][way]["counters"]
