@@ -136,7 +136,7 @@ class Grace:
         # names of a group -> the layout the ranks agreed on (see handshake), and its dense bytes
         self._agreed: dict[tuple[str, ...], tuple[list[tuple[torch.Size, torch.dtype]], int]] = {}
         self.plan = ""  # every group of one step, when declared (see expect_groups)
-        self.wrapper: dict[str, Any] = {}  # the optimizer wrapper's settings (DistributedOptimizer's)
+        self._driver: tuple[str, dict[str, str]] | None = None  # the way in it serves, and what ranks compare of it
         self.params: dict[str, dict[str, Any]] = {}  # constructor parameters per part, as build() routed them
         self.wire = compressor  # what compresses each gradient: the communicator's choice, set by bind
         self._wire_of = compressor
@@ -188,6 +188,17 @@ class Grace:
         self._resume_to_check = True
         if optimizer is not None:
             warn_of_error_feedback_under_adam(self.compressor, self.memory, optimizer)
+
+    def claim(self, way: str, fields: Mapping[str, Any]) -> None:
+        """Serve the way in ``way`` (:class:`~grace_dgc.training.driver.Driver` claims its Grace):
+        the ranks compare ``fields`` at the first exchange. One way in per Grace: its memory
+        and counters are kept per parameter name, and two would mix them."""
+        if self._driver is not None:
+            raise GraceConfigError(
+                f"this Grace already serves {self._driver[0]}; {way} needs one of its own: build one Grace per way "
+                "in (its memory and counters are kept per parameter name)"
+            )
+        self._driver = (way, {key: repr(value) for key, value in fields.items()})
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer | None, named_parameters: Mapping[str, Tensor]) -> None:
         """Hand the memory the optimizer (or None) and ``{name: parameter}``
@@ -658,7 +669,7 @@ class Grace:
     def settings(self) -> dict[str, Any]:
         """What the ranks compare (see :mod:`~grace_dgc.handshake`) and a checkpoint records:
         each part's name and declared settings (as ``repr`` text), the non-finite policy and
-        the optimizer wrapper's settings."""
+        the settings of the way in it serves (:meth:`claim`)."""
         names = self._methods()
         out: dict[str, Any] = {
             kind: {
@@ -668,7 +679,7 @@ class Grace:
             for kind, part in self._parts()
         }
         out["nonfinite"] = self.nonfinite
-        out["wrapper"] = {key: repr(value) for key, value in self.wrapper.items()}
+        out["way_in"] = self._driver[1] if self._driver else {}
         return out
 
     def state_dict(self) -> dict[str, Any]:

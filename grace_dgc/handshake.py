@@ -42,7 +42,7 @@ SETTINGS_FIELDS = (
     "memory parameters",
     "communicator parameters",
     "non-finite policy",
-    "optimizer wrapper",
+    "way in (its settings)",
 )
 GROUP_FIELDS = (
     "tensors (name, shape, dtype)",
@@ -65,7 +65,7 @@ def describe(
     values += [settings[kind]["name"] for kind in ("compressor", "memory", "communicator")]
     values += [_listed(settings[kind]["settings"]) for kind in ("compressor", "memory", "communicator")]
     values.append(str(settings["nonfinite"]))
-    values.append(_listed(settings["wrapper"]))
+    values.append(_listed(settings["way_in"]))
     if tensors is None:
         return dict(zip(SETTINGS_FIELDS, values))
     assert names is not None  # given with the tensors

@@ -64,8 +64,8 @@ import functools
 import importlib.util
 import os
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -76,6 +76,7 @@ MODES = ("auto", "torch", "triton")
 AUTO_DEVICES = ("cuda",)  # where ``auto`` uses the kernels
 CODES, SIGNS, TERNARY = 0, 1, 2  # what pack_kernel reads: codes, signs of x, twobit's codes of x
 BLOCK = 1024  # packed bytes per program: 8192 one-bit codes
+T = TypeVar("T")
 
 failure: str | None = None  # why the kernels failed in this process (auto mode then stops using them)
 
@@ -164,6 +165,26 @@ def enabled(device: torch.device | str, dtype: torch.dtype | None = None, kernel
             "on a GPU it needs a CUDA tensor"
         )
     return True
+
+
+def attempt(
+    launch: Callable[[], T], device: torch.device | str, dtype: torch.dtype | None = None, kernel: str | None = None
+) -> T | None:
+    """``launch()`` (a fused kernel) where the kernels run (:func:`enabled`), else None; a
+    kernel that fails (:class:`Unavailable`, warned once) is None too. The one fallback rule of
+    every caller: on None, its torch ops follow, and give the same result bit for bit::
+
+        fused = kernels.attempt(lambda: kernels.pack_ternary(flat, tau), flat.device, flat.dtype)
+        if fused is not None:
+            return fused
+        ...  # the torch ops
+    """
+    if not enabled(device, dtype, kernel):
+        return None
+    try:
+        return launch()
+    except Unavailable:  # warned by the kernel's launch
+        return None
 
 
 @functools.cache

@@ -19,13 +19,14 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
 
 from ..errors import GraceConfigError
 from ..workspace import flat_span
+from .driver import Driver
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -44,7 +45,7 @@ RESUME = (
 )
 
 
-class GraceHookState:
+class GraceHookState(Driver):
     """What the hook needs: the :class:`~grace_dgc.Grace` and each parameter's name.
 
     Names come from the model's ``named_parameters()`` (DDP's ``module.`` prefix removed,
@@ -57,24 +58,27 @@ class GraceHookState:
     picklable data: save it with the model and optimizer, ``load_state_dict`` it on resume.
     """
 
+    KIND = "hook"
+
     def __init__(
         self, grace: Grace, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
     ) -> None:
         self.grace = grace
-        self.names: dict[Tensor, str] = {}  # parameter -> name
+        self._names: dict[Tensor, str] = {}  # parameter -> name
         if model is not None:
             module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
             if not isinstance(module, torch.nn.Module):
                 raise GraceConfigError(
                     f"model must be a torch.nn.Module or its DDP wrapper, got {type(model).__name__}"
                 )
-            self.names = {param: name for name, param in module.named_parameters()}
+            self._names = {param: name for name, param in module.named_parameters()}
             _check_group_is_grace_alone(grace, model)
             # e.g. the momentum memory takes over SGD's momentum (optimizer None: nothing to take over)
-            grace.attach_optimizer(optimizer, {n: p for p, n in self.names.items()})
-            grace.watch({n: p for p, n in self.names.items()}, optimizer, RESUME)
+            grace.attach_optimizer(optimizer, {n: p for p, n in self._names.items()})
+            grace.watch({n: p for p, n in self._names.items()}, optimizer, RESUME)
         elif optimizer is not None:
             raise GraceConfigError("ddp_comm_hook(grace, model, optimizer): optimizer needs the model")
+        self._claim(grace)
         self._named_by_model = model is not None
         # the training thread's wait on this backward's exchanges (see _end_of_backward)
         self._timing = False
@@ -119,21 +123,15 @@ class GraceHookState:
         self._timing = False
 
     def name_of(self, param: Tensor) -> str:
-        name = self.names.get(param)
+        name = self._names.get(param)
         if name is None:
             if self._named_by_model:
                 raise GraceConfigError(
                     f"DDP bucket holds a parameter of shape {tuple(param.shape)} that is not in the model "
                     f"given to ddp_comm_hook; pass the model wrapped by this DistributedDataParallel"
                 )
-            name = self.names[param] = f"param.{len(self.names)}"
+            name = self._names[param] = f"param.{len(self._names)}"
         return name
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"grace": self.grace.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.grace.load_state_dict(state["grace"])
 
     def __getstate__(self) -> NoReturn:
         raise TypeError(

@@ -53,7 +53,7 @@ from ..communicators.reduce_scatter import ReduceScatter as ReduceScatterCommuni
 from ..errors import GraceConfigError
 from ..grace import Grace
 from ..interfaces import Compressor, Ctxs, Payloads, Sent, Tensors
-from .checkpoint import rank_entry, read_rank_entry
+from .driver import Driver
 
 __all__ = ["FSDPCompression", "fsdp_compression"]
 
@@ -165,10 +165,17 @@ class _GraceReduceScatter:
 RESUME = "restore the FSDPCompression: put it beside the model's and the optimizer's state in dcp.save and dcp.load"
 
 
-class FSDPCompression:
+class FSDPCompression(Driver):
     """What :func:`fsdp_compression` installed: its Graces, their stats, and every rank's state
     for ``torch.distributed.checkpoint`` (a ``Stateful``: put it in the dict you hand to
-    ``dcp.save``/``dcp.load`` beside the model's and the optimizer's state dicts)."""
+    ``dcp.save``/``dcp.load`` beside the model's and the optimizer's state dicts). The state is
+    this rank's, under a key of its own (DCP would write equal keys once), as bytes: its size
+    grows as tensors are first seen; with it, what it belongs to (:attr:`layout`), checked at load."""
+
+    GRACES = ("reduce_scatter", "replicate")
+    PLAIN = ("layout",)
+    PER_RANK = True
+    STATS_PER_GRACE = True
 
     def __init__(
         self,
@@ -178,6 +185,7 @@ class FSDPCompression:
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.model, self.reduce_scatter, self.replicate = model, reduce_scatter, replicate
+        self._names = {}  # the Graces' tensors are FSDP's flat gradients and shards: the layout checks them
         self.modules = _fsdp_modules(model)
         groups = [_group_of(module) for _, module in self.modules]
         shard_group, replicate_group = next((g for g in groups if g[0] is not None), (None, None))
@@ -209,10 +217,11 @@ class FSDPCompression:
         """The replicate Grace must run over the replicas of this rank's shard: the ranks that
         hold the same shard index, one per shard group. Over the world group it would average
         different shards; over the shard group, replicas would never meet."""
-        if grace.wrapper:
-            raise GraceConfigError(f"the replicate Grace already serves {grace.wrapper}: build one per seam")
         me = dist.get_rank()
         shard_ranks = dist.get_process_group_ranks(shard_group) if shard_group is not None else [me]
+        # the handshake compares these over the Grace's ranks: a group whose ranks hold different
+        # shard indices (a hand-made group) is refused at the first exchange, naming them
+        self._claim(grace, role="replicate", shard_size=self.shard_size, shard_index=shard_ranks.index(me))
         mine = _engine_ranks(grace)
         shared = sorted(set(mine) & set(shard_ranks) - {me})
         if shared:
@@ -222,14 +231,6 @@ class FSDPCompression:
                 "parameters. Build it with process_group= the replicate group (mesh2d['replicate'].get_group()), "
                 "the ranks that hold the same shard as this one"
             )
-        # the handshake compares the wrapper settings over the Grace's ranks: a group whose ranks hold
-        # different shard indices (a hand-made group) is refused at the first exchange, naming them
-        grace.wrapper = {
-            "wrapper": "fsdp",
-            "role": "replicate",
-            "shard_size": self.shard_size,
-            "shard_index": shard_ranks.index(me),
-        }
 
     def _check_reduce_scatter(self, grace: Grace, group: Any) -> None:
         comp, comm = grace.compressor, grace.communicator
@@ -255,8 +256,7 @@ class FSDPCompression:
                 "on the replicate dimension under HSDP (replicate=...); accepted here: fp16, bf16, fp8, qsgd, "
                 "natural, terngrad, twobit, onebit, efsignsgd"
             )
-        if grace.wrapper:
-            raise GraceConfigError(f"the reduce_scatter Grace already serves {grace.wrapper}: build one per seam")
+        self._claim(grace, role="reduce_scatter", shard_size=self.shard_size)
         ranks = dist.get_process_group_ranks(group) if group is not None else [0]
         mine = _engine_ranks(grace)
         if mine != ranks:  # chunk j is rank j's shard in both
@@ -265,7 +265,6 @@ class FSDPCompression:
                 "process_group= the shard group (mesh['shard'].get_group() under HSDP)"
             )
         grace.communicator = _ScatterOnly(grace.engine, error_feedback=False)
-        grace.wrapper = {"wrapper": "fsdp", "role": "reduce_scatter", "shard_size": self.shard_size}
 
     def _native(self, grace: Grace) -> bool:
         return grace.compressor.registered_name == "none" and grace.memory.identity
@@ -309,32 +308,8 @@ class FSDPCompression:
 
         return all_reduce
 
-    # -- stats and state ----------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Each seam's Grace stats (``reduce_scatter``, ``replicate``); ``none`` on the
-        reduce-scatter counts FSDP's own bytes there."""
-        out: dict[str, Any] = {}
-        if self.reduce_scatter is not None:
-            out["reduce_scatter"] = self.reduce_scatter.stats()
-        if self.replicate is not None:
-            out["replicate"] = self.replicate.stats()
-        return out
-
-    def _key(self) -> str:
-        return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state of both Graces, under a key of its own (DCP would write equal keys
-        once), as bytes: its size grows as tensors are first seen. With it, what the state
-        belongs to (:meth:`layout`), checked at load."""
-        state: dict[str, Any] = {
-            role: grace.state_dict()
-            for role, grace in (("reduce_scatter", self.reduce_scatter), ("replicate", self.replicate))
-            if grace is not None
-        }
-        state["layout"] = self.layout()
-        return rank_entry(self._key(), state)
-
+    # -- what the state belongs to (the rest follows from the declarations: Driver) -------
+    @property
     def layout(self) -> dict[str, Any]:
         """What this rank's state belongs to: its place in the mesh (the shard group and the
         replicate Grace's ranks), and the tensors each seam keeps state for (the reduce-scatter
@@ -358,11 +333,12 @@ class FSDPCompression:
             }
         return out
 
-    def _check_layout(self, saved: dict[str, Any]) -> None:
+    @layout.setter
+    def layout(self, saved: dict[str, Any]) -> None:
         """Refuse a state saved where this rank held another place or other tensors: loaded, it
         would apply one shard's residuals to another, or end in a size error at the first
         backward."""
-        now, differing = self.layout(), []
+        now, differing = self.layout, []
         for key, what in (
             ("world_size", "ranks in all"),
             ("shard_group", "this rank's shard group"),
@@ -385,19 +361,6 @@ class FSDPCompression:
                 + ". Resume on the same mesh, with the same ranks in the same roles and the same fully_shard "
                 "wrapping (grace's state is per rank and per shard)"
             )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = read_rank_entry(state_dict, self._key(), "fsdp_compression state")
-        if "layout" in state:  # a state written before the layout was recorded loads as before
-            self._check_layout(state["layout"])
-        for role, grace in (("reduce_scatter", self.reduce_scatter), ("replicate", self.replicate)):
-            if (grace is None) != (role not in state):
-                raise GraceConfigError(
-                    f"the checkpoint {'has' if role in state else 'lacks'} a {role} Grace and this run "
-                    f"{'lacks' if grace is None else 'has'} one: install the same seams to resume"
-                )
-            if grace is not None:
-                grace.load_state_dict(state[role])  # refuses other methods, world sizes, settings
 
 
 def fsdp_compression(

@@ -19,6 +19,7 @@ import torch
 from ..engines import create_engine
 from ..engines.base import Engine
 from ..errors import GraceConfigError, check_bool, on_every_rank
+from .driver import Driver
 
 if TYPE_CHECKING:
     from ..grace import Grace
@@ -38,11 +39,11 @@ def _note_a_ddp(module: torch.nn.Module, name: str, submodule: torch.nn.Module |
 torch.nn.modules.module.register_module_module_registration_hook(_note_a_ddp)
 
 
-class WrappingOptimizer(torch.optim.Optimizer):
-    """What a wrapper of a user's optimizer shares with it (``DistributedOptimizer``, the
-    synchronization schedules): its ``param_groups``, ``state`` and ``defaults`` are the
-    wrapped optimizer's (LR schedulers act on it); it is not picklable (it holds a live
-    Grace: save ``state_dict()``)."""
+class WrappingOptimizer(Driver, torch.optim.Optimizer):
+    """A way in that wraps a user's optimizer (``DistributedOptimizer``, the schedules) and
+    shares it: its ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's
+    (LR schedulers act on it); it is not picklable (it holds a live Grace: save
+    ``state_dict()``)."""
 
     optimizer: torch.optim.Optimizer
 
@@ -91,47 +92,6 @@ class WrappingOptimizer(torch.optim.Optimizer):
                 "grace_dgc.ddp_comm_hook"
             )
 
-    @staticmethod
-    def _fusion_groups(params: list[torch.nn.Parameter], fusion_bytes: int) -> list[list[torch.nn.Parameter]]:
-        """Consecutive groups of ``params`` of up to ``fusion_bytes`` each, one dtype and
-        device per group (``fusion_bytes=0``: one parameter per group)."""
-        groups: list[list[torch.nn.Parameter]] = []
-        size = 0
-        for param in params:
-            nbytes = param.numel() * param.element_size()
-            if (
-                not groups
-                or size + nbytes > fusion_bytes
-                or param.dtype != groups[-1][0].dtype
-                or param.device != groups[-1][0].device
-            ):
-                groups.append([])
-                size = 0
-            groups[-1].append(param)
-            size += nbytes
-        return groups
-
-    @staticmethod
-    def _name_parameters(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[torch.nn.Parameter, str]:
-        """{parameter: name} for the wrapped optimizer's trainable parameters, in its order
-        (``param.<i>`` without names); duplicate or missing names are refused."""
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        if named_parameters is None:
-            return {p: f"param.{i}" for i, p in enumerate(params)}
-        named = list(named_parameters)
-        names = [n for n, _ in named]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise GraceConfigError(f"named_parameters has duplicate names: {dupes}")
-        by_param = {p: n for n, p in named}
-        missing = [i for i, p in enumerate(params) if p not in by_param]
-        if missing:
-            raise GraceConfigError(
-                f"named_parameters lacks {len(missing)} of the optimizer's parameters "
-                f"(positions {missing[:5]}...); pass model.named_parameters() of the same model"
-            )
-        return {p: by_param[p] for p in params}
-
 
 class DistributedOptimizer(WrappingOptimizer):
     """Horovod-style distributed optimizer over a ``Grace``.
@@ -175,6 +135,13 @@ class DistributedOptimizer(WrappingOptimizer):
     ``synchronize()`` (or ``step()``), not between ``backward()`` and it.
     """
 
+    SETTINGS = ("backward_passes_per_step", "fusion_bytes")
+    RESUME_MAY_DIFFER = {
+        "fusion_bytes": "fusion only batches the exchange; what is kept is kept per parameter name",
+        "backward_passes_per_step": "accumulation only sums more passes into the gradient an exchange sends",
+    }
+    OBJECTS = ("optimizer",)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -197,6 +164,7 @@ class DistributedOptimizer(WrappingOptimizer):
         self.optimizer = optimizer
         self.grace = grace
         self.backward_passes_per_step = backward_passes_per_step
+        self.fusion_bytes = fusion_bytes
         self._names = self._name_parameters(optimizer, named_parameters)
         self._buckets = self._make_buckets(list(self._names), fusion_bytes)
         # keyed by id(): a tensor's __hash__ is a Python call, and these are looked up once per
@@ -217,9 +185,8 @@ class DistributedOptimizer(WrappingOptimizer):
         # before any hook is registered: a memory that refuses this optimizer leaves nothing behind
         self._attach_memory()
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self._on_grad_ready)) for p in self._names]
-        # ranks compare every bucket at the first exchange, not bucket by bucket as they come
-        grace.wrapper = {"backward_passes_per_step": backward_passes_per_step, "fusion_bytes": fusion_bytes}
-        grace.expect_groups([[(self._names[p], p) for p in bucket] for bucket in self._buckets])
+        self._claim(grace)
+        self._plan(grace, self._buckets)  # ranks compare every bucket at the first exchange, not as they come
         grace.watch({name: p for p, name in self._names.items()}, optimizer)
 
     @classmethod
@@ -455,42 +422,14 @@ class DistributedOptimizer(WrappingOptimizer):
         self._final.clear()
         self._finals = [0] * len(self._buckets)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state plus grace's compressor and memory state."""
-        return {"optimizer": self.optimizer.state_dict(), "grace": self.grace.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "optimizer" in state_dict and "grace" in state_dict:
-            self._check_shapes(state_dict["optimizer"], state_dict["grace"])
-            self.optimizer.load_state_dict(state_dict["optimizer"])
-            self.grace.load_state_dict(state_dict["grace"])
-        else:  # a plain optimizer checkpoint
-            self._check_shapes(state_dict, {})
-            self.optimizer.load_state_dict(state_dict)
-            self._attach_memory()  # its momentum must move into the memory again, not apply twice
-
-    def _check_shapes(self, optimizer_state: Any, grace_state: Any) -> None:
-        """A checkpoint of a differently shaped model is refused here, not one step later:
-        per-parameter tensors of the optimizer's state (momentum buffers) must have their
-        parameter's shape, and what grace's parts keep per parameter the size each part
-        declares for that shape (:meth:`~grace_dgc.interfaces.Part.state_numels`)."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        saved = [i for group in optimizer_state.get("param_groups", []) for i in group.get("params", [])]
-        per_param = optimizer_state.get("state", {}) if isinstance(optimizer_state, dict) else {}
-        problems = []
-        for index, param in zip(saved, params):
-            for key, value in per_param.get(index, {}).items():
-                if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
-                    name = self._names.get(param, index)
-                    problems.append(f"{key} of {name!r}: {tuple(value.shape)} for {tuple(param.shape)}")
-
-        if grace_state:
-            problems += self.grace.shape_problems(grace_state, {name: p.shape for p, name in self._names.items()})
-        if problems:
-            raise GraceConfigError(
-                f"this checkpoint is of a differently shaped model: {'; '.join(problems[:4])}"
-                + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
-            )
+    def _load_foreign(self, state: Any) -> bool:
+        """A plain optimizer checkpoint (``optimizer.state_dict()`` of the wrapped optimizer)."""
+        if not isinstance(state, dict) or "grace" in state or "state" not in state or "param_groups" not in state:
+            return False
+        self._refuse_other_shapes({"optimizer": state})
+        self.optimizer.load_state_dict(state)
+        self._attach_memory()  # its momentum must move into the memory again, not apply twice
+        return True
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

@@ -242,6 +242,11 @@ def test_bad_input_and_pickling():
         pickle.dumps(state)
     # deliberate change (issue 10): a state says what it is: format, methods, world size
     assert pickle.loads(pickle.dumps(state.state_dict())) == {
+        # issue 55: the header every way in's state has (the training wing's Driver)
+        "format": 2,
+        "hook": "GraceHookState",
+        "settings": {},
+        "stats": {},
         "grace": {
             "format": 2,
             "methods": {"compressor": "none", "memory": "none", "communicator": "allreduce"},
@@ -294,7 +299,7 @@ def test_hook_writes_each_parameters_exchange_into_the_bucket_and_reports_errors
     assert out is bucket.buffer()
     # b: [-2.5, -1.5, -0.5, 0.5] keeps k=1: -2.5; a: [-2.5, ..., 2.5] keeps k=2: -2.5, 2.5
     assert out.tolist() == [-2.5, 0, 0, 0, -2.5, 0, 0, 0, 0, 2.5]
-    assert state.names == {b: "param.0", a: "param.1"}
+    assert state._names == {b: "param.0", a: "param.1"}
     residuals = state.state_dict()["grace"]["memory"]["residuals"]
     assert residuals["param.0"].tolist() == [0, -1.5, -0.5, 0.5]
 

@@ -376,7 +376,7 @@ def test_a_grace_serves_one_wrapper_and_the_optimizer_must_be_one():
     model = make_model()
     grace = local_grace()
     schedules.create("diloco", torch.optim.SGD(model.parameters(), lr=0.1), grace)
-    with pytest.raises(GraceConfigError, match=r"build one Grace per schedule"):
+    with pytest.raises(GraceConfigError, match=r"build one Grace per way in"):
         schedules.create("diloco", torch.optim.SGD(model.parameters(), lr=0.1), grace)
     with pytest.raises(GraceConfigError, match=r"optimizer must be a torch\.optim\.Optimizer"):
         schedules.create("diloco", list(model.parameters()), local_grace())

@@ -134,7 +134,7 @@ def streaming_job(rank: int, world: int) -> dict:
         data = batches(rank, steps)
         for i, (x, y) in enumerate(data, start=1):
             opt_step(model, sched, x, y)
-            starts.append(torch.cat([sched._start[p].reshape(-1) for p in model.parameters()]))
+            starts.append(torch.cat([sched.start[name].reshape(-1) for name, _ in model.named_parameters()]))
             sent.append(sched.syncs)
             if i == cut:
                 buffer = io.BytesIO()

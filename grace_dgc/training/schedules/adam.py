@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ...errors import GraceConfigError, GraceNonFiniteError, check_bool, check_range, on_every_rank
 from ..optimizer import WrappingOptimizer
-from .registry import STATE_FORMAT, refuse_other_state, register_schedule
+from .registry import register_schedule
 
 if TYPE_CHECKING:
     from ...grace import Grace
@@ -46,11 +46,16 @@ class AdamSchedule(WrappingOptimizer):
     ``Adam``/``AdamW`` (per param group), the moments m and v per parameter name (equal on
     every rank), the exchanges in fusion groups, the stats and the checkpoint."""
 
+    KIND = "schedule"
     SETTINGS: ClassVar[tuple[str, ...]] = ("fusion_bytes",)
-    COUNTERS: ClassVar[tuple[str, ...]] = ()  # integer schedule state beside ``steps`` (0/1 Adam's policies)
     RESUME_MAY_DIFFER: ClassVar[dict[str, str]] = {
         "fusion_bytes": "fusion only batches the exchange; what is kept is kept per parameter name"
     }
+    COUNTERS: ClassVar[tuple[str, ...]] = ("steps", "skipped")  # steps taken (skipped ones not counted)
+    STATS: ClassVar[dict[str, str]] = {"steps": "_stat_steps", "skipped_steps": "_stat_skipped"}
+    OBJECTS: ClassVar[tuple[str, ...]] = ("optimizer",)
+    TENSORS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")  # m and v, equal on every rank
+    GRACES: ClassVar[tuple[str, ...]] = ("grace", "dense")  # the compressed exchanges, and the warm-up's
     needs_adam = True  # the survey's configuration check builds it over an AdamW
 
     def __init__(
@@ -75,11 +80,6 @@ class AdamSchedule(WrappingOptimizer):
             for flag in ("amsgrad", "maximize"):
                 if group.get(flag):
                     raise GraceConfigError(f"{self.name}: param group {index} has {flag}=True; accepted: False")
-        if grace.wrapper:
-            raise GraceConfigError(
-                f"this Grace already serves an optimizer wrapper or schedule ({grace.wrapper}): build one Grace "
-                "per schedule, since its memory and counters are kept per parameter name"
-            )
         self.fusion_bytes = check_range("fusion_bytes", fusion_bytes, 0, kind=int)
         self.bias_correction = check_bool("bias_correction", bias_correction)
         self.momentum_mask = check_bool("momentum_mask", momentum_mask)
@@ -100,20 +100,12 @@ class AdamSchedule(WrappingOptimizer):
         self.exp_avg: dict[str, Tensor] = {}  # m, per parameter name
         self.exp_avg_sq: dict[str, Tensor] = {}  # v
         self._stat_steps = self._stat_skipped = 0
-        grace.attach_optimizer(optimizer, {n: p for p, n in self._names.items()})
         hyper = [{k: group[k] for k in ("betas", "eps", "weight_decay")} for group in optimizer.param_groups]
         for part in (grace, self.dense):  # the ranks compare these at each Grace's first exchange
-            part.wrapper = {"schedule": self.name, **self.settings(), "adam": repr(hyper)}
-            part.expect_groups([[(self._names[p], p) for p in group] for group in self._groups])
+            self._claim(part, adam=hyper)
+            self._plan(part, self._groups)
+        grace.attach_optimizer(optimizer, {n: p for p, n in self._names.items()})
         self.dense.watch({n: p for p, n in self._names.items()})  # ranks start from one model
-
-    # -- what it is -------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return getattr(type(self), "registered_name", type(self).__name__)
-
-    def settings(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in self.SETTINGS}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -202,32 +194,21 @@ class AdamSchedule(WrappingOptimizer):
         v = 0 finds it, alike on every rank."""
         return average.masked_fill_(exp_avg_sq == 0, 0)
 
-    # -- stats ---------------------------------------------------------------------------
-    def reset_stats(self) -> None:
-        self.grace.reset_stats()
-        self.dense.reset_stats()
-        self._stat_steps = self._stat_skipped = 0
-
-    def stats(self) -> dict[str, Any]:
-        """The compressed Grace's stats plus the dense exchanges' bytes and times (added),
-        and: steps, skipped_steps, dense_bytes_sent (the warm-up's and variance steps' share);
+    # -- stats (the state follows from the declarations: Driver) --------------------------
+    def _more_stats(self, out: dict[str, Any]) -> None:
+        """The dense exchanges' bytes and times added to the compressed Grace's, and:
+        steps, skipped_steps, dense_bytes_sent (the warm-up's and variance steps' share);
         :meth:`phase` says which phase the method is in."""
-        out = self.grace.stats()
         dense = self.dense.stats()
         for key in ("bytes_sent", "bytes_received", "tensors", "groups", "skipped", "wait_seconds"):
             out[key] = out.get(key, 0) + dense.get(key, 0)
         for key, value in dense.items():
             if key.endswith("_seconds") and key != "wait_seconds":
                 out[key] = out.get(key, 0.0) + value
-        out.update(
-            steps=self._stat_steps,
-            skipped_steps=self._stat_skipped,
-            dense_bytes_sent=dense["bytes_sent"],
-            dense_bytes=4 * sum(p.numel() for p in self._names) * self._stat_steps,
-        )
+        out["dense_bytes_sent"] = dense["bytes_sent"]
+        out["dense_bytes"] = 4 * sum(p.numel() for p in self._names) * self._stat_steps
         out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
         out["bytes_per_step"] = out["bytes_sent"] / self._stat_steps if self._stat_steps else 0.0
-        return out
 
     def phase(self) -> str:
         raise NotImplementedError
@@ -236,67 +217,6 @@ class AdamSchedule(WrappingOptimizer):
         """Bring every rank onto the same parameters now (before evaluating or saving): a
         no-op (False) where they already are, i.e. except inside 0/1 Adam's local steps."""
         return False
-
-    # -- checkpoints -------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The moments, the step and policy counters, the wrapped optimizer's param groups
-        and the Grace's state (worker and server errors): every rank's file resumes bit for
-        bit. v is equal on every rank, and so is m except inside 0/1 Adam's local steps; the
-        Grace's state is each rank's own. A rank-0-only checkpoint (``gather_state(schedule)``
-        carries every rank's Grace state) is whole right after ``synchronize_now()``."""
-        return {
-            "format": STATE_FORMAT,
-            "schedule": self.name,
-            "settings": self.settings(),
-            "steps": self.steps,
-            "skipped": self.skipped,
-            "counters": {key: getattr(self, key) for key in self.COUNTERS},
-            "tensors": {key: {n: t.clone() for n, t in getattr(self, key).items()} for key in self._tensor_state()},
-            "optimizer": self.optimizer.state_dict(),
-            "grace": self.grace.state_dict(),
-            "dense_counters": self.dense.counters(),  # the warm-up's exchanges, in stats() too
-            "stats": {"steps": self._stat_steps, "skipped": self._stat_skipped},
-        }
-
-    def _tensor_state(self) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq")
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; another schedule, other settings or other
-        parameters are refused by name before anything is loaded."""
-        state = state_dict
-        keys = ("format", "schedule", "settings", "steps", "counters", "tensors", "optimizer", "grace")
-        refuse_other_state(state, keys, self.name, self.settings(), self.RESUME_MAY_DIFFER)
-        shapes = {name: p.shape for p, name in self._names.items()}
-        problems = [
-            f"{key}[{name!r}]: "
-            + ("not in this model" if name not in shapes else f"{tuple(t.shape)} for {tuple(shapes[name])}")
-            for key, tensors in state["tensors"].items()
-            for name, t in tensors.items()
-            if name not in shapes or t.shape != shapes[name]
-        ]
-        if problems:
-            raise GraceConfigError(
-                f"this checkpoint is of other parameters: {'; '.join(problems[:4])}"
-                + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
-            )
-        self.grace.load_state_dict(state["grace"])  # refuses other methods, world sizes, settings
-        if "dense_counters" in state:
-            self.dense.load_counters(state["dense_counters"])
-        saved = state.get("stats", {})  # the counters of stats(), carried as the Graces' are
-        self._stat_steps = int(saved.get("steps", self._stat_steps))
-        self._stat_skipped = int(saved.get("skipped", self._stat_skipped))
-        self.optimizer.load_state_dict(state["optimizer"])
-        by_name = {name: p for p, name in self._names.items()}
-        for key, tensors in state["tensors"].items():
-            setattr(
-                self,
-                key,
-                {n: t.to(dtype=by_name[n].dtype, device=by_name[n].device).clone() for n, t in tensors.items()},
-            )
-        self.steps, self.skipped = int(state["steps"]), int(state.get("skipped", 0))
-        for key in self.COUNTERS:
-            setattr(self, key, state["counters"][key])
 
     def __repr__(self) -> str:
         listed = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
@@ -481,6 +401,7 @@ class ZeroOneAdam(AdamSchedule):
         "fusion_bytes",
     )
     COUNTERS = (
+        *AdamSchedule.COUNTERS,
         "var_interval",
         "var_counter",
         "var_updates",
@@ -521,8 +442,7 @@ class ZeroOneAdam(AdamSchedule):
             optimizer, grace, named_parameters, fusion_bytes, max_grad_norm, bias_correction, momentum_mask
         )
 
-    def _tensor_state(self) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq", "round_starts")
+    TENSORS = (*AdamSchedule.TENSORS, "round_starts")  # p₀ of the round, per name
 
     def phase(self) -> str:
         return "local steps" if self.frozen else "variance updates"

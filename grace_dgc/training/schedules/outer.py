@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ...errors import GraceConfigError, check_bool, check_range
 from ..optimizer import WrappingOptimizer
-from .registry import STATE_FORMAT, refuse_other_state, register_schedule
+from .registry import SCHEDULES, Preset, register_schedule
 
 if TYPE_CHECKING:
     from ...grace import Grace
@@ -69,10 +69,15 @@ class OuterSync(WrappingOptimizer):
     with ``nonfinite="raise"`` the error propagates.
     """
 
+    KIND = "schedule"
     SETTINGS: ClassVar[tuple[str, ...]] = ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "fusion_bytes")
     RESUME_MAY_DIFFER: ClassVar[dict[str, str]] = {
         "fusion_bytes": "fusion only batches the exchange; what is kept is kept per parameter name"
     }
+    COUNTERS: ClassVar[tuple[str, ...]] = ("steps", "since_sync", "syncs")
+    STATS: ClassVar[dict[str, str]] = {"steps": "_stat_steps", "syncs": "_stat_syncs", "skipped_syncs": "_stat_skipped"}
+    OBJECTS: ClassVar[tuple[str, ...]] = ("optimizer", "outer_optimizer")
+    TENSORS: ClassVar[tuple[str, ...]] = ("start",)
 
     def __init__(
         self,
@@ -98,11 +103,6 @@ class OuterSync(WrappingOptimizer):
                 "accepted: nesterov=False, or outer_momentum in (0, 1)"
             )
         self.fusion_bytes = check_range("fusion_bytes", fusion_bytes, 0, kind=int)
-        if grace.wrapper:
-            raise GraceConfigError(
-                f"this Grace already serves an optimizer wrapper or schedule ({grace.wrapper}): build one Grace "
-                "per schedule, since its memory and counters are kept per parameter name"
-            )
         self.optimizer = optimizer
         self.grace = grace
         self._names = self._name_parameters(optimizer, named_parameters)
@@ -112,24 +112,14 @@ class OuterSync(WrappingOptimizer):
         self.outer_optimizer = torch.optim.SGD(
             list(self._names), lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov
         )
-        self._start: dict[torch.nn.Parameter, Tensor] | None = None  # θ_start, taken at the first step
+        self.start: dict[str, Tensor] = {}  # θ_start per parameter name, taken at the first step
         self.since_sync = 0  # inner steps since the last synchronization (or the start)
         self.steps = 0  # inner steps in all
         self.syncs = 0  # synchronizations in all
-        self._stat_steps = self._stat_syncs = self._stat_skipped = 0  # since reset_stats()
+        self._stat_steps = self._stat_syncs = self._stat_skipped = 0  # since reset_stats() (STATS)
+        self._claim(grace)  # before anything is attached: a Grace serving another way in is refused first
         grace.attach_optimizer(self.outer_optimizer, {n: p for p, n in self._names.items()})
-        # the ranks compare these (and every group of a round) at the first synchronization
-        grace.wrapper = {"schedule": self.name, **self.settings()}
-        grace.expect_groups([[(self._names[p], p) for p in group] for group in self._groups])
-
-    # -- what it is -------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return getattr(type(self), "registered_name", type(self).__name__)
-
-    def settings(self) -> dict[str, Any]:
-        """The constructor's settings (what the ranks compare and a checkpoint records)."""
-        return {key: getattr(self, key) for key in self.SETTINGS}
+        self._plan(grace, self._groups)  # the ranks compare every group of a round at the first synchronization
 
     # -- the schedule -----------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -157,7 +147,7 @@ class OuterSync(WrappingOptimizer):
 
     def _take_start(self) -> None:
         self._refuse_a_ddp_wrap()  # once
-        if self._start is None:  # the first step of a run not resumed from this schedule's state
+        if not self.start:  # the first step of a run not resumed from this schedule's state
             if self.optimizer.state:
                 log.warning(
                     "%s: the inner optimizer has state (a resumed run?) but the schedule's does not: its outer "
@@ -166,11 +156,10 @@ class OuterSync(WrappingOptimizer):
                     "grace_dgc.gather_state(schedule) for a rank-0 checkpoint",
                     self.name,
                 )
-            self._start = {p: p.detach().clone() for p in self._names}
+            self.start = {name: p.detach().clone() for p, name in self._names.items()}
 
     def _synchronize(self) -> None:
-        start = self._start
-        assert start is not None  # taken by step() or synchronize_now() before any call here
+        start, name_of = self.start, self._names  # taken by step() or synchronize_now() before any call here
         mark = self.grace.skipped
         pending: list[tuple[list[torch.nn.Parameter], Future[list[Tensor]]]] = []
         with torch.no_grad():
@@ -179,7 +168,7 @@ class OuterSync(WrappingOptimizer):
                 # (none, fp16, bf16) without memory then reduce the group in one collective
                 flat = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
                 deltas = [
-                    torch.sub(start[p], p.detach(), out=view.view_as(p))
+                    torch.sub(start[name_of[p]], p.detach(), out=view.view_as(p))
                     for p, view in zip(group, flat.split([p.numel() for p in group]))
                 ]
                 names = [self._names[p] for p in group]
@@ -188,7 +177,7 @@ class OuterSync(WrappingOptimizer):
             averages = {p: average for group, future in pending for p, average in zip(group, future.result())}
             self.grace.add_wait(time.perf_counter() - waiting)
             for p in self._names:  # θ ← θ_start
-                p.copy_(start[p])
+                p.copy_(start[name_of[p]])
         self.since_sync = 0
         if self.grace.skipped != mark:  # a NaN/Inf on some rank: every rank drops the round alike
             self._stat_skipped += 1
@@ -208,7 +197,7 @@ class OuterSync(WrappingOptimizer):
                 p.grad = grad
         with torch.no_grad():
             for p in self._names:  # θ_start ← θ
-                start[p].copy_(p)
+                start[name_of[p]].copy_(p)
         self.syncs += 1
         self._stat_syncs += 1
 
@@ -216,146 +205,49 @@ class OuterSync(WrappingOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         return self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    # -- stats ---------------------------------------------------------------------------
-    def reset_stats(self) -> None:
-        """Zero the counters of :meth:`stats` (and the Grace's)."""
-        self.grace.reset_stats()
-        self._stat_steps = 0
-        self._stat_syncs = 0
-        self._stat_skipped = 0
-
-    def stats(self) -> dict[str, Any]:
-        """The Grace's stats of the outer-gradient exchanges, with per-step figures over the
-        inner steps, since the last :meth:`reset_stats`:
-
-        steps: inner optimizer steps; syncs: synchronizations (skipped_syncs: rounds dropped
+    # -- stats and checkpoints (the rest follows from the declarations: Driver) -----------
+    def _more_stats(self, out: dict[str, Any]) -> None:
+        """steps: inner optimizer steps; syncs: synchronizations (skipped_syncs: rounds dropped
         for a non-finite outer gradient); inner_steps: the setting H; bytes_per_sync:
         bytes_sent / syncs; bytes_per_step: bytes_sent / steps, the cost per optimizer step
-        to compare with per-step methods (= bytes_per_sync / H when steps is a multiple of H).
-        """
-        out = self.grace.stats()
+        to compare with per-step methods (= bytes_per_sync / H when steps is a multiple of H)."""
         sent = out["bytes_sent"]
-        out.update(
-            steps=self._stat_steps,
-            syncs=self._stat_syncs,
-            skipped_syncs=self._stat_skipped,
-            inner_steps=self.inner_steps,
-            bytes_per_sync=sent / self._stat_syncs if self._stat_syncs else 0.0,
-            bytes_per_step=sent / self._stat_steps if self._stat_steps else 0.0,
-        )
-        return out
+        out["inner_steps"] = self.inner_steps
+        out["bytes_per_sync"] = sent / self._stat_syncs if self._stat_syncs else 0.0
+        out["bytes_per_step"] = sent / self._stat_steps if self._stat_steps else 0.0
 
-    # -- checkpoints -------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue bit for bit, besides the model's own
-        parameters (save ``model.state_dict()`` beside it): the inner optimizer's state, the
-        outer optimizer's (momentum buffers), θ_start, the step counts and the Grace's state
-        (residuals, …). Plain tensors, numbers and strings: it loads with
-        ``torch.load(..., weights_only=True)``.
+    def _before_saving(self) -> None:
+        """The round's start is part of the state from the first step on (taken now if not yet).
 
         Between synchronizations every rank's parameters and inner optimizer state are its
         own, and so is the Grace's state always: for a bit-for-bit resume save each rank's
         file. A rank-0-only checkpoint (``gather_state(schedule)`` carries every rank's Grace
         state) is best taken right after ``synchronize_now()``, where the parameters, θ_start
-        and the outer optimizer agree on every rank; the inner optimizer's state is then rank
-        0's on every rank that loads it.
-        """
+        and the outer optimizer agree on every rank."""
         self._take_start()
-        start = self._start
-        assert start is not None
-        return {
-            "format": STATE_FORMAT,
-            "schedule": self.name,
-            "settings": self.settings(),
-            "steps": self.steps,
-            "since_sync": self.since_sync,
-            "syncs": self.syncs,
-            "start": {self._names[p]: tensor.clone() for p, tensor in start.items()},
-            "optimizer": self.optimizer.state_dict(),
-            "outer_optimizer": self.outer_optimizer.state_dict(),
-            "grace": self.grace.state_dict(),
-            "stats": {"steps": self._stat_steps, "syncs": self._stat_syncs, "skipped": self._stat_skipped},
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output. A state of another schedule, of other settings
-        or of other parameters is refused with an error naming what differs, before anything
-        is loaded."""
-        state = state_dict
-        keys = ("format", "schedule", "settings", "start", "optimizer", "outer_optimizer", "grace")
-        refuse_other_state(state, keys, self.name, self.settings(), self.RESUME_MAY_DIFFER)
-        by_name = {name: p for p, name in self._names.items()}
-        start = state["start"]
-        problems = [f"{name!r} missing" for name in by_name if name not in start]
-        problems += [f"{name!r} not in this model" for name in start if name not in by_name]
-        problems += [
-            f"{name!r}: {tuple(start[name].shape)} for {tuple(p.shape)}"
-            for name, p in by_name.items()
-            if name in start and tuple(start[name].shape) != tuple(p.shape)
-        ]
-        if problems:
-            raise GraceConfigError(
-                f"this checkpoint is of other parameters: {'; '.join(problems[:4])}"
-                + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else "")
-            )
-        self.grace.load_state_dict(state["grace"])  # refuses other methods, world sizes, settings
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self._start = {p: start[name].to(dtype=p.dtype, device=p.device).clone() for name, p in by_name.items()}
-        self.steps = int(state.get("steps", 0))
-        self.since_sync = int(state.get("since_sync", 0))
-        self.syncs = int(state.get("syncs", 0))
-        saved = state.get("stats", {})  # the counters of stats(), carried as the Grace's are
-        self._stat_steps = int(saved.get("steps", self._stat_steps))
-        self._stat_syncs = int(saved.get("syncs", self._stat_syncs))
-        self._stat_skipped = int(saved.get("skipped", self._stat_skipped))
 
     def __repr__(self) -> str:
         listed = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
         return f"{type(self).__name__}({self.optimizer!r}, {self.grace!r}, {listed})"
 
 
-@register_schedule("diloco")
-class DiLoCo(OuterSync):
-    """DiLoCo (Douillard et al. 2023): H inner steps, then outer SGD with Nesterov momentum
-    on the averaged outer gradient; the paper's outer lr 0.7 and momentum 0.9 by default."""
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        grace: Grace,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-        inner_steps: int = 500,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        fusion_bytes: int = 4 * 2**20,
-    ) -> None:
-        super().__init__(
-            optimizer, grace, named_parameters, inner_steps, outer_lr, outer_momentum, nesterov, fusion_bytes
-        )
-
-
-@register_schedule("local_sgd", aliases=("localsgd", "post_local_sgd"))
-class LocalSGD(OuterSync):
-    """Local SGD / model averaging every H steps (Lin et al. 2018; torch's
-    ``PostLocalSGDOptimizer`` after its warm-up): the outer step with lr 1 and no momentum,
-    θ ← θ_start − (θ_start − mean θᵢ) = the mean of the ranks' parameters."""
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        grace: Grace,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-        inner_steps: int = 8,
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
-        nesterov: bool = False,
-        fusion_bytes: int = 4 * 2**20,
-    ) -> None:
-        super().__init__(
-            optimizer, grace, named_parameters, inner_steps, outer_lr, outer_momentum, nesterov, fusion_bytes
-        )
+DiLoCo = Preset(
+    OuterSync,
+    """DiLoCo (Douillard et al. 2023): H inner steps, then outer SGD with Nesterov momentum on the
+    averaged outer gradient; the paper's outer lr 0.7 and momentum 0.9 (OuterSync's defaults).""",
+)
+LocalSGD = Preset(
+    OuterSync,
+    """Local SGD / model averaging every H steps (Lin et al. 2018; torch's ``PostLocalSGDOptimizer``
+    after its warm-up): the outer step with lr 1 and no momentum, θ ← θ_start − (θ_start − mean θᵢ) =
+    the mean of the ranks' parameters.""",
+    inner_steps=8,
+    outer_lr=1.0,
+    outer_momentum=0.0,
+    nesterov=False,
+)
+SCHEDULES.add("diloco", DiLoCo)
+SCHEDULES.add("local_sgd", LocalSGD, aliases=("localsgd", "post_local_sgd"))
 
 
 @register_schedule("sparseloco")

@@ -1,8 +1,8 @@
-"""The schedules' registry: a name for each, built by :func:`create`, and the check every
-schedule's ``load_state_dict`` makes first."""
+"""The schedules' registry: a name for each, built by :func:`create`."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -18,8 +18,6 @@ if TYPE_CHECKING:
 SCHEDULES = Registry("schedule", "grace_dgc.schedules")
 register_schedule = SCHEDULES.register
 
-STATE_FORMAT = 1
-
 
 def list_schedules(pattern: str = "*") -> list[str]:
     """Sorted canonical schedule names matching a shell-style ``pattern``."""
@@ -30,33 +28,48 @@ def list_schedules(pattern: str = "*") -> list[str]:
 _WIRED = ("optimizer", "grace", "named_parameters")
 
 
-def refuse_other_state(
-    state: Any, keys: tuple[str, ...], name: str, mine: dict[str, Any], may_differ: dict[str, str]
-) -> None:
-    """What every schedule's ``load_state_dict`` checks first, before anything is loaded: a
-    dict with ``keys``, of this format, saved by schedule ``name`` with settings equal to
-    ``mine`` (except those in ``may_differ``); else a :class:`GraceConfigError` naming what differs."""
-    if not isinstance(state, dict) or any(key not in state for key in keys):
-        got = f"keys {sorted(state)[:8]}" if isinstance(state, dict) else type(state).__name__
-        raise GraceConfigError(f"load_state_dict needs a schedule's state_dict() (with {', '.join(keys)}); got {got}")
-    if state["format"] != STATE_FORMAT:
-        raise GraceConfigError(f"schedule state format {state['format']!r} is not supported; accepted: {STATE_FORMAT}")
-    if state["schedule"] != name:
-        raise GraceConfigError(
-            f"the state was saved by schedule {state['schedule']!r}; this one is {name!r}: "
-            "build the same schedule to resume"
-        )
-    saved = state["settings"]
-    differing = [
-        f"{key}: saved {saved.get(key, '(not set)')!r}, this run {mine.get(key, '(not set)')!r}"
-        for key in sorted(set(saved) | set(mine))
-        if saved.get(key, "(not set)") != mine.get(key, "(not set)") and key not in may_differ
-    ]
-    if differing:
-        raise GraceConfigError(
-            f"the state was saved with other settings of schedule {name!r}: {'; '.join(differing)}. "
-            "Build with the saved settings to resume"
-        )
+class Preset:
+    """A schedule that is another one with other defaults, registered by name without a class
+    of its own: ``SCHEDULES.add("local_sgd", Preset(OuterSync, outer_lr=1.0, outer_momentum=0.0,
+    nesterov=False, inner_steps=8))``. Called as the class is; what it builds reports the
+    preset's name (in its stats, handshake and checkpoints)."""
+
+    def __init__(self, schedule: type[Any], doc: str = "", **defaults: Any) -> None:
+        unknown = sorted(set(defaults) - set(self._params_of(schedule)))
+        if unknown:
+            raise GraceConfigError(f"{schedule.__name__} takes no {', '.join(unknown)}")
+        self.schedule, self.defaults, self.__doc__ = schedule, defaults, doc or schedule.__doc__
+
+    def __call__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grace: Grace,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        **params: Any,
+    ) -> Any:
+        built: Any = object.__new__(self.schedule)  # __init__ reads the name: set it first
+        built.preset = getattr(self, "registered_name", None)  # read by Driver.name, from __init__ on
+        built.__init__(optimizer, grace, named_parameters, **{**self.defaults, **params})
+        return built
+
+    def __instancecheck__(self, built: Any) -> bool:  # isinstance(schedule, DiLoCo)
+        return isinstance(built, self.schedule) and built.preset == getattr(self, "registered_name", None)
+
+    def __getattr__(self, key: str) -> Any:  # what the schedule declares (needs_adam, SETTINGS, …)
+        if key.startswith("__"):
+            raise AttributeError(key)
+        return getattr(self.schedule, key)
+
+    def params(self) -> list[str]:
+        return self._params_of(self.schedule)
+
+    @staticmethod
+    def _params_of(schedule: type[Any]) -> list[str]:
+        return [p for p in list(inspect.signature(schedule.__init__).parameters)[1:] if p not in _WIRED]
+
+    def __repr__(self) -> str:
+        listed = ", ".join(f"{key}={value!r}" for key, value in self.defaults.items())
+        return f"Preset({self.schedule.__name__}{', ' if listed else ''}{listed})"
 
 
 def accepted_params(name: str) -> list[str]:

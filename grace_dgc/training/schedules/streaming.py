@@ -84,6 +84,7 @@ class StreamingDiLoCo(OuterSync):
     """
 
     SETTINGS: ClassVar[tuple[str, ...]] = (*OuterSync.SETTINGS, "fragments", "pattern", "delay", "mixing")
+    PLAIN: ClassVar[tuple[str, ...]] = ("in_flight",)
 
     def __init__(
         self,
@@ -125,7 +126,7 @@ class StreamingDiLoCo(OuterSync):
         self._fragment_groups = [self._fusion_groups(part, self.fusion_bytes) for part in split]
         self.offsets = [(p + 1) * steps // self.fragments for p in range(self.fragments)]
         self._in_flight: dict[int, _Exchange] = {}
-        grace.expect_groups([[(self._names[p], p) for p in g] for groups in self._fragment_groups for g in groups])
+        self._plan(grace, [group for groups in self._fragment_groups for group in groups])
 
     def fragment_names(self) -> list[list[str]]:
         """The parameter names of each fragment, in order."""
@@ -169,8 +170,7 @@ class StreamingDiLoCo(OuterSync):
         return True
 
     def _send(self, fragment: int) -> None:
-        start = self._start
-        assert start is not None
+        start, name_of = self.start, self._names
         grace = self.grace
         before = grace.run_in_order(lambda: grace.skipped)
         pending = []
@@ -178,7 +178,7 @@ class StreamingDiLoCo(OuterSync):
             for group in self._fragment_groups[fragment]:
                 flat = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
                 deltas = [
-                    torch.sub(start[p], p.detach(), out=view.view_as(p))
+                    torch.sub(start[name_of[p]], p.detach(), out=view.view_as(p))
                     for p, view in zip(group, flat.split([p.numel() for p in group]))
                 ]
                 names = [self._names[p] for p in group]
@@ -191,13 +191,12 @@ class StreamingDiLoCo(OuterSync):
         waiting = time.perf_counter()  # the training thread blocks here if the exchange is not done
         averages = exchange.resolve(self._names)
         self.grace.add_wait(time.perf_counter() - waiting)
-        start = self._start
-        assert start is not None
+        start, name_of = self.start, self._names
         params = self._fragments[fragment]
         if exchange.skipped:
             with torch.no_grad():
                 for p in params:
-                    p.copy_(start[p])
+                    p.copy_(start[name_of[p]])
             self._stat_skipped += 1
             log.warning(
                 "%s: fragment %d's outer gradient was not finite on some rank; dropped on every rank",
@@ -208,7 +207,7 @@ class StreamingDiLoCo(OuterSync):
         with torch.no_grad():
             local = {p: p.detach().clone() for p in params} if mixing else {}
             for p in params:  # θ_p ← θ_start,p, then the outer step on Δ̄_p
-                p.copy_(start[p])
+                p.copy_(start[name_of[p]])
         members = set(params)
         saved = {p: p.grad for p in self._names}
         try:
@@ -220,45 +219,41 @@ class StreamingDiLoCo(OuterSync):
                 p.grad = grad
         with torch.no_grad():
             for p in params:
-                start[p].copy_(p)  # θ_start,p ← θ_global,p
+                start[name_of[p]].copy_(p)  # θ_start,p ← θ_global,p
                 if mixing:
                     p.lerp_(local[p], mixing)  # θ_p ← θ_global,p + α·(θ_local,p − θ_global,p)
         self.syncs += 1
         self._stat_syncs += 1
 
-    # -- checkpoints -------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """:meth:`OuterSync.state_dict` and the exchanges in flight (waited for: their
-        averages, due step and whether they were dropped), applied by a resumed run at the
-        same step."""
-        for exchange in self._in_flight.values():
-            exchange.resolve(self._names)
-        state = super().state_dict()
-        state["in_flight"] = {
+    # -- checkpoints: OuterSync's state and the exchanges in flight (PLAIN) ----------------
+    @property
+    def in_flight(self) -> dict[str, dict[str, Any]]:
+        """The exchanges in flight (waited for): per fragment, its averages, due step and
+        whether it was dropped, applied by a resumed run at the same step."""
+        return {
             str(fragment): {
                 "due": exchange.due,
                 "skipped": exchange.skipped,
-                "averages": {name: t.clone() for name, t in (exchange.averages or {}).items()},
+                "averages": {name: t.clone() for name, t in exchange.resolve(self._names).items()},
             }
             for fragment, exchange in self._in_flight.items()
         }
-        return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "in_flight" not in state_dict:
-            raise GraceConfigError("load_state_dict needs a streaming_diloco state_dict() (with in_flight)")
-        super().load_state_dict(state_dict)
+    @in_flight.setter
+    def in_flight(self, saved: dict[str, dict[str, Any]]) -> None:
         self._in_flight = {
-            int(fragment): _Exchange(
-                int(saved["due"]), [], averages=dict(saved["averages"]), skipped=bool(saved["skipped"])
-            )
-            for fragment, saved in state_dict["in_flight"].items()
+            int(fragment): _Exchange(int(s["due"]), [], averages=dict(s["averages"]), skipped=bool(s["skipped"]))
+            for fragment, s in saved.items()
         }
 
-    def stats(self) -> dict[str, Any]:
-        out = super().stats()
+    def _before_saving(self) -> None:
+        super()._before_saving()
+        for exchange in self._in_flight.values():  # before the Grace's state: their exchanges update it
+            exchange.resolve(self._names)
+
+    def _more_stats(self, out: dict[str, Any]) -> None:
+        super()._more_stats(out)
         out["fragments"] = self.fragments
-        return out
 
 
 def streaming_grace(compressor: str = "fp4", **build_params: Any) -> Grace:
