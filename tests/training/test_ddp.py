@@ -257,7 +257,7 @@ def test_bad_input_and_pickling():
             "memory": {},
             "communicator": {},  # issue 9: reduce_scatter's owner-side errors live here
             "counters": grace.counters(),  # issue 53: a resumed run's stats go on from the saved ones
-        }
+        },
     }
     assert set(state.state_dict()["grace"]["counters"]) == {"stats", "seconds", "steps", "wait_seconds"}
 
