@@ -9,6 +9,7 @@ same compressor, so only the leading dimension may differ between ranks.
 import numbers
 import struct
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import cast
 
 import numpy as np
@@ -162,13 +163,9 @@ def pack_chunks(
     out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=device)
     if n and kernels.enabled(device):
         made = encode(0, n)
-        try:
-            kernels.pack(made, bits, out=out)
+        if kernels.attempt(lambda: kernels.pack(made, bits, out=out), device) is not None:
             return out
-        except kernels.Unavailable:  # warned; the codes made are packed below, not made (drawn) again
-
-            def encode(start: int, stop: int) -> Tensor:
-                return made[start:stop]
+        encode = partial(_slice_of, made)  # a kernel failed (warned): the codes made are packed, not drawn again
 
     host = torch.device(device).type == "cpu"
 
@@ -181,6 +178,10 @@ def pack_chunks(
 
     for_chunks(pack, n, device, multiple=8)
     return out
+
+
+def _slice_of(codes: Tensor, start: int, stop: int) -> Tensor:
+    return codes[start:stop]
 
 
 def _pack_aligned(codes: Tensor, bits: int, workspace: Workspace | None) -> Tensor:
@@ -226,11 +227,7 @@ def unpack_chunks(
         raise ValueError(f"bits={bits!r}; unpack_chunks unpacks 1, 2 or 4 bits")
     if n and kernels.enabled(packed.device):  # one fused kernel, the whole tensor as one chunk
         codes = _scratch(workspace, "unpacked", n, torch.uint8, packed.device)
-        try:
-            kernels.unpack(packed, bits, n, out=codes)
-        except kernels.Unavailable:  # warned; the torch path below
-            pass
-        else:
+        if kernels.attempt(lambda: kernels.unpack(packed, bits, n, out=codes), packed.device) is not None:
             decode(0, n, codes)
             return
     host = packed.device.type == "cpu"
@@ -350,11 +347,9 @@ def pack_signs(tensor: Tensor, workspace: Workspace | None = None) -> Tensor:
     One bit cannot say 0, so an exact zero travels as +1 (as in GRACE).
     """
     flat = tensor.reshape(-1)
-    if flat.numel() and kernels.enabled(flat.device, flat.dtype):  # x ≥ 0 and the packing in one pass
-        try:
-            return kernels.pack_signs(flat)
-        except kernels.Unavailable:  # warned; the torch path below
-            pass
+    fused = kernels.attempt(lambda: kernels.pack_signs(flat), flat.device, flat.dtype) if flat.numel() else None
+    if fused is not None:  # x ≥ 0 and the packing in one pass
+        return fused
 
     def encode(start: int, stop: int) -> Tensor:
         return torch.ge(flat[start:stop], 0, out=_scratch(workspace, "signs", stop - start, torch.bool, flat.device))
@@ -404,10 +399,8 @@ def lookup_fused(
         return False
     direct = out.dtype == torch.float32 and out.is_contiguous()
     target = out if direct else _scratch(workspace, "select", n, torch.float32, out.device)
-    try:
-        kernels.unpack_lookup(packed, bits, target.view(-1), table)
-    except kernels.Unavailable:  # warned; the caller's torch path
-        return False
+    if kernels.attempt(lambda: kernels.unpack_lookup(packed, bits, target.view(-1), table), out.device) is None:
+        return False  # a kernel failed (warned): the caller's torch path
     if not direct:
         out.copy_(target.view(out.shape))
     return True

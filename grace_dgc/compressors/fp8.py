@@ -1,4 +1,6 @@
+from collections.abc import Callable
 from functools import partial
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -9,6 +11,8 @@ from ..interfaces import Payload
 from ..registry import register_compressor
 from ..workspace import for_chunks
 from .packed import PackedCompressor, Shaped
+
+T = TypeVar("T")
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # Decoding on a CPU, where torch's fp8 -> fp32 cast is scalar code: each code's bits moved into
@@ -77,12 +81,9 @@ class FP8Compressor(PackedCompressor):
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         flat = tensor.reshape(-1).float()
         n, block = flat.numel(), self.block
-        if n and self._fused(flat):  # a GPU: one read of the gradient, bit for bit these ops
-            try:
-                codes, scales = kernels.fp8_encode(flat, block, self.format)
-                return [codes, scales], (tensor.shape, tensor.dtype)
-            except kernels.Unavailable:  # warned; the torch ops below
-                pass
+        fused = self._fused(lambda: kernels.fp8_encode(flat, block, self.format), flat) if n else None
+        if fused is not None:  # a GPU: one read of the gradient, bit for bit these ops
+            return list(fused), (tensor.shape, tensor.dtype)
         codes = torch.empty(n, dtype=self.dtype, device=flat.device)
         scales = flat.new_empty(-(-n // block))
         for_chunks(partial(self._encode_chunk, flat, codes, scales), n, flat.device, block)
@@ -112,12 +113,10 @@ class FP8Compressor(PackedCompressor):
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         codes, scales = payload
         n, block = codes.numel(), self.block
-        if n and out.dtype == torch.float32 and out.is_contiguous() and self._fused(codes):
-            try:
-                kernels.fp8_decode(codes, scales, block, self.format, out.view(-1))
+        if n and out.dtype == torch.float32 and out.is_contiguous():
+            launch = lambda: kernels.fp8_decode(codes, scales, block, self.format, out.view(-1))  # noqa: E731
+            if self._fused(launch, codes) is not None:
                 return out
-            except kernels.Unavailable:
-                pass
         if codes.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
             for_chunks(partial(self._decode_chunk, codes.view(torch.int8), scales, out.view(-1)), n, "cpu", block)
             return out
@@ -150,5 +149,7 @@ class FP8Compressor(PackedCompressor):
             for code, nan in NAN_BITS[self.format].items():
                 piece.view(torch.int32).masked_fill_(torch.eq(mine, code), nan)
 
-    def _fused(self, tensor: Tensor) -> bool:
-        return self.block <= kernels.FP8_LARGEST_BLOCK and kernels.enabled(tensor.device, kernel="fp8")
+    def _fused(self, launch: Callable[[], T], tensor: Tensor) -> T | None:
+        if self.block > kernels.FP8_LARGEST_BLOCK:
+            return None
+        return kernels.attempt(launch, tensor.device, kernel="fp8")

@@ -66,12 +66,10 @@ class OneBitCompressor(PackedCompressor):
             return positive
 
         packed = None
-        if n and kernels.enabled(device):  # a GPU: the bits, picked and the count in one pass
-            try:
-                packed, count = kernels.sign_split(flat, picked)
-                counts.append(count)
-            except kernels.Unavailable:  # warned; the torch ops below
-                pass
+        fused = kernels.attempt(lambda: kernels.sign_split(flat, picked), device) if n else None
+        if fused is not None:  # a GPU: the bits, picked and the count in one pass
+            packed, count = fused
+            counts.append(count)
         if packed is None:
             packed = wire.pack_chunks(n, 1, encode, device, scratch)
         count_pos = torch.stack(counts).sum().to(torch.float32)  # exact at any size

@@ -1,4 +1,3 @@
-import contextlib
 import math
 from collections.abc import Callable
 
@@ -37,10 +36,9 @@ def quantize_codes(block: Tensor, uniform: Tensor, factor: Tensor, s: int, out: 
     shape. One fused kernel where the kernels run (:func:`grace_dgc.kernels.qsgd_codes`: the
     uniforms are only read, so a failed launch leaves them for the torch ops), else the torch
     ops (which overwrite ``uniform``); the same codes either way."""
-    if kernels.enabled(block.device, block.dtype):
-        with contextlib.suppress(kernels.Unavailable):  # a kernel failed (warned once): the torch ops
-            kernels.qsgd_codes(block, uniform, factor, s, block.shape[1], out)
-            return
+    launch = lambda: kernels.qsgd_codes(block, uniform, factor, s, block.shape[1], out)  # noqa: E731
+    if kernels.attempt(launch, block.device, block.dtype) is not None:
+        return
     scaled = torch.abs(block, out=workspace.get("scaled", block.numel(), torch.float32, block.device).view(block.shape))
     scaled.mul_(factor.unsqueeze(1))
     levels = stochastic_round_(scaled.clamp_(max=s), uniform, workspace)
@@ -142,11 +140,7 @@ class QSGDCompressor(StochasticCompressor):
         if n and kernels.enabled(out.device):  # one fused pass (a GPU: one chunk anyway)
             direct = out.dtype == torch.float32 and out.is_contiguous()
             target = flat if direct else self.workspace.get("decoded", n, torch.float32, out.device)
-            try:
-                kernels.qsgd_values(codes, norms / s, s, size, target)
-            except kernels.Unavailable:  # warned; the torch ops below
-                pass
-            else:
+            if kernels.attempt(lambda: kernels.qsgd_values(codes, norms / s, s, size, target), out.device) is not None:
                 return out if direct else out.copy_(target.view(out.shape))
 
         def dequantize(row: int, last_row: int, start: int, stop: int) -> None:

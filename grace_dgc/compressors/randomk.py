@@ -80,11 +80,10 @@ def keyed_indices(n: int, k: int, keys: list[int], device: torch.device | str = 
     if bits > MAX_BITS:
         raise ValueError(f"random-k over {n} elements: at most 2^{MAX_BITS} are supported")
     device = torch.device(device)
-    if k and kernels.enabled(device, kernel="random_indices"):
-        try:
-            return kernels.random_indices(n, k, bits, keys, device)
-        except kernels.Unavailable:  # warned; the torch ops below
-            pass
+    launch = lambda: kernels.random_indices(n, k, bits, keys, device)  # noqa: E731
+    fused = kernels.attempt(launch, device, kernel="random_indices") if k else None
+    if fused is not None:
+        return fused
     out = torch.empty(k, dtype=torch.int64, device=device)
 
     def chunk(start: int, stop: int) -> None:

@@ -115,11 +115,10 @@ def at_least(
     fp32 bit patterns was used here before; torch 2.13's comparisons vectorise, and a plain
     compare measured 1.0-1.5× faster at every size.)"""
     threshold = float(threshold)
-    if flat.numel() and kernels.enabled(flat.device, flat.dtype):  # a GPU: one fused count, then one fused write
-        try:
-            return kernels.at_least(flat, threshold, keep_nan)
-        except kernels.Unavailable:  # warned; the torch ops below
-            pass
+    launch = lambda: kernels.at_least(flat, threshold, keep_nan)  # noqa: E731
+    fused = kernels.attempt(launch, flat.device, flat.dtype) if flat.numel() else None
+    if fused is not None:  # a GPU: one fused count, then one fused write
+        return fused
     if flat.numel() <= PARALLEL_GRAIN:  # one small chunk: the fewest ops win
         magnitude = flat.abs()
         mask = magnitude.lt(threshold).logical_not_() if keep_nan else magnitude.ge(threshold)

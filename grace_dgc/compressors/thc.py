@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -49,9 +48,9 @@ def rotate(flat: Tensor, signs: Tensor) -> Tensor:
     """x' = H·D·x/√d (step 1) for the fp32 vector ``flat`` zero-padded to d = len(signs): a new
     fp32 tensor. The fused kernels where they run (:func:`grace_dgc.kernels.rotate`: 3 passes
     over memory at d = 2^25), else the torch ops (two per stage); the same bits either way."""
-    if kernels.enabled(flat.device, flat.dtype):
-        with contextlib.suppress(kernels.Unavailable):  # a kernel failed (warned once): the torch ops
-            return kernels.rotate(flat, signs)
+    fused = kernels.attempt(lambda: kernels.rotate(flat, signs), flat.device, flat.dtype)
+    if fused is not None:
+        return fused
     n = flat.numel()
     padded = torch.empty(signs.numel(), dtype=torch.float32, device=flat.device)
     torch.mul(flat, signs[:n], out=padded[:n])
@@ -63,12 +62,8 @@ def unrotate(codes: Tensor, factor: Tensor, signs: Tensor, out: Tensor) -> None:
     """``out`` (fp32, contiguous, 1-D, n elements) = the first n of D·H·(codes·factor)/√d
     (step 5), codes·factor rounded to fp32 first: the fused kernels where they run, else the
     torch ops; the same bits either way."""
-    if kernels.enabled(codes.device, torch.float32):
-        try:
-            kernels.unrotate(codes, factor, signs, out)
-            return
-        except kernels.Unavailable:
-            pass  # a kernel failed (warned once): the torch ops write all of out
+    if kernels.attempt(lambda: kernels.unrotate(codes, factor, signs, out), codes.device, torch.float32) is not None:
+        return  # else the torch ops write all of out
     x = _butterflies(codes.to(torch.float32).mul_(factor))
     n = out.numel()
     torch.mul(x[:n], signs[:n], out=out)
@@ -88,9 +83,9 @@ def stochastic_codes(x: Tensor, uniform: Tensor, factor: Tensor, levels: int, dt
     decodes to NaN), codes ⌊u⌋ + (uniform < u − ⌊u⌋) as ``dtype``; x is never written. One
     fused kernel where the kernels run (:func:`grace_dgc.kernels.stochastic_codes`), else
     the torch ops; the same codes either way."""
-    if kernels.enabled(x.device, x.dtype):
-        with contextlib.suppress(kernels.Unavailable):  # a kernel failed (warned once): the torch ops
-            return kernels.stochastic_codes(x, uniform, factor, levels, dtype)
+    fused = kernels.attempt(lambda: kernels.stochastic_codes(x, uniform, factor, levels, dtype), x.device, x.dtype)
+    if fused is not None:
+        return fused
     u = torch.mul(x, factor)  # a new tensor
     u.nan_to_num_(nan=0.0, posinf=levels, neginf=-levels).clamp_(-levels, levels)
     q = torch.floor(u)

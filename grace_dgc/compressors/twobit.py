@@ -47,11 +47,10 @@ class TwoBitCompressor(PackedCompressor):
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         flat = tensor.reshape(-1)
         scratch = self.workspace
-        if flat.numel() and kernels.enabled(flat.device, flat.dtype):  # a GPU: compare and pack in one pass
-            try:
-                return [kernels.pack_ternary(flat, self.threshold)], (tensor.shape, tensor.dtype)
-            except kernels.Unavailable:  # warned; the torch ops below
-                pass
+        launch = lambda: kernels.pack_ternary(flat, self.threshold)  # noqa: E731
+        fused = kernels.attempt(launch, flat.device, flat.dtype) if flat.numel() else None
+        if fused is not None:  # a GPU: compare and pack in one pass
+            return [fused], (tensor.shape, tensor.dtype)
 
         def encode(start: int, stop: int) -> Tensor:
             # arithmetic on byte masks, not masked writes: τ > 0, so at most one is set
