@@ -20,18 +20,14 @@ VARIABLES = {
     "HOROVOD_SIZE": "as WORLD_SIZE, under horovodrun",
     "OMPI_COMM_WORLD_SIZE": "as WORLD_SIZE, under Open MPI's mpirun",
     "PMI_SIZE": "as WORLD_SIZE, under MPICH/Slurm's PMI",
-    "RANK": "torchrun's rank: the survey runner's launcher detection",
-    "HOROVOD_RANK": "horovodrun's rank: the survey runner's launcher detection",
-    "HOROVOD_HOSTNAME": "set by horovodrun: the survey runner's launcher detection",
     "GRACE_DGC_DEBUG": "the command line prints full tracebacks (0/1); rank-local on purpose",
-    "GRACE_DGC_NETEM": "the link shaping a survey worker runs under (JSON, set by the survey itself)",
     "GRACE_DGC_KERNELS": "which code packs and unpacks bits: auto (default: the fused Triton kernels on CUDA when "
     "Triton imports, else the torch ops), torch, or triton (always; CPU tensors only under TRITON_INTERPRET=1); "
     "rank-local on purpose: every path writes the same bytes; read once, when first needed "
     "(grace_dgc.kernels.set_mode changes it at run time)",
     "OMP_NUM_THREADS": "intra-op threads per rank (OpenMP's own variable): when set, the one value every launcher "
-    "of the survey and run_local gives each rank (grace_dgc.launch.threads_per_rank); else cores / ranks. "
-    "Rank-local on purpose: it changes speed, not results; runs record every rank's threads; the report compares them",
+    "(run_local, RankPool, and the launchers that read grace_dgc.launch.threads_per_rank) gives each rank; else "
+    "cores / ranks. Rank-local on purpose: it changes speed, not results",
     "TRITON_INTERPRET": "Triton's own switch to its interpreter (1): with GRACE_DGC_KERNELS=triton the kernels run "
     "on CPU tensors, which is how the tests prove them without a GPU; rank-local",
 }

@@ -13,7 +13,7 @@ caller's ``out``.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
@@ -241,22 +241,6 @@ def _restored(current: Any, saved: Any, names: Sequence[str]) -> Any:
     return saved
 
 
-class MeasuredBytes(NamedTuple):
-    """What a survey measured of one method's bytes, as :meth:`Compressor.bytes_notes` reads
-    them: bytes per worker and optimizer step, means over the method's seeds (None where the
-    runs did not record them)."""
-
-    ratio: float  # the share of each gradient the method was set to keep (its ``compress_ratio``)
-    per_step: float | None  # over the whole run, any warm-up included
-    last_epoch: float | None  # in the last epoch only
-    dense: float | None  # what a dense fp32 exchange of the same gradients sends
-    parameters: object  # the model's parameter count, as the runs recorded it ("?" where they did not)
-
-
-#: :meth:`Compressor.bytes_notes`'s default: what holds of any method's measured bytes
-WIRE_FORMAT_NOTE = "Measured bytes count the whole wire format: indices, headers and any tensor sent whole."
-
-
 class Compressor(Part):
     """``compress(tensor, name) -> (payload, ctx)``; ``decompress(payload, ctx) -> tensor``.
 
@@ -306,21 +290,6 @@ class Compressor(Part):
     may_overflow = False
     prerounds = False
     biased = False
-
-    @classmethod
-    def bytes_notes(
-        cls, params: Mapping[str, Any], measured: MeasuredBytes, format_bytes: Callable[[float], str]
-    ) -> list[str]:
-        """Sentences for a survey's report, where this method keeps a smaller share of each
-        gradient than another method of the survey (a smaller ``compress_ratio``) yet sends
-        more bytes per step: what the method knows of why (its warm-up, the tensors it sends
-        whole …). ``params`` are the keyword arguments the runs built it with (a default left
-        out is not there), ``measured`` their bytes; ``format_bytes`` prints a byte count as
-        the report does. Plain data in, sentences out: nothing is built or run. The report
-        puts the sentences, in order, after its own one stating the bytes.
-
-        Default: :data:`WIRE_FORMAT_NOTE`; an empty list adds nothing."""
-        return [WIRE_FORMAT_NOTE]
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Any]:
         raise NotImplementedError

@@ -8,6 +8,7 @@ folder is on the import path from the start.
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -152,3 +153,19 @@ def pytest_terminal_summary(terminalreporter):
         over = " — OVER BUDGET" if budget is not None and seconds > budget else ""
         shown = f" of a {budget:.0f} s budget" if budget is not None else ""
         terminalreporter.write_line(f"{folder:<10} {seconds:7.1f} s{shown}{over}")
+
+
+def variables_read(source):
+    """Names ``source``'s modules read from os.environ (literal names and NAME = "..." constants)."""
+    found = set()
+    for path in source.rglob("*.py"):
+        text = path.read_text()
+        found |= set(re.findall(r"environ(?:\.get)?[\[(]\s*\"([A-Z_][A-Z0-9_]*)\"", text))
+        found |= set(re.findall(r"\"([A-Z_][A-Z0-9_]*)\" in os\.environ", text))
+        found |= set(re.findall(r"read_(?:int|flag)\(\s*\"([A-Z_][A-Z0-9_]*)\"", text))
+        if "os.environ" in text or "read_int(" in text:
+            for constant in re.findall(r"^[A-Z_]+ = \"([A-Z][A-Z0-9_]+)\"$", text, flags=re.M):
+                found.add(constant)
+            for group in re.findall(r"^[A-Z_]+ = \(((?:\"[A-Z_0-9]+\",? ?)+)\)$", text, flags=re.M):
+                found |= set(re.findall(r"\"([A-Z_0-9]+)\"", group))
+    return found - {"MASTER_ADDR", "MASTER_PORT"}  # set (not read) by launch.run_local for its children

@@ -1,14 +1,12 @@
-import inspect
 import math
 import random
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..errors import GraceConfigError, check_bool, check_range
-from ..interfaces import MeasuredBytes, Payload
+from ..interfaces import Payload
 from ..registry import register_compressor
 from .sparse import SparseCompressor, SparseContext, at_least, sparse_payload
 
@@ -164,52 +162,6 @@ class DGCCompressor(SparseCompressor):
         return candidates
 
     # -- the compressor interface ----------------------------------------------------------
-    @classmethod
-    def bytes_notes(
-        cls, params: Mapping[str, Any], measured: MeasuredBytes, format_bytes: Callable[[float], str]
-    ) -> list[str]:
-        """Why a DGC run sent more than its ratio: its warm-up's denser exchanges, and the
-        tensors its dense rule sends whole (``dense_1d``, ``min_compress_size``)."""
-        notes = []
-        warmup = params.get("warmup_epochs") or params.get("warmup_steps")
-        if warmup and measured.last_epoch is not None:
-            what = "epochs" if params.get("warmup_epochs") else "steps"
-            notes.append(
-                f"Part of it is warm-up: the run average counts {warmup} warm-up {what} of denser exchanges; "
-                f"after them, in the last epoch, it still sent {format_bytes(measured.last_epoch)} per step."
-            )
-        whole = cls._whole_tensors_note(params, measured, format_bytes)
-        return notes + ([whole] if whole else [])
-
-    @classmethod
-    def _whole_tensors_note(
-        cls, params: Mapping[str, Any], measured: MeasuredBytes, format_bytes: Callable[[float], str]
-    ) -> str | None:
-        """What the dense rule sends whole, and how much of the bytes that is; None: nothing."""
-
-        def setting(name: str) -> Any:  # as the run had it: its parameter, else the default
-            return params[name] if name in params else inspect.signature(cls).parameters[name].default
-
-        rules = []
-        if setting("dense_1d"):
-            rules.append("tensors of dim ≤ 1 (biases, norm weights)")
-        minimum = setting("min_compress_size")
-        if minimum:
-            rules.append(f"tensors of fewer than {minimum} elements")
-        if not rules:
-            return None
-        text = f"DGC sends {' and '.join(rules)} whole, in {'fp16' if setting('fp16_values') else 'fp32'}"
-        ratio, dense = measured.ratio, measured.dense
-        sent = measured.last_epoch if measured.last_epoch is not None else measured.per_step
-        if not (dense and sent and sent > 4 * ratio * dense):  # values + indices of the kept share are at most 2×
-            return text + "."
-        share = ratio * dense
-        return text + (
-            f": {ratio:g} of the {format_bytes(dense)} dense gradient is {format_bytes(share)}, so most of the "
-            f"{format_bytes(sent)} it sends per step ({sent / share:.3g}×) is those whole tensors, which on a small "
-            f"model ({measured.parameters} parameters) outweigh what the ratio saves."
-        )
-
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, SparseContext]:
         step = self.steps.get(name, 0)
         self.steps[name] = step + 1

@@ -1,22 +1,105 @@
 """The report's "How to read this" notes (:func:`explanations`), each computed from the records
 and written only where its case occurs: a method that keeps a smaller share of each gradient
-yet sends more bytes (and why, as the method itself tells: its compressor's
-``bytes_notes``), fewer bytes but no faster step on an unshaped loopback, fastest to the
+yet sends more bytes (and why, as the method tells: :func:`bytes_notes`), fewer bytes but no
+faster step on an unshaped loopback, fastest to the
 target but not most accurate at the end, and "no significant difference" read as "equal"."""
 
+import inspect
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.interfaces import Compressor, MeasuredBytes
 from grace_dgc.registry import COMPRESSORS
 from grace_survey.report.grouping import Group, baseline_of, combos, peers
 from grace_survey.report.headline import metric_name, ranked, target_text
 from grace_survey.report.significance import ALPHA, difference_interval, welch_test
 from grace_survey.report.tables import milliseconds as ms
 from grace_survey.units import human_bytes
+
+
+class MeasuredBytes(NamedTuple):
+    """What a survey measured of one method's bytes, as a method's ``bytes_notes`` reads them:
+    bytes per worker and optimizer step, means over the method's seeds (None where the runs did
+    not record them)."""
+
+    ratio: float  # the share of each gradient the method was set to keep (its ``compress_ratio``)
+    per_step: float | None  # over the whole run, any warm-up included
+    last_epoch: float | None  # in the last epoch only
+    dense: float | None  # what a dense fp32 exchange of the same gradients sends
+    parameters: object  # the model's parameter count, as the runs recorded it ("?" where they did not)
+
+
+#: what holds of any method's measured bytes: the answer of a method that has none of its own
+WIRE_FORMAT_NOTE = "Measured bytes count the whole wire format: indices, headers and any tensor sent whole."
+
+Notes = Callable[[Mapping[str, Any], MeasuredBytes, Callable[[float], str]], list[str]]
+
+
+def bytes_notes(method: Any) -> Notes:
+    """How the report asks a compressor why it sent more bytes than its ratio, where it keeps a
+    smaller share of each gradient than another method of the survey yet sends more per step:
+    the built-ins' answers are here (:data:`BUILT_IN_NOTES`); a plugin answers with a classmethod
+    ``bytes_notes(params, measured, format_bytes)`` of its own class (``params``: the keyword
+    arguments the runs built it with, a default left out is not there; ``measured``: their
+    :class:`MeasuredBytes`; ``format_bytes`` prints a byte count as the report does), returning
+    sentences (an empty list adds nothing). Plain data in, sentences out: nothing is built or
+    run. Any other method gets :data:`WIRE_FORMAT_NOTE`."""
+    own = getattr(method, "bytes_notes", None)
+    if own is not None:
+        return own
+    return BUILT_IN_NOTES.get(getattr(method, "registered_name", ""), lambda *_: [WIRE_FORMAT_NOTE])
+
+
+def _dgc_notes(params: Mapping[str, Any], measured: MeasuredBytes, format_bytes: Callable[[float], str]) -> list[str]:
+    """Why a DGC run sent more than its ratio: its warm-up's denser exchanges, and the tensors its
+    dense rule sends whole (``dense_1d``, ``min_compress_size``)."""
+    notes = []
+    warmup = params.get("warmup_epochs") or params.get("warmup_steps")
+    if warmup and measured.last_epoch is not None:
+        what = "epochs" if params.get("warmup_epochs") else "steps"
+        notes.append(
+            f"Part of it is warm-up: the run average counts {warmup} warm-up {what} of denser exchanges; "
+            f"after them, in the last epoch, it still sent {format_bytes(measured.last_epoch)} per step."
+        )
+    whole = _dgc_whole_tensors(params, measured, format_bytes)
+    return notes + ([whole] if whole else [])
+
+
+def _dgc_whole_tensors(
+    params: Mapping[str, Any], measured: MeasuredBytes, format_bytes: Callable[[float], str]
+) -> str | None:
+    """What DGC's dense rule sends whole, and how much of the bytes that is; None: nothing."""
+    defaults = inspect.signature(COMPRESSORS.get("dgc")).parameters
+
+    def setting(name: str) -> Any:  # as the run had it: its parameter, else the default
+        return params[name] if name in params else defaults[name].default
+
+    rules = []
+    if setting("dense_1d"):
+        rules.append("tensors of dim ≤ 1 (biases, norm weights)")
+    minimum = setting("min_compress_size")
+    if minimum:
+        rules.append(f"tensors of fewer than {minimum} elements")
+    if not rules:
+        return None
+    text = f"DGC sends {' and '.join(rules)} whole, in {'fp16' if setting('fp16_values') else 'fp32'}"
+    ratio, dense = measured.ratio, measured.dense
+    sent = measured.last_epoch if measured.last_epoch is not None else measured.per_step
+    if not (dense and sent and sent > 4 * ratio * dense):  # values + indices of the kept share are at most 2×
+        return text + "."
+    share = ratio * dense
+    return text + (
+        f": {ratio:g} of the {format_bytes(dense)} dense gradient is {format_bytes(share)}, so most of the "
+        f"{format_bytes(sent)} it sends per step ({sent / share:.3g}×) is those whole tensors, which on a small "
+        f"model ({measured.parameters} parameters) outweigh what the ratio saves."
+    )
+
+
+#: the built-in compressors' answers to :func:`bytes_notes`, by registered name
+BUILT_IN_NOTES: dict[str, Notes] = {"dgc": _dgc_notes}
 
 
 def explanations(groups: Sequence[Group]) -> list[str]:
@@ -69,15 +152,14 @@ def _explain_bytes(groups: Sequence[Group]) -> list[str]:
 
 def _method_notes(group: Group, ratio: float) -> str:
     """What the method of ``group`` says about why it sent more bytes than its ratio
-    (:meth:`grace_dgc.interfaces.Compressor.bytes_notes`), each sentence after a space; a
-    compressor not registered here (a plugin not installed), or a composite, says what any
-    method would."""
+    (:func:`bytes_notes`), each sentence after a space; a compressor not registered here (a
+    plugin not installed), or a composite, says what any method would."""
     run = group.runs[0]
     try:
         method = COMPRESSORS.get(run.get("compressor") or "")
     except GraceConfigError:
-        method = Compressor
-    ask = getattr(method, "bytes_notes", Compressor.bytes_notes)
+        method = None
+    ask = bytes_notes(method)
     measured = MeasuredBytes(
         ratio=ratio,
         per_step=group.mean("bytes_per_step"),

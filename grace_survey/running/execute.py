@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.launch import Neighbours, conditions, launch_record
 from grace_survey.config.cell import Cell
+from grace_survey.running.conditions import Neighbours, conditions, launch_record
 from grace_survey.running.context import Context
 from grace_survey.running.results import Record, append_record
 from grace_survey.running.summary import SummaryParts, byte_totals, mean_step_times, summary_record

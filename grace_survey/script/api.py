@@ -248,7 +248,7 @@ def report_metrics(epoch: int | None = None, *, train_time_s: float | None = Non
         "engine": session.grace.engine.name,
     }
     if len(session.history) == 1:  # the rank's threads, as its launcher started it
-        from grace_dgc.launch import conditions
+        from grace_survey.running.conditions import conditions
 
         line["conditions"] = conditions()
     with open(report_file(session.directory, session.rank), "a") as f:

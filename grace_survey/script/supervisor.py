@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from grace_dgc.errors import GraceConfigError
-from grace_dgc.launch import Neighbours, launch_record, machine_load
 from grace_dgc.stats import WAIT
+from grace_survey.running.conditions import Neighbours, launch_record, machine_load
 from grace_survey.running.results import Record, append_record
 from grace_survey.running.summary import (
     COMPUTE_S,

@@ -13,11 +13,10 @@ import inspect
 import io
 import pathlib
 import random
-import re
 
 import pytest
 import torch
-from conftest import SURVEY_SOURCE
+from conftest import variables_read
 
 import grace_dgc
 from grace_dgc import environment
@@ -184,30 +183,14 @@ def test_hierarchical_state_of_one_group_size_is_refused_by_another(monkeypatch)
 
 # -- the environment ---------------------------------------------------------------------
 
-SOURCES = (pathlib.Path(grace_dgc.__file__).parent, SURVEY_SOURCE)  # the survey reads some
-
-
-def variables_read():
-    """Names the library's and the survey's source reads from os.environ (literal names and
-    NAME = "..." constants)."""
-    found = set()
-    for path in (path for source in SOURCES for path in source.rglob("*.py")):
-        text = path.read_text()
-        found |= set(re.findall(r"environ(?:\.get)?[\[(]\s*\"([A-Z_][A-Z0-9_]*)\"", text))
-        found |= set(re.findall(r"\"([A-Z_][A-Z0-9_]*)\" in os\.environ", text))
-        found |= set(re.findall(r"read_(?:int|flag)\(\s*\"([A-Z_][A-Z0-9_]*)\"", text))
-        if "os.environ" in text or "read_int(" in text:
-            for constant in re.findall(r"^[A-Z_]+ = \"([A-Z][A-Z0-9_]+)\"$", text, flags=re.M):
-                found.add(constant)
-            for group in re.findall(r"^[A-Z_]+ = \(((?:\"[A-Z_0-9]+\",? ?)+)\)$", text, flags=re.M):
-                found |= set(re.findall(r"\"([A-Z_0-9]+)\"", group))
-    return found - {"MASTER_ADDR", "MASTER_PORT"}  # set (not read) by launch.run_local for its children
+LIBRARY_SOURCE = pathlib.Path(grace_dgc.__file__).parent
 
 
 def test_every_environment_variable_the_library_reads_is_listed_with_what_it_means():
-    read = variables_read()
+    read = variables_read(LIBRARY_SOURCE)
     assert read - set(environment.VARIABLES) == set(), "read but not listed in grace_dgc.environment.VARIABLES"
     assert set(environment.VARIABLES) - read == set(), "listed but no longer read"
+    # the survey's own are listed in grace_survey.environment (tests/survey/test_environment.py)
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "2.5", ""])

@@ -11,10 +11,11 @@ import time
 import pytest
 from test_script_mode import SCRIPT
 
-from grace_dgc.launch import Neighbours, conditions, launch_record, run_local, threads_per_rank
+from grace_dgc.launch import run_local, threads_per_rank
 from grace_survey.config import settings as cfg
 from grace_survey.report.conditions import launch_lines
 from grace_survey.running import runner
+from grace_survey.running.conditions import Neighbours, conditions, launch_record
 
 POWERSGD = [{"label": "powersgd", "compressor": "powersgd", "memory": "powersgd", "communicator": "allreduce"}]
 BIN = os.path.dirname(sys.executable)

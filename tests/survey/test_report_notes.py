@@ -1,5 +1,6 @@
 """The report's note on a method that keeps a smaller share of each gradient yet sends more
-bytes asks the method why (``Compressor.bytes_notes``) instead of naming one: a plugin's
+bytes asks the method why (``grace_survey.report.notes.bytes_notes``: a plugin's classmethod, the
+built-ins' answers in the survey, issue 55) instead of naming one: a plugin's
 sentences appear in the report, DGC's text is what it was, and a method that says nothing
 of its own (or is not installed where the report is written) gets the general remark."""
 
@@ -7,8 +8,8 @@ from test_report_headline import run_records, section, sparse, write
 
 from grace_dgc.compressors.dgc import DGCCompressor
 from grace_dgc.compressors.topk import TopKCompressor
-from grace_dgc.interfaces import WIRE_FORMAT_NOTE, Compressor, MeasuredBytes
 from grace_dgc.registry import COMPRESSORS
+from grace_survey.report.notes import WIRE_FORMAT_NOTE, MeasuredBytes, bytes_notes
 from grace_survey.units import human_bytes
 
 PLUGIN = "report-notes-plugin"
@@ -91,17 +92,18 @@ def test_dgcs_note_is_todays_text(tmp_path):
 
 def test_dgcs_sentences_follow_its_settings():
     measured = MeasuredBytes(ratio=0.001, per_step=200.0, last_epoch=None, dense=60840.0, parameters=15210)
-    assert DGCCompressor.bytes_notes({"warmup_steps": 100}, measured, human_bytes) == [
+    assert bytes_notes(DGCCompressor)({"warmup_steps": 100}, measured, human_bytes) == [
         "DGC sends tensors of dim ≤ 1 (biases, norm weights) and tensors of fewer than 1024 elements whole, in fp32."
     ]
     settings = {"dense_1d": False, "min_compress_size": 10, "fp16_values": True}
-    assert DGCCompressor.bytes_notes(settings, measured, human_bytes) == [
+    assert bytes_notes(DGCCompressor)(settings, measured, human_bytes) == [
         "DGC sends tensors of fewer than 10 elements whole, in fp16."
     ]
-    assert DGCCompressor.bytes_notes({"dense_1d": False, "min_compress_size": 0}, measured, human_bytes) == []
+    assert bytes_notes(DGCCompressor)({"dense_1d": False, "min_compress_size": 0}, measured, human_bytes) == []
     warm = measured._replace(last_epoch=150.0)
-    assert DGCCompressor.bytes_notes({"warmup_steps": 100, "dense_1d": False, "min_compress_size": 0}, warm, str) == [
+    assert bytes_notes(DGCCompressor)({"warmup_steps": 100, "dense_1d": False, "min_compress_size": 0}, warm, str) == [
         "Part of it is warm-up: the run average counts 100 warm-up steps of denser exchanges; after them, in the "
         "last epoch, it still sent 150.0 per step."
     ]
-    assert Compressor.bytes_notes({}, measured, human_bytes) == [WIRE_FORMAT_NOTE]
+    assert bytes_notes(TopKCompressor)({}, measured, human_bytes) == [WIRE_FORMAT_NOTE]
+    assert bytes_notes(None)({}, measured, human_bytes) == [WIRE_FORMAT_NOTE]
