@@ -80,7 +80,7 @@ def cost(communicator: str, nodes: int, nbytes: float, dense_bytes: float) -> Co
     except GraceConfigError:
         terms = None
     if nodes <= 1:
-        return Cost(0, 0.0)
+        return Cost(0, 0.0, 0.0, 0.0)
     if terms is None:
         raise GraceConfigError(
             f"no cost model for communicator {communicator!r} (a communicator declares one with a cost() "

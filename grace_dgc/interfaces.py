@@ -427,10 +427,14 @@ class Memory(Part):
 
 class Cost(NamedTuple):
     """One exchange's terms in the α-β model (:mod:`grace_dgc.costmodel`): ``steps`` latency
-    steps (α each) and ``wire`` bytes on a rank's busiest link direction (β each)."""
+    steps (α each) and ``wire`` bytes on a rank's busiest link direction (β each); and, where
+    declared, the bytes the engine counts on one rank for it (``stats()``'s ``bytes_sent`` and
+    ``bytes_received``, size headers aside), which a projection reports."""
 
     steps: float
     wire: float
+    sent: float | None = None
+    received: float | None = None
 
 
 class Communicator(Part):

@@ -19,7 +19,7 @@ class Allgather(ExchangeCommunicator):
     @classmethod
     def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost:
         """The size headers, then the data: 2(N−1) steps, (N−1) · n bytes."""
-        return Cost(2 * (nodes - 1), (nodes - 1) * nbytes)
+        return Cost(2 * (nodes - 1), (nodes - 1) * nbytes, sent=nbytes, received=(nodes - 1) * nbytes)
 
     def exchange(self, payload: Payload, name: str) -> list[Payload]:
         buffer, header = wire.encode(payload)

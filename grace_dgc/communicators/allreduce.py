@@ -31,7 +31,7 @@ class Allreduce(ExchangeCommunicator):
     @classmethod
     def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost:
         """A ring: 2(N−1) steps, 2(N−1)/N · n bytes."""
-        return Cost(2 * (nodes - 1), 2 * (nodes - 1) / nodes * nbytes)
+        return Cost(2 * (nodes - 1), 2 * (nodes - 1) / nodes * nbytes, sent=nbytes, received=nbytes)
 
     def exchange(self, payload: Payload, name: str) -> list[Payload]:
         summed: list[Any] = [None] * len(payload)

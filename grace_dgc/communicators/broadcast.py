@@ -22,7 +22,8 @@ class Broadcast(ExchangeCommunicator):
     def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost:
         """The header allgather's N−1 steps, then N pipelined tree broadcasts of ⌈log2 N⌉ hops:
         N · n bytes."""
-        return Cost((nodes - 1) + nodes * math.ceil(math.log2(nodes)), nodes * nbytes)
+        steps = (nodes - 1) + nodes * math.ceil(math.log2(nodes))
+        return Cost(steps, nodes * nbytes, sent=nbytes, received=(nodes - 1) * nbytes)
 
     def exchange(self, payload: Payload, name: str) -> list[Payload]:
         buffer, header = wire.encode(payload)

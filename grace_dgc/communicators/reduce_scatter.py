@@ -49,7 +49,10 @@ class ReduceScatter(Communicator):
     def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost:
         """Chunks to their owners and the requantized chunks back, sizes then data both ways:
         4(N−1) steps, 2(N−1)/N · n bytes."""
-        return Cost(4 * (nodes - 1), 2 * (nodes - 1) / nodes * nbytes)
+        share = (nodes - 1) / nodes  # own chunks out; the owner's requantized chunk, gathered
+        return Cost(
+            4 * (nodes - 1), 2 * share * nbytes, share * nbytes + nbytes / nodes, (2 * nodes - 2) / nodes * nbytes
+        )
 
     def __init__(self, engine: Any, error_feedback: bool = True) -> None:
         super().__init__(engine)

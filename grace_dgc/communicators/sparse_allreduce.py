@@ -71,9 +71,14 @@ class SparseAllreduce(Communicator):
         :data:`RADIX_ROUNDS` histogram allreduces for its threshold, and
         about one payload of kept pairs comes back: 2(N−1)/N · n bytes."""
         share = (nodes - 1) / nodes
-        if settings.get("global_topk"):
-            return Cost(4 * (nodes - 1) + RADIX_ROUNDS * 2 * (nodes - 1), 2 * share * nbytes)
-        return Cost(4 * (nodes - 1), share * (nbytes + min(nodes * nbytes, dense_bytes)))
+        if settings.get("global_topk"):  # own pairs out; the owner's kept pairs, gathered; the histograms
+            histograms = RADIX_ROUNDS * 256 * 4  # int32 counts, one tensor
+            sent, received = share * nbytes + nbytes / nodes, 2 * share * nbytes
+            steps = 4 * (nodes - 1) + RADIX_ROUNDS * 2 * (nodes - 1)
+            return Cost(steps, 2 * share * nbytes, sent + histograms, received + histograms)
+        region = min(nodes * nbytes, dense_bytes) / nodes  # own pairs out; an owner's summed region, gathered
+        sent, received = share * nbytes + region, share * nbytes + (nodes - 1) * region
+        return Cost(4 * (nodes - 1), share * (nbytes + min(nodes * nbytes, dense_bytes)), sent, received)
 
     def __init__(self, engine: Any, global_topk: bool = False) -> None:
         super().__init__(engine)

@@ -8,10 +8,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from grace_dgc.communicators.sparse_allreduce import RADIX_ROUNDS
-
 # the per-communicator steps and bytes are each communicator's own, read through the core's model
-from grace_dgc.costmodel import GTOPK, cost
+from grace_dgc.costmodel import cost
 from grace_dgc.errors import GraceConfigError
 
 Method = dict[str, Any]  # one measured method: the summary's per-step figures (see project_step)
@@ -19,43 +17,17 @@ Row = dict[str, Any]  # one projected row (see project)
 Node = tuple[int, float]  # (ranks per node, bandwidth or β inside a node)
 
 
-# -- the cost model ------------------------------------------------------------------------
-def ring_allreduce(nodes: int, nbytes: float, alpha: float, beta: float, messages: float = 1) -> float:
-    if nodes <= 1:
-        return 0.0
-    return messages * 2 * (nodes - 1) * alpha + 2 * (nodes - 1) / nodes * nbytes * beta
-
-
-def allgather(nodes: int, nbytes: float, alpha: float, beta: float, messages: float = 1) -> float:
-    if nodes <= 1:
-        return 0.0
-    return messages * (nodes - 1) * alpha + (nodes - 1) * nbytes * beta
-
-
-def broadcast_each(nodes: int, nbytes: float, alpha: float, beta: float, messages: float = 1) -> float:
-    if nodes <= 1:
-        return 0.0
-    return messages * nodes * math.ceil(math.log2(nodes)) * alpha + nodes * nbytes * beta
-
-
+# -- the cost model: every formula and byte count is the communicators' own declaration --------
 def counted_bytes(communicator: str, nodes: int, nbytes: float, dense_bytes: float) -> tuple[float, float]:
     """``(bytes_sent, bytes_received)`` the engine counts on one rank for one exchange of a
-    payload of ``nbytes`` (size headers aside): what a test compares with ``grace.stats()``."""
-    share = (nodes - 1) / nodes
-    if communicator == "allreduce":
-        return nbytes, nbytes
-    if communicator == "allgather":
-        return nbytes, (nodes - 1) * nbytes
-    if communicator == "sparse_allreduce":  # own pairs out; an owner's summed region, gathered
-        region = min(nodes * nbytes, dense_bytes) / nodes
-        return share * nbytes + region, share * nbytes + (nodes - 1) * region
-    if communicator in ("reduce_scatter", GTOPK):  # own share out; the owner's share of the result, gathered
-        histograms = RADIX_ROUNDS * 256 * 4 if communicator == GTOPK else 0  # int32 counts, one tensor
-        return (
-            share * nbytes + nbytes / nodes + histograms,
-            share * nbytes + (nodes - 1) * nbytes / nodes + histograms,
+    payload of ``nbytes`` (size headers aside), as ``communicator`` declares them in its
+    :meth:`~grace_dgc.interfaces.Communicator.cost`: what a test compares with ``grace.stats()``."""
+    terms = cost(communicator, nodes, nbytes, dense_bytes)
+    if terms.sent is None or terms.received is None:
+        raise GraceConfigError(
+            f"communicator {communicator!r} declares no byte count (Cost.sent and Cost.received of its cost())"
         )
-    raise GraceConfigError(f"no byte count for communicator {communicator!r}")
+    return terms.sent, terms.received
 
 
 def communication_time(
@@ -73,7 +45,8 @@ def communication_time(
     reduce and broadcast inside nodes of ``node = (ranks, β inside)``."""
     if communicator.startswith("hierarchical:"):
         ranks, node_beta = node or (1, 0.0)
-        inside = ring_allreduce(ranks, dense_bytes, 0.0, node_beta) + dense_bytes * node_beta * (ranks > 1)
+        inside = communication_time("allreduce", ranks, dense_bytes, 1, 0.0, node_beta)
+        inside += dense_bytes * node_beta * (ranks > 1)
         outer = communicator.split(":", 1)[1]
         return inside + communication_time(outer, nodes, nbytes, exchanges, alpha, beta, dense_bytes)
     terms = cost(communicator, nodes, nbytes, dense_bytes)
@@ -177,7 +150,7 @@ def exchanges_per_step(method: Method) -> float:
 
 
 def dense_step(compute_s: float, dense_bytes: float, exchanges: float, nodes: int, alpha: float, beta: float) -> float:
-    return compute_s + ring_allreduce(nodes, dense_bytes, alpha, beta, exchanges)
+    return compute_s + communication_time("allreduce", nodes, dense_bytes, exchanges, alpha, beta)
 
 
 # -- sharded training: an HSDP mesh -------------------------------------------------------------
@@ -212,11 +185,10 @@ def project_mesh(
     share = (shard - 1) / shard
     exchanges = exchanges_per_step(method)
     if seam == "replicate":
-        moved = 2 * (replicate - 1) / replicate * compressed / shard * inter_beta if replicate > 1 else 0.0
-        across = 4 * (replicate - 1) * exchanges * inter_alpha + moved
+        across = communication_time("reduce_scatter", replicate, compressed / shard, exchanges, inter_alpha, inter_beta)
         compressed = dense
     else:
-        across = ring_allreduce(replicate, dense / shard, inter_alpha, inter_beta, exchanges)
+        across = communication_time("allreduce", replicate, dense / shard, exchanges, inter_alpha, inter_beta)
     parts = {
         "all_gather": 2 * share * dense * intra_beta,
         "reduce_scatter": share * compressed * intra_beta,

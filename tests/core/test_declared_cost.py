@@ -53,8 +53,8 @@ def test_the_built_ins_declare_the_documented_formulas(nodes):
     }
     assert set(costmodel.modelled()) == set(expected)  # hierarchical and auto declare none
     for name, (steps, wire) in expected.items():
-        assert tuple(costmodel.cost(name, nodes, n, dense)) == pytest.approx((steps, wire)), name
-    assert costmodel.cost("allgather", 1, n, dense) == (0, 0.0)
+        assert tuple(costmodel.cost(name, nodes, n, dense)[:2]) == pytest.approx((steps, wire)), name
+    assert costmodel.cost("allgather", 1, n, dense)[:2] == (0, 0.0)
     with pytest.raises(GraceConfigError, match="no cost model for communicator 'hierarchical'.*modelled: "):
         costmodel.cost("hierarchical", 4, n, dense)
 

@@ -497,14 +497,16 @@ def test_report_confidence_intervals_and_welch_tests(tmp_path):
 # -- the projection model --------------------------------------------------------------------
 def test_cost_models_against_hand_computed_numbers():
     alpha, beta = 1e-4, 8 / 1e9  # 0.1 ms, 1 Gbit/s
-    # ring allreduce, N=8, 100 MB: 2·7·α + 2·7/8·1e8·8e-9 = 0.0014 + 1.4
-    assert project.ring_allreduce(8, 1e8, alpha, beta) == pytest.approx(1.4014)
-    # allgather, N=8, 1 MB: 7·α + 7·1e6·8e-9 = 0.0007 + 0.056
-    assert project.allgather(8, 1e6, alpha, beta) == pytest.approx(0.0567)
-    # broadcast in turn, N=8, 1 MB: 8·(3·α + 1e6·8e-9) = 0.0024 + 0.064
-    assert project.broadcast_each(8, 1e6, alpha, beta) == pytest.approx(0.0664)
-    assert project.ring_allreduce(1, 1e8, alpha, beta) == 0.0
-    assert project.broadcast_each(5, 0, alpha, 0) == pytest.approx(5 * 3 * alpha)  # ⌈log2 5⌉ = 3
+    # ring allreduce, N=8, 100 MB: 2·7·α + 2·7/8·1e8·8e-9 = 0.0014 + 1.4 (allreduce's declared cost)
+    assert project.communication_time("allreduce", 8, 1e8, 1, alpha, beta) == pytest.approx(1.4014)
+    # allgather, N=8, 1 MB: sizes then data, 2·7·α + 7·1e6·8e-9 = 0.0014 + 0.056
+    assert project.communication_time("allgather", 8, 1e6, 1, alpha, beta) == pytest.approx(0.0574)
+    # broadcast in turn, N=8, 1 MB: the sizes' 7 steps and 8 trees of 3 hops, 31·α + 8·1e6·8e-9 = 0.0031 + 0.064
+    assert project.communication_time("broadcast", 8, 1e6, 1, alpha, beta) == pytest.approx(0.0671)
+    assert project.communication_time("allreduce", 1, 1e8, 1, alpha, beta) == 0.0
+    assert project.communication_time("broadcast", 5, 0, 1, alpha, 0) == pytest.approx(
+        (4 + 5 * 3) * alpha
+    )  # ⌈log2 5⌉ = 3
 
     dense = {
         "label": "dense",
