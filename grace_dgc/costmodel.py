@@ -33,8 +33,7 @@ pipelined tree broadcasts of ⌈log2 N⌉ hops each.
 
 The model ignores compute/communication overlap, congestion and stragglers. It is used by
 the ``auto`` communicator (:mod:`grace_dgc.communicators.auto`) to choose per bucket, and
-by ``grace-dgc project`` (:mod:`grace_survey.projection.project`) to project a survey's measured
-figures to N nodes.
+by ``grace-dgc project`` to project measured figures to N nodes.
 """
 
 from __future__ import annotations

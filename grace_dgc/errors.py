@@ -102,7 +102,7 @@ def check_range(
 
 def closest(word: str, choices: Any) -> str | None:
     """The closest of ``choices`` to a misspelt ``word`` (difflib's match), else None: the one
-    suggestion behind every "did you mean" of the library and the survey."""
+    suggestion behind every "did you mean", here and in the apps on the library."""
     close = difflib.get_close_matches(word, [str(choice) for choice in choices], n=1)
     return close[0] if close else None
 

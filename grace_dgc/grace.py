@@ -158,7 +158,7 @@ class Grace:
     def close(self) -> None:
         """Finish the exchanges in flight, stop the communication thread and release the
         process group the Grace made for itself (see :func:`build`). A program that builds
-        many Graces in one process (a survey's rank pool) closes each when done; ``with
+        many Graces in one process (ranks kept up across jobs) closes each when done; ``with
         build(...) as grace:`` does it."""
         if self._last_submitted is not None:
             wait([self._last_submitted])

@@ -1,5 +1,5 @@
 """Run a function on N local ranks, each in its own process with a gloo (or NCCL)
-process group on localhost; used by the CLI, the survey and the tests.
+process group on localhost; used by the CLI, the apps on the library and the tests.
 
 Results come back in rank order; a rank that raises makes the whole call raise with its
 traceback, and a run that exceeds ``timeout`` is killed rather than left hanging.
@@ -32,8 +32,8 @@ T = TypeVar("T")
 
 def threads_per_rank(ranks: int) -> int:
     """The intra-op threads each of ``ranks`` ranks on this machine runs with: one rule for
-    every launcher (``run_local``, so the survey's own ranks; script mode's ``local``,
-    torchrun and horovodrun prefixes), so that no launcher decides a comparison. The value
+    every launcher (``run_local`` and :class:`RankPool`, and the launchers of the apps on the
+    library: their ``local``, torchrun and horovodrun prefixes), so that no launcher decides a comparison. The value
     of ``OMP_NUM_THREADS`` when set (the user's choice, for all of them), else the cores
     shared out, cores // ranks, at least 1."""
     given = environment.read_int("OMP_NUM_THREADS", None, low=1)

@@ -1,5 +1,5 @@
 """Name → object registries: compressors, memories and communicators (classes) here, and
-any other kind that registers by name (the schedules, the survey's workloads: factories).
+any other kind that registers by name (the schedules, an app's workloads: factories).
 
 Registration lives here, apart from the method definitions: a method module only says
 ``@register_compressor("topk")``. Third-party packages add methods through the
@@ -12,8 +12,8 @@ with a warning naming both; one that fails to import is remembered, with its err
 
 A method needs no registration at all where it is named by where it lives: a *spec*,
 ``"package.module:Class"`` or ``"path/to/file.py:Class"`` (:func:`import_spec`, the one
-importer of such specs: the survey's workloads go through it too). The spec is then the
-method's canonical name, so a process that only receives the name (a survey's rank, a
+importer of such specs: an app's workloads go through it too). The spec is then the
+method's canonical name, so a process that only receives the name (a launched rank, a
 spawned worker) imports the same class.
 """
 
@@ -356,7 +356,7 @@ def _hint(kind: str, group: str) -> str:
     where a registered class is known."""
     return (
         f"; or your own class as 'package.module:Class' or 'path/to/file.py:Class' (a class registered "
-        f"with @register_{kind} is known only in a process that imported its module, and a survey's ranks "
+        f"with @register_{kind} is known only in a process that imported its module, and launched ranks "
         f"import only what their config names: name it in one of those forms, or install it with a '{group}' "
         "entry point; docs/plugins.md)"
     )

@@ -1,8 +1,8 @@
 """What Grace measures, named once: the counters and timers of ``Grace.stats()``, and the
 clock that splits a step's time among its phases.
 
-The survey, the report and the projection read these names from here, so a counter added
-to Grace is a counter every consumer knows.
+Every consumer (a trainer's logs, a report, a projection) reads these names from here, so a
+counter added to Grace is a counter every consumer knows.
 """
 
 from __future__ import annotations

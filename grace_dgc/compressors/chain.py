@@ -116,7 +116,7 @@ def refusal(selection: Any, quantizer: Any) -> str | None:
 class ChainFactory:
     """What the compressor registry hands out for a chain's name: callable like a class with
     the stages' keyword parameters, with a class's attributes for those who ask before
-    building one (the survey asks ``summable``)."""
+    building one (a configuration check asks ``summable``)."""
 
     summable = False
     rounds = 1

@@ -40,8 +40,8 @@ class LocalEngine(Engine):
 
 class PlanEngine(LocalEngine):
     """``size`` ranks on paper, seen from rank 0: for checking, before any process starts, that
-    a configuration builds on the world size it will run with (a survey config on 4 workers
-    with ``hierarchical(group_size=2)``). Splits are computed; nothing is exchanged."""
+    a configuration builds on the world size it will run with (a config on 4 workers with
+    ``hierarchical(group_size=2)``). Splits are computed; nothing is exchanged."""
 
     name = "plan"
 

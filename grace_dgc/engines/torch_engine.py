@@ -61,7 +61,7 @@ def _on_exit(**what: Any) -> None:
     frees a finished collective's tensors after the collective completes, and that needs the
     GIL; one still doing it once the interpreter is finalizing aborts the process
     ("terminate called without an active exception"; the group outlives
-    destroy_process_group(), docs/survey.md "Your own script"). The sleep lets it finish. Joining the
+    destroy_process_group()). The sleep lets it finish. Joining the
     workers instead would deadlock: torch destroys a group with the GIL held."""
     if not _exit.get("registered"):
         import atexit

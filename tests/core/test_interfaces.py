@@ -298,3 +298,15 @@ def test_the_librarys_tests_import_no_survey():
         if re.search(r"^\s*(from|import) grace_survey\b", path.read_text(), flags=re.M)
     ]
     assert offenders == []
+
+
+def test_the_library_knows_no_survey_but_in_its_command_line():
+    """Issue 55: the survey is an app on the library; only the command line (cli*.py, where the
+    survey adds its subcommands) names it."""
+    package = pathlib.Path(grace_dgc.__file__).parent
+    offenders = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if not path.name.startswith("cli") and re.search("survey", path.read_text(), flags=re.I)
+    ]
+    assert offenders == []

@@ -113,7 +113,7 @@ def attach(
 ) -> GraceAccelerate:
     """Compress the gradients of ``model`` (as ``accelerator.prepare`` returned it) with a
     grace_dgc method, named as in :func:`grace_dgc.build` (or ``grace``: a function returning
-    a built Grace, e.g. ``grace_survey.cell_grace``). ``optimizer``: the prepared optimizer,
+    a built Grace). ``optimizer``: the prepared optimizer,
     for memories that take over its momentum (``momentum``). Registers the returned object
     for ``save_state``/``load_state``. One process: nothing is exchanged, so no hook is
     registered (a warning says so)."""

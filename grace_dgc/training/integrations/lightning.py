@@ -75,8 +75,8 @@ class GraceDDPStrategy(DDPStrategy):
 
     ``compressor``, ``memory``, ``communicator`` and the method's parameters (``params``, or
     as keywords: ``compress_ratio=0.01``) are those of :func:`grace_dgc.build`. ``grace``: a
-    function returning a built Grace instead (called once the process group exists; e.g.
-    ``grace_survey.cell_grace`` in a survey's script). ``ddp_kwargs``: options of
+    function returning a built Grace instead (called once the process group exists).
+    ``ddp_kwargs``: options of
     ``DistributedDataParallel`` itself (``find_unused_parameters`` …). ``log_stats``: log
     ``grace/<stat>`` after every optimizer step.
 

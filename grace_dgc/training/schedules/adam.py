@@ -56,7 +56,7 @@ class AdamSchedule(WrappingOptimizer):
     OBJECTS: ClassVar[tuple[str, ...]] = ("optimizer",)
     TENSORS: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")  # m and v, equal on every rank
     GRACES: ClassVar[tuple[str, ...]] = ("grace", "dense")  # the compressed exchanges, and the warm-up's
-    needs_adam = True  # the survey's configuration check builds it over an AdamW
+    needs_adam = True  # a configuration check builds it over an AdamW
 
     def __init__(
         self,
