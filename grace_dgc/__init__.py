@@ -8,9 +8,10 @@ from . import communicators, compressors, memories  # noqa: F401  (register the 
 from .compat import grace_from_params as from_params  # GRACE's dict and defaults: compat owns them
 from .engines import create_engine
 from .errors import GraceCommError, GraceConfigError
-from .grace import Grace, build
+from .grace import Grace
 from .interfaces import Communicator, Compressor, Memory
 from .registry import (
+    build,
     list_communicators,
     list_compressors,
     list_memories,

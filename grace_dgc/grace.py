@@ -19,10 +19,8 @@ import logging
 import math
 import time
 import warnings
-from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from operator import attrgetter
 from typing import Any, cast
@@ -31,13 +29,12 @@ import torch
 from torch import Tensor
 
 from . import handshake, wire
-from .engines import AutoEngine, create_engine
+from .engines import AutoEngine
 from .engines.base import Engine
-from .engines.torch_engine import OWN_GROUP
-from .errors import GraceConfigError, GraceNonFiniteError, check_choice, check_range, did_you_mean, on_every_rank
+from .errors import GraceConfigError, GraceNonFiniteError, check_choice, check_range, on_every_rank
 from .interfaces import Communicator, Compressor, Memory, Payload, StateMismatch
-from .registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry
-from .stats import CONTROL, COUNTERS, Clock
+from .memories.adaptive import warn_of_error_feedback_under_adam
+from .stats import Tally
 from .workspace import flat_span
 
 NONFINITE_POLICIES = ("skip", "raise")
@@ -64,45 +61,6 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-# Optimizers that scale each coordinate by moments of their own; a plugin optimizer is counted
-# in when its defaults carry Adam's ``betas`` and ``eps`` (FusedAdam, 8-bit Adam, …).
-ADAPTIVE_OPTIMIZERS = (
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.SparseAdam,
-)
-_warned_compositions: set[tuple[str, str, str]] = set()
-
-
-def warn_of_error_feedback_under_adam(compressor: Compressor, memory: Memory, optimizer: torch.optim.Optimizer) -> bool:
-    """Log once (per composition and optimizer class) where error feedback with a biased
-    compressor drives an optimizer with per-coordinate moments: the composition known to fail
-    silently (issue 40). Returns whether this composition is one of them."""
-    adaptive = isinstance(optimizer, ADAPTIVE_OPTIMIZERS) or {"betas", "eps"} <= set(optimizer.defaults)
-    if not (adaptive and compressor.biased and memory.error_feedback):
-        return False
-    key = (_name_of(compressor), _name_of(memory), type(optimizer).__name__)
-    if key not in _warned_compositions:
-        _warned_compositions.add(key)
-        log.warning(
-            "%s (biased) with error-feedback memory %s under %s: Adam's per-coordinate scaling learns the "
-            "compressed gradients' magnitudes, and such compositions end far above dense (measured: about 1 nat "
-            "of loss on a character GPT under AdamW, docs/methods.md 'Adam'). The Adam-aware schedules onebit_adam and "
-            "zero_one_adam keep the variance away from compression. To switch, in place of this wrapper (and of any "
-            "DDP wrap): grace = grace_dgc.build('onebit', 'residual', 'allgather'); optimizer = "
-            "grace_dgc.schedules.create('zero_one_adam', torch.optim.Adam(model.parameters(), lr=lr), grace, "
-            "model.named_parameters()) (docs/engines.md 'A schedule in a DDP script')",
-            *key,
-        )
-    return True
-
-
 class Grace:
     """Composes a compressor, a memory and a communicator over an engine (see :func:`build`).
 
@@ -127,7 +85,7 @@ class Grace:
         self.memory = memory
         self.communicator = communicator
         self.engine = engine
-        self.nonfinite = _check_nonfinite(nonfinite)
+        self.nonfinite = check_nonfinite(nonfinite)
         if world_size is not None:
             check_range("world_size", world_size, 1, kind=int)
         self.expected_world_size = world_size  # checked against the engine's when bound
@@ -295,7 +253,7 @@ class Grace:
                 done.set_result(fn())
             except BaseException as error:
                 done.set_exception(error)
-            self._wait_seconds += time.perf_counter() - started  # the caller was held all along
+            self.tally.wait_seconds += time.perf_counter() - started  # the caller was held all along
             return done
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grace-comm")
@@ -351,33 +309,33 @@ class Grace:
                 return self._skip(tensors, _outputs(tensors, inplace), names, inplace, bad)
         sources, keys, outputs, consume = self._sources(tensors, names, inplace, span)
         guard = self._guard(tensors, keys)
-        with self._clock.running():
-            with self._communicating():  # hierarchical: the node's sum
+        with self.tally.clock.running():
+            with self.tally.communicating(self.engine):  # hierarchical: the node's sum
                 sources = comm.prereduce(sources, keys)  # (auto: an owner's stranded error folded in)
             if memory.identity:  # compensate returns its input, update and decode_average do nothing
                 compensated = sources
             else:
-                with self._timed("memory"):
+                with self.tally.clock.timed("memory"):
                     compensated = [memory.compensate(t, n) for t, n in zip(sources, keys)]
             if comp.prerounds:  # e.g. THC's scale, agreed over ranks before anyone compresses
-                with self._communicating():
+                with self.tally.communicating(self.engine):
                     comp.preround(compensated, keys, self.engine)
-            with self._timed("compress"):
+            with self.tally.clock.timed("compress"):
                 payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, keys))))
             consume = consume and not _shares_storage(payloads, tensors, inplace)
             if not memory.identity:
                 outputs = [_apart(out, c, memory) for out, c in zip(outputs, compensated)]
-            with self._communicating():
+            with self.tally.communicating(self.engine):
                 sent, sent_ctxs = comm.aggregate_into(comp, payloads, ctxs, keys, outputs, consume)
             if not memory.identity:
-                with self._timed("memory"):
+                with self.tally.clock.timed("memory"):
                     for c, n, payload, ctx in zip(compensated, keys, sent, sent_ctxs):
                         memory.update(c, n, comp, payload, ctx)
             if comp.average and self.engine.size > 1:  # x / 1 is x: no pass over memory for it
                 for out in outputs:
                     out.div_(self.engine.size)
             if not memory.identity:
-                with self._timed("memory"):  # EF21: the shared estimate plus the averaged change
+                with self.tally.clock.timed("memory"):  # EF21: the shared estimate plus the averaged change
                     for out, n in zip(outputs, keys):
                         memory.decode_average(out, n)
         return self._finish(tensors, outputs, names, keys, inplace, guard, dense_bytes)
@@ -392,12 +350,12 @@ class Grace:
         key, layout = tuple(names), [(t.shape, t.dtype) for t in tensors]
         agreed = self._agreed.get(key)
         if agreed is None or agreed[0] != layout:  # first exchange of this group: do ranks agree?
-            with self._controlling():
+            with self.tally.controlling(self.engine):
                 handshake.agree(self, tensors, names)
             agreed = self._agreed[key] = (layout, 4 * sum(t.numel() for t in tensors))
         if self._watched:  # once, before anything is stepped: the same model on every rank?
             watched, self._watched = self._watched, {}
-            with self._controlling():
+            with self.tally.controlling(self.engine):
                 handshake.agree_replicas(self.engine, watched, tensors[0].device)
         if self._resume_to_check:  # once after watch() or a load: what was (not) restored
             self._resume_to_check = False
@@ -406,7 +364,7 @@ class Grace:
             self.wire, self._wire_of = self.communicator.wire_compressor(self.compressor), self.compressor
         # a NaN/Inf rides along in a plain sum to every rank when nothing keeps state
         self._rides = self.memory.identity and self.wire.rounds == 1 and self.communicator.propagates_nonfinite
-        if not self._audited and self._stats["groups"]:  # the parts' state exists by now
+        if not self._audited and self.tally.values["groups"]:  # the parts' state exists by now
             self._audited = True
             for kind, part in self._parts():
                 undeclared = part.undeclared_state()
@@ -479,10 +437,7 @@ class Grace:
         dense_bytes: int,
     ) -> list[Tensor]:
         """Count the group, catch a non-finite average, and hand the averages back."""
-        self._stats["groups"] += 1
-        self._stats["tensors"] += len(tensors)
-        self._stats["dense_bytes"] += dense_bytes
-        self._steps.update(names)
+        self.tally.group(names, dense_bytes)
         # every rank holds the same average, so all see this alike: a NaN/Inf that rode along,
         # or a payload that overflowed (fp16 beyond ±65504) after the inputs passed the check
         if not all_finite(outputs):
@@ -513,7 +468,7 @@ class Grace:
         mine = 0.0 if all_finite(tensors) else 1.0
         if self.engine.size == 1:
             return [0] if mine else []
-        with self._controlling():
+        with self.tally.controlling(self.engine):
             flags = self.engine.allgather(torch.tensor([mine], device=tensors[0].device))
         return [rank for rank, flag in enumerate(flags) if float(flag[0])]
 
@@ -530,27 +485,10 @@ class Grace:
         if self.nonfinite == "raise":
             raise on_every_rank(GraceNonFiniteError(f"a gradient of {shown} is not finite (NaN or Inf) on {where}"))
         self.skipped += 1
-        self._stats["skipped"] += 1
+        self.tally.values["skipped"] += 1
         for target in tensors if inplace else outputs:
             target.fill_(float("nan"))
         return list(tensors) if inplace else outputs
-
-    def _communicating(self) -> _Communicating:
-        """The communicate phase: its time, and the bytes the engine moved meanwhile."""
-        return _Communicating(self)
-
-    @contextmanager
-    def _controlling(self) -> Iterator[None]:
-        """An agreement among the ranks (a handshake, the non-finite flags): its bytes and
-        seconds counted as ``control_*``, apart from the payloads'."""
-        engine, started = self.engine, time.perf_counter()
-        sent, received = engine.bytes_sent, engine.bytes_received
-        try:
-            yield
-        finally:
-            self._stats["control_bytes_sent"] += engine.bytes_sent - sent
-            self._stats["control_bytes_received"] += engine.bytes_received - received
-            self._stats["control_seconds"] += time.perf_counter() - started
 
     def bind(self) -> None:
         """Hand the engine to the parts that need the world size (fp16's pre-division,
@@ -560,7 +498,7 @@ class Grace:
                 f"built for world_size={self.expected_world_size} but the {self.engine.name} "
                 f"engine has {self.engine.size} ranks"
             )
-        with self._controlling():
+        with self.tally.controlling(self.engine):
             handshake.agree_settings(self)  # before set-up runs collectives that depend on them
         parts_engine = self.communicator.setup()
         self.wire = self.communicator.wire_compressor(self.compressor)
@@ -587,51 +525,30 @@ class Grace:
             part.set_epoch(epoch)
 
     # -- stats -----------------------------------------------------------------
-    def _timed(self, key: str) -> AbstractContextManager[None]:
-        return self._clock.timed(key)
-
     def reset_stats(self) -> None:
-        self._stats: dict[str, float] = dict.fromkeys(COUNTERS + CONTROL, 0)
-        self._clock = Clock()
-        self._steps: Counter[str] = Counter()  # exchanges per tensor name
-        self._wait_seconds = 0.0
+        self.tally = Tally()
 
     def count_exchange(self, tensor: Tensor, name: str, sent: int, received: int) -> None:
         """Count an exchange of ``tensor`` that ran outside this Grace's data path (FSDP2's own
         reduce-scatter for ``none``): ``sent``/``received`` bytes, one group, one step of ``name``."""
-        self._stats["groups"] += 1
-        self._stats["tensors"] += 1
-        self._stats["dense_bytes"] += tensor.numel() * 4
-        self._stats["bytes_sent"] += sent
-        self._stats["bytes_received"] += received
-        self._steps[name] += 1
+        self.tally.group([name], tensor.numel() * 4)
+        self.tally.values["bytes_sent"] += sent
+        self.tally.values["bytes_received"] += received
 
     def counters(self) -> dict[str, Any]:
         """What :meth:`stats` counts since the last :meth:`reset_stats`, as plain numbers:
         :meth:`state_dict` carries them, so a resumed run's stats (and a trainer's logs) go on
         from the saved figures instead of restarting at 0."""
-        return {
-            "stats": dict(self._stats),
-            "seconds": dict(self._clock.seconds),
-            "steps": dict(self._steps),
-            "wait_seconds": self._wait_seconds,
-        }
+        return self.tally.counters()
 
     def load_counters(self, saved: Mapping[str, Any]) -> None:
         """Restore :meth:`counters` (keys this version does not count are left out)."""
-        for key, value in saved.get("stats", {}).items():
-            if key in self._stats:
-                self._stats[key] = value
-        for key, value in saved.get("seconds", {}).items():
-            if key in self._clock.seconds:
-                self._clock.seconds[key] = float(value)
-        self._steps = Counter({str(name): int(count) for name, count in saved.get("steps", {}).items()})
-        self._wait_seconds = float(saved.get("wait_seconds", 0.0))
+        self.tally.load(saved)
 
     def add_wait(self, seconds: float) -> None:
         """Charge ``seconds`` the training thread spent blocked on this Grace's exchanges
         (the optimizer wrappers call it; reported as ``wait_seconds``)."""
-        self._wait_seconds += seconds
+        self.tally.wait_seconds += seconds
 
     def stats(self) -> dict[str, Any]:
         """Counters since the last :meth:`reset_stats` (all measured, none assumed).
@@ -652,12 +569,7 @@ class Grace:
         around the payloads (the settings and fingerprint handshakes, the non-finite flags),
         counted apart so that bytes_sent stays what the method's wire format says.
         """
-        out: dict[str, Any] = dict(self._stats)
-        out.update({key + "_seconds": seconds for key, seconds in self._clock.seconds.items()})
-        out["wait_seconds"] = self._wait_seconds
-        out["steps"] = max(self._steps.values(), default=0)
-        out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
-        out["bytes_per_step"] = out["bytes_sent"] / out["steps"] if out["steps"] else 0.0
+        out = self.tally.figures()
         for part in (self.compressor, self.memory, self.communicator):  # e.g. DGC's ratio, auto's choices
             out.update(part.stats())
         return out
@@ -798,26 +710,6 @@ class Grace:
         )
 
 
-class _Communicating:
-    """See :meth:`Grace._communicating` (a plain class: entered up to three times per group)."""
-
-    __slots__ = ("grace", "timed", "sent", "received")
-
-    def __init__(self, grace: Grace) -> None:
-        self.grace, self.timed = grace, grace._clock.timed("communicate")
-
-    def __enter__(self) -> None:
-        engine = self.grace.engine
-        self.sent, self.received = engine.bytes_sent, engine.bytes_received
-        self.timed.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self.timed.__exit__()
-        engine, stats = self.grace.engine, self.grace._stats
-        stats["bytes_sent"] += engine.bytes_sent - self.sent
-        stats["bytes_received"] += engine.bytes_received - self.received
-
-
 def _shares_storage(payloads: list[Payload], tensors: list[Tensor], inplace: bool) -> bool:
     """Does a payload tensor share memory with an input that was not handed over (an
     in-place reduction would then write into the caller's tensor)?"""
@@ -856,97 +748,5 @@ def _describe(methods: dict[str, str]) -> str:
     return "compressor {compressor!r}, memory {memory!r}, communicator {communicator!r}".format(**methods)
 
 
-def _route(params: dict[str, Any], parts: list[tuple[str, Registry, str]]) -> dict[str, dict[str, Any]]:
-    """Split ``params`` among the parts whose constructors accept them (GRACE passes one
-    flat dict); a parameter no part accepts is an error naming what each part accepts."""
-    routed: dict[str, dict[str, Any]] = {kind: {} for kind, _, _ in parts}
-    for key, value in params.items():
-        takers = [kind for kind, registry, name in parts if key in registry.accepted_params(name)]
-        if not takers:
-            accepted = "; ".join(
-                f"{kind} {name!r}: {', '.join(registry.accepted_params(name)) or '(none)'}"
-                for kind, registry, name in parts
-            )
-            known = [p for _, registry, name in parts for p in registry.accepted_params(name)]
-            raise GraceConfigError(
-                f"unknown parameter {key!r}.{did_you_mean(key, known)} Accepted parameters: {accepted}"
-            )
-        for kind in takers:
-            routed[kind][key] = value
-    return routed
-
-
-def _check_nonfinite(policy: str) -> str:
+def check_nonfinite(policy: str) -> str:
     return cast(str, check_choice("nonfinite", policy, NONFINITE_POLICIES))
-
-
-def _engine(engine: str | Engine, process_group: Any, timeout: float | None) -> Engine:
-    """The Grace's engine: over a process group of its own unless one is given (see :func:`build`)."""
-    kwargs = {
-        key: value for key, value in (("process_group", process_group), ("timeout", timeout)) if value is not None
-    }
-    if process_group is None and engine in ("auto", "torch"):  # grace's traffic apart from the user's
-        kwargs["process_group"] = OWN_GROUP
-    return create_engine(engine, **kwargs)
-
-
-def build(
-    compressor: str = "none",
-    memory: str = "none",
-    communicator: str = "allreduce",
-    engine: str | Engine = "auto",
-    process_group: Any = None,
-    timeout: float | None = None,
-    nonfinite: str = "skip",
-    world_size: int | None = None,
-    **params: Any,
-) -> Grace:
-    """Compose a :class:`Grace` from three registered names and their parameters.
-
-    ``engine`` is ``auto`` / ``local`` / ``torch`` / ``horovod`` or an Engine instance;
-    ``process_group`` selects a torch.distributed group and ``timeout`` (seconds, default
-    300) bounds each of its collectives. Without ``process_group`` the Grace makes a group
-    of its own over every rank (``torch.distributed.new_group``, so every rank builds its
-    Graces in the same order): its exchanges, which run on its communication thread, then
-    never compete for one order with the training loop's own collectives or another Grace's
-    (:meth:`Grace.close` releases it). Pass ``torch.distributed.group.WORLD`` to share the
-    default group. ``nonfinite`` says what a NaN/Inf gradient on any
-    rank does: ``"skip"`` (every rank skips that group's exchange, state untouched) or
-    ``"raise"``. ``world_size``, when given, is the number of ranks the run expects: it is
-    what ``grace.world_size`` says before the engine is chosen, and a different number of
-    ranks at the first exchange is an error. Other keyword arguments go to whichever of the three parts accepts them.
-    """
-    names = {
-        "compressor": COMPRESSORS.canonical(compressor),
-        "memory": MEMORIES.canonical(memory),
-        "communicator": COMMUNICATORS.canonical(communicator),
-    }
-    parts = [
-        ("compressor", COMPRESSORS, names["compressor"]),
-        ("memory", MEMORIES, names["memory"]),
-        ("communicator", COMMUNICATORS, names["communicator"]),
-    ]
-    routed = _route(params, parts)
-    _check_nonfinite(nonfinite)  # every value is checked before the parts' pairing
-    comp = COMPRESSORS.get(names["compressor"])(**routed["compressor"])
-    mem = MEMORIES.get(names["memory"])(**routed["memory"])
-    comm_cls = COMMUNICATORS.get(names["communicator"])
-    eng = _engine(engine, process_group, timeout)
-    comm = comm_cls(eng, **routed["communicator"])
-    reason = comm.refuse(comp)
-    if reason:
-        fitting = [c for c in COMMUNICATORS.names() if COMMUNICATORS.get(c).fits(comp)]
-        raise GraceConfigError(
-            f"communicator {names['communicator']!r} cannot carry compressor {names['compressor']!r}: "
-            f"{reason}; communicators that can: {', '.join(fitting)}"
-        )
-    grace = Grace(
-        comp,
-        mem,
-        comm,
-        eng,
-        nonfinite=nonfinite,
-        world_size=world_size,
-    )
-    grace.params = routed
-    return grace

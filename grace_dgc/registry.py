@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     # Python 3.11's typing.TypeVar takes no default)
     from typing_extensions import TypeVar
 
+    from .engines.base import Engine
+    from .grace import Grace
     from .interfaces import Communicator, Compressor, Memory
 
     T_co = TypeVar("T_co", covariant=True, default=Any)
@@ -402,3 +404,101 @@ def list_memories(pattern: str = "*") -> list[str]:
 
 def list_communicators(pattern: str = "*") -> list[str]:
     return COMMUNICATORS.names(pattern)
+
+
+# -- build: three names and their parameters, composed into a Grace --------------------------
+def _route(params: dict[str, Any], parts: list[tuple[str, Registry, str]]) -> dict[str, dict[str, Any]]:
+    """Split ``params`` among the parts whose constructors accept them (GRACE passes one
+    flat dict); a parameter no part accepts is an error naming what each part accepts."""
+    routed: dict[str, dict[str, Any]] = {kind: {} for kind, _, _ in parts}
+    for key, value in params.items():
+        takers = [kind for kind, registry, name in parts if key in registry.accepted_params(name)]
+        if not takers:
+            accepted = "; ".join(
+                f"{kind} {name!r}: {', '.join(registry.accepted_params(name)) or '(none)'}"
+                for kind, registry, name in parts
+            )
+            known = [p for _, registry, name in parts for p in registry.accepted_params(name)]
+            raise GraceConfigError(
+                f"unknown parameter {key!r}.{did_you_mean(key, known)} Accepted parameters: {accepted}"
+            )
+        for kind in takers:
+            routed[kind][key] = value
+    return routed
+
+
+def _engine(engine: str | Engine, process_group: Any, timeout: float | None) -> Engine:
+    """The Grace's engine: over a process group of its own unless one is given (see :func:`build`)."""
+    from .engines import create_engine
+    from .engines.torch_engine import OWN_GROUP
+
+    kwargs = {
+        key: value for key, value in (("process_group", process_group), ("timeout", timeout)) if value is not None
+    }
+    if process_group is None and engine in ("auto", "torch"):  # grace's traffic apart from the user's
+        kwargs["process_group"] = OWN_GROUP
+    return create_engine(engine, **kwargs)
+
+
+def build(
+    compressor: str = "none",
+    memory: str = "none",
+    communicator: str = "allreduce",
+    engine: str | Engine = "auto",
+    process_group: Any = None,
+    timeout: float | None = None,
+    nonfinite: str = "skip",
+    world_size: int | None = None,
+    **params: Any,
+) -> Grace:
+    """Compose a :class:`Grace` from three registered names and their parameters.
+
+    ``engine`` is ``auto`` / ``local`` / ``torch`` / ``horovod`` or an Engine instance;
+    ``process_group`` selects a torch.distributed group and ``timeout`` (seconds, default
+    300) bounds each of its collectives. Without ``process_group`` the Grace makes a group
+    of its own over every rank (``torch.distributed.new_group``, so every rank builds its
+    Graces in the same order): its exchanges, which run on its communication thread, then
+    never compete for one order with the training loop's own collectives or another Grace's
+    (:meth:`Grace.close` releases it). Pass ``torch.distributed.group.WORLD`` to share the
+    default group. ``nonfinite`` says what a NaN/Inf gradient on any
+    rank does: ``"skip"`` (every rank skips that group's exchange, state untouched) or
+    ``"raise"``. ``world_size``, when given, is the number of ranks the run expects: it is
+    what ``grace.world_size`` says before the engine is chosen, and a different number of
+    ranks at the first exchange is an error. Other keyword arguments go to whichever of the three parts accepts them.
+    """
+    from .grace import Grace, check_nonfinite  # the data path imports the registries: built here, at run time
+
+    names = {
+        "compressor": COMPRESSORS.canonical(compressor),
+        "memory": MEMORIES.canonical(memory),
+        "communicator": COMMUNICATORS.canonical(communicator),
+    }
+    parts = [
+        ("compressor", COMPRESSORS, names["compressor"]),
+        ("memory", MEMORIES, names["memory"]),
+        ("communicator", COMMUNICATORS, names["communicator"]),
+    ]
+    routed = _route(params, parts)
+    check_nonfinite(nonfinite)  # every value is checked before the parts' pairing
+    comp = COMPRESSORS.get(names["compressor"])(**routed["compressor"])
+    mem = MEMORIES.get(names["memory"])(**routed["memory"])
+    comm_cls = COMMUNICATORS.get(names["communicator"])
+    eng = _engine(engine, process_group, timeout)
+    comm = comm_cls(eng, **routed["communicator"])
+    reason = comm.refuse(comp)
+    if reason:
+        fitting = [c for c in COMMUNICATORS.names() if COMMUNICATORS.get(c).fits(comp)]
+        raise GraceConfigError(
+            f"communicator {names['communicator']!r} cannot carry compressor {names['compressor']!r}: "
+            f"{reason}; communicators that can: {', '.join(fitting)}"
+        )
+    grace = Grace(
+        comp,
+        mem,
+        comm,
+        eng,
+        nonfinite=nonfinite,
+        world_size=world_size,
+    )
+    grace.params = routed
+    return grace

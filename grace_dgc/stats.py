@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 # the phases of the data path, each timed exclusively: a phase's seconds exclude those of
 # the phases it encloses (decompression inside the exchange counts as decompression)
@@ -77,3 +79,87 @@ def phase(key: str) -> AbstractContextManager[None]:
     communicator or compressor runs outside Grace, e.g. GRACE-style ``exchange`` calls)."""
     clock: Clock | None = getattr(_active, "clock", None)
     return nullcontext() if clock is None else clock.timed(key)
+
+
+class Tally:
+    """What a Grace counts since its last ``reset_stats``: the counters, the phase clock, the
+    exchanges per tensor name and the training thread's wait. :meth:`counters` gives them as
+    plain numbers (a checkpoint carries them) and :meth:`load` takes them back."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = dict.fromkeys(COUNTERS + CONTROL, 0)
+        self.clock = Clock()
+        self.steps: Counter[str] = Counter()  # exchanges per tensor name
+        self.wait_seconds = 0.0
+
+    def group(self, names: Sequence[str], dense_bytes: int) -> None:
+        """One fusion group exchanged: its tensors, what fp32 would have sent, a step per name."""
+        self.values["groups"] += 1
+        self.values["tensors"] += len(names)
+        self.values["dense_bytes"] += dense_bytes
+        self.steps.update(names)
+
+    def communicating(self, engine: Any) -> _Moved:
+        """The communicate phase: its time, and the bytes ``engine`` moved meanwhile."""
+        return _Moved(self, engine, "bytes_sent", "bytes_received", self.clock.timed("communicate"))
+
+    def controlling(self, engine: Any) -> _Moved:
+        """An agreement among the ranks (a handshake, the non-finite flags): its bytes and
+        seconds counted as ``control_*``, apart from the payloads'."""
+        return _Moved(self, engine, "control_bytes_sent", "control_bytes_received", None)
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "stats": dict(self.values),
+            "seconds": dict(self.clock.seconds),
+            "steps": dict(self.steps),
+            "wait_seconds": self.wait_seconds,
+        }
+
+    def load(self, saved: Mapping[str, Any]) -> None:
+        """Restore :meth:`counters` (keys this version does not count are left out)."""
+        for key, value in saved.get("stats", {}).items():
+            if key in self.values:
+                self.values[key] = value
+        for key, value in saved.get("seconds", {}).items():
+            if key in self.clock.seconds:
+                self.clock.seconds[key] = float(value)
+        self.steps = Counter({str(name): int(count) for name, count in saved.get("steps", {}).items()})
+        self.wait_seconds = float(saved.get("wait_seconds", 0.0))
+
+    def figures(self) -> dict[str, Any]:
+        """The counters, each phase's ``<phase>_seconds``, ``wait_seconds`` and the derived
+        ``steps``, ``compression_ratio`` and ``bytes_per_step`` (``Grace.stats`` says what each is)."""
+        out: dict[str, Any] = dict(self.values)
+        out.update({key + "_seconds": seconds for key, seconds in self.clock.seconds.items()})
+        out[WAIT] = self.wait_seconds
+        out["steps"] = max(self.steps.values(), default=0)
+        out["compression_ratio"] = out["bytes_sent"] / out["dense_bytes"] if out["dense_bytes"] else 0.0
+        out["bytes_per_step"] = out["bytes_sent"] / out["steps"] if out["steps"] else 0.0
+        return out
+
+
+class _Moved:
+    """The bytes an engine moved inside a ``with`` (and its seconds: on the clock's phase, or as
+    ``control_seconds``), added to a :class:`Tally`. A plain class: entered several times per group."""
+
+    __slots__ = ("tally", "engine", "sent_key", "received_key", "timed", "sent", "received", "started")
+
+    def __init__(self, tally: Tally, engine: Any, sent_key: str, received_key: str, timed: _Timed | None) -> None:
+        self.tally, self.engine, self.timed = tally, engine, timed
+        self.sent_key, self.received_key = sent_key, received_key
+
+    def __enter__(self) -> None:
+        self.sent, self.received = self.engine.bytes_sent, self.engine.bytes_received
+        self.started = time.perf_counter()
+        if self.timed is not None:
+            self.timed.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.timed is not None:
+            self.timed.__exit__()
+        else:
+            self.tally.values["control_seconds"] += time.perf_counter() - self.started
+        values = self.tally.values
+        values[self.sent_key] += self.engine.bytes_sent - self.sent
+        values[self.received_key] += self.engine.bytes_received - self.received

@@ -53,9 +53,9 @@ import numpy as np
 from ..engines import create_engine
 from ..engines.base import Engine
 from ..errors import GraceConfigError, check_range
-from ..grace import Grace, build
+from ..grace import Grace
 from ..interfaces import Compressor, Memory
-from ..registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry
+from ..registry import COMMUNICATORS, COMPRESSORS, MEMORIES, Registry, build
 
 log = logging.getLogger("grace_dgc")
 

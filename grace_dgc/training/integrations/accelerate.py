@@ -34,7 +34,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ...errors import GraceConfigError
-from ...grace import Grace, build
+from ...grace import Grace
+from ...registry import build
 from ..checkpoint import gather_state, load_gathered_state
 from ..ddp import GraceHookState, ddp_comm_hook
 from . import logged_stats, own_group, warn_of_a_checkpoint_without_grace

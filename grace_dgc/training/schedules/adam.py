@@ -68,7 +68,7 @@ class AdamSchedule(WrappingOptimizer):
         bias_correction: bool = True,
         momentum_mask: bool = True,
     ) -> None:
-        from ...grace import build  # grace imports schedules' neighbours; built here, at run time
+        from ...registry import build
 
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             raise GraceConfigError(

@@ -294,7 +294,7 @@ def sparseloco_grace(
     entries, their values in ``bits`` bits on a grid over ±``range_sigmas``/2 σ), error
     feedback decayed by ``beta``, exchanged by allgather. Other keywords (``engine``,
     ``process_group``, ``communicator``, …) go to :func:`grace_dgc.build`."""
-    from ...grace import build
+    from ...registry import build
 
     build_params.setdefault("communicator", "allgather")
     return build(

@@ -259,7 +259,7 @@ class StreamingDiLoCo(OuterSync):
 def streaming_grace(compressor: str = "fp4", **build_params: Any) -> Grace:
     """Streaming DiLoCo's Grace as the paper runs it: the outer gradients in 4 bits (``fp4``,
     E3M0), averaged in fp32 after an allgather. Other keywords go to :func:`grace_dgc.build`."""
-    from ...grace import build
+    from ...registry import build
 
     build_params.setdefault("communicator", "allgather")
     return build(compressor, "none", **build_params)
