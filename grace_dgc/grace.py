@@ -14,15 +14,10 @@ compressed and remembered on its own, and their payloads share each collective.
 
 from __future__ import annotations
 
-import inspect
-import logging
-import math
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
-from operator import attrgetter
 from typing import Any, cast
 
 import torch
@@ -32,33 +27,12 @@ from . import handshake, wire
 from .engines import AutoEngine
 from .engines.base import Engine
 from .errors import GraceConfigError, GraceNonFiniteError, check_choice, check_range, on_every_rank
-from .interfaces import Communicator, Compressor, Memory, Payload, StateMismatch
+from .interfaces import Communicator, Compressor, Memory, StateMismatch, audit_declarations
 from .memories.adaptive import warn_of_error_feedback_under_adam
 from .stats import Tally
-from .workspace import flat_span
+from .workspace import all_finite, apart, flat_span, outputs_for, shares_storage
 
 NONFINITE_POLICIES = ("skip", "raise")
-log = logging.getLogger("grace_dgc")
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """No NaN and no infinity in ``tensors``: one sum per tensor (one read each), their total
-    read back in a single host sync per group (on a GPU, a sync per tensor and ``isfinite``'s
-    four kernels per sum were most of a dense group's launches); element by element only
-    when that total is not finite (finite elements may overflow in a sum)."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return True
-    if len(tensors) == 1:
-        total = tensors[0].sum()
-    elif len({t.device for t in tensors}) == 1:
-        wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-        total = torch.stack([t.sum(dtype=wide) for t in tensors]).sum()
-    else:
-        return all(all_finite([t]) for t in tensors)
-    if math.isfinite(total.item()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 class Grace:
@@ -111,7 +85,7 @@ class Grace:
         self._watched_optimizer: torch.optim.Optimizer | None = None
         self._resume_route: str | None = None  # see watch: how the way in restores grace's state
         self._loaded_rank: int | None = None  # whose state load_state_dict restored (None: none loaded)
-        self._resume_to_check = False  # see _warn_of_a_partial_resume: after watch() or a load
+        self._resume_to_check = False  # see handshake.warn_of_a_partial_resume: after watch() or a load
 
     def close(self) -> None:
         """Finish the exchanges in flight, stop the communication thread and release the
@@ -161,13 +135,7 @@ class Grace:
     def attach_optimizer(self, optimizer: torch.optim.Optimizer | None, named_parameters: Mapping[str, Tensor]) -> None:
         """Hand the memory the optimizer (or None) and ``{name: parameter}``
         (:meth:`Memory.attach_optimizer`; the optimizer wrappers and the DDP hook call this)."""
-        attach = self.memory.attach_optimizer
-        if len(inspect.signature(attach).parameters) == 3:  # a plugin written for (optimizer, grace, params)
-            raise GraceConfigError(
-                f"{type(self.memory).__qualname__}.attach_optimizer(optimizer, grace, named_parameters): the grace "
-                "argument was removed; define attach_optimizer(self, optimizer, named_parameters)"
-            )
-        attach(optimizer, dict(named_parameters))
+        self.memory.attach_optimizer(optimizer, dict(named_parameters))
 
     def expect_groups(self, groups: Sequence[Sequence[tuple[str, Tensor]]]) -> None:
         """Declare the fusion groups of one step, in order, as (name, tensor) pairs: the
@@ -225,7 +193,7 @@ class Grace:
         hand-off to the communication thread and back (see :meth:`run_in_order`).
         """
         ready = None
-        if any(map(_is_cuda, tensors)):  # the gradients are produced on the caller's stream
+        if any(t.is_cuda for t in tensors):  # the gradients are produced on the caller's stream
             ready = torch.cuda.Event()
             ready.record()
         return self.run_in_order(
@@ -306,7 +274,7 @@ class Grace:
         if not (self._rides or finite):  # ranks learn of a NaN/Inf before any state changes (one allgather)
             bad = self._nonfinite_ranks(tensors)
             if bad:
-                return self._skip(tensors, _outputs(tensors, inplace), names, inplace, bad)
+                return self._skip(tensors, outputs_for(tensors, inplace), names, inplace, bad)
         sources, keys, outputs, consume = self._sources(tensors, names, inplace, span)
         guard = self._guard(tensors, keys)
         with self.tally.clock.running():
@@ -322,9 +290,9 @@ class Grace:
                     comp.preround(compensated, keys, self.engine)
             with self.tally.clock.timed("compress"):
                 payloads, ctxs = map(list, zip(*(comp.compress(c, n) for c, n in zip(compensated, keys))))
-            consume = consume and not _shares_storage(payloads, tensors, inplace)
+            consume = consume and not shares_storage(payloads, tensors, inplace)
             if not memory.identity:
-                outputs = [_apart(out, c, memory) for out, c in zip(outputs, compensated)]
+                outputs = [apart(out, c, memory) for out, c in zip(outputs, compensated)]
             with self.tally.communicating(self.engine):
                 sent, sent_ctxs = comm.aggregate_into(comp, payloads, ctxs, keys, outputs, consume)
             if not memory.identity:
@@ -359,47 +327,15 @@ class Grace:
                 handshake.agree_replicas(self.engine, watched, tensors[0].device)
         if self._resume_to_check:  # once after watch() or a load: what was (not) restored
             self._resume_to_check = False
-            self._warn_of_a_partial_resume()
+            handshake.warn_of_a_partial_resume(self)
         if self._wire_of is not self.compressor:
             self.wire, self._wire_of = self.communicator.wire_compressor(self.compressor), self.compressor
         # a NaN/Inf rides along in a plain sum to every rank when nothing keeps state
         self._rides = self.memory.identity and self.wire.rounds == 1 and self.communicator.propagates_nonfinite
         if not self._audited and self.tally.values["groups"]:  # the parts' state exists by now
             self._audited = True
-            for kind, part in self._parts():
-                undeclared = part.undeclared_state()
-                if undeclared:
-                    warnings.warn(
-                        f"{kind} {_name_of(part)} keeps {', '.join(undeclared)} across steps but declares "
-                        "it neither STATE nor RANK_LOCAL: checkpoints, reset() and skipped steps miss it. "
-                        "Name it in STATE (or RANK_LOCAL, with why), or override state_dict and reset",
-                        stacklevel=2,
-                    )
+            audit_declarations(self._parts())
         return agreed[1]
-
-    def _warn_of_a_partial_resume(self) -> None:
-        """A run whose optimizer state was restored while grace's was not (or was another
-        rank's) trains on, with its error feedback, momenta or Q lost: say so once."""
-        if not any(part.STATE for _, part in self._parts()):
-            return  # nothing of grace's to lose
-        fix = self._resume_route or (
-            "save every rank's grace state (grace_dgc.gather_state(optimizer or schedule) into rank 0's file, "
-            "restored with grace_dgc.load_gathered_state; or grace_dgc.PerRankState with "
-            "torch.distributed.checkpoint; or the DistributedOptimizer's or schedule's state_dict() written by "
-            "every rank)"
-        )
-        if self._loaded_rank is not None and self._loaded_rank != self.rank:
-            warnings.warn(
-                f"rank {self.rank} resumed from rank {self._loaded_rank}'s grace state, which holds that rank's "
-                f"memory, not this one's: {fix}",
-                stacklevel=2,
-            )
-        elif self._loaded_rank is None and self._watched_optimizer is not None and self._watched_optimizer.state:
-            warnings.warn(
-                "the optimizer has state (a resumed run?) but grace's state starts empty: what the "
-                f"{_describe(self._methods())} kept (error feedback, momenta, factors) was not restored; {fix}",
-                stacklevel=2,
-            )
 
     def _sources(
         self, tensors: list[Tensor], names: list[str], inplace: bool, span: Tensor | None = None
@@ -416,7 +352,7 @@ class Grace:
             flat = span if span is not None else flat_span(tensors)
             if flat is not None:
                 return [flat], [names[0] + "…"], [flat], consume
-        return [wire.dense(t) for t in tensors], names, _outputs(tensors, inplace), consume
+        return [wire.dense(t) for t in tensors], names, outputs_for(tensors, inplace), consume
 
     def _guard(self, tensors: list[Tensor], keys: list[str]) -> dict[str, dict[str, Any]] | None:
         """A finite gradient may still overflow on the wire (fp16: beyond ±65504): then the
@@ -528,13 +464,6 @@ class Grace:
     def reset_stats(self) -> None:
         self.tally = Tally()
 
-    def count_exchange(self, tensor: Tensor, name: str, sent: int, received: int) -> None:
-        """Count an exchange of ``tensor`` that ran outside this Grace's data path (FSDP2's own
-        reduce-scatter for ``none``): ``sent``/``received`` bytes, one group, one step of ``name``."""
-        self.tally.group([name], tensor.numel() * 4)
-        self.tally.values["bytes_sent"] += sent
-        self.tally.values["bytes_received"] += received
-
     def counters(self) -> dict[str, Any]:
         """What :meth:`stats` counts since the last :meth:`reset_stats`, as plain numbers:
         :meth:`state_dict` carries them, so a resumed run's stats (and a trainer's logs) go on
@@ -575,8 +504,7 @@ class Grace:
         return out
 
     # -- settings and checkpointing -----------------------------------------------
-    STATE_FORMAT = 2
-    READABLE_FORMATS = (1, 2)  # 1: an earlier header, without the settings
+    STATE_FORMAT = handshake.STATE_FORMAT
 
     def settings(self) -> dict[str, Any]:
         """What the ranks compare (see :mod:`~grace_dgc.handshake`) and a checkpoint records:
@@ -620,31 +548,7 @@ class Grace:
         size is refused with an error naming both (per-rank state such as residuals has no
         meaning on a different number of ranks); a state without the header (grace_dgc 0.1)
         loads as before."""
-        if not isinstance(state, dict) or "compressor" not in state or "memory" not in state:
-            raise GraceConfigError(
-                "load_state_dict needs a Grace.state_dict(): a dict with 'compressor' and "
-                f"'memory', got {type(state).__name__} with keys {sorted(state)[:6]}"
-                if isinstance(state, dict)
-                else f"load_state_dict needs a Grace.state_dict() dict, got {type(state).__name__}"
-            )
-        if "format" in state:
-            if state["format"] not in self.READABLE_FORMATS:
-                raise GraceConfigError(
-                    f"state format {state['format']!r} is not supported; accepted: "
-                    f"{', '.join(map(str, self.READABLE_FORMATS))}"
-                )
-            mine = self._methods()
-            if state["methods"] != mine:
-                raise GraceConfigError(
-                    f"the state was saved by {_describe(state['methods'])}; this Grace is "
-                    f"{_describe(mine)}: build the same methods to resume"
-                )
-            if state["world_size"] != self.world_size:
-                raise GraceConfigError(
-                    f"the state was saved on {state['world_size']} ranks; this run has "
-                    f"{self.world_size}: per-rank state (residuals, momenta) does not carry over"
-                )
-            self._check_settings(state.get("settings"))
+        handshake.refuse_another_state(self, state)  # other methods, world sizes, settings: named, before any load
         if not self._bound:
             self.bind()  # the parts' state exists once they are set up
         try:
@@ -659,7 +563,7 @@ class Grace:
                 self.load_counters(state["counters"])
         except (KeyError, TypeError, AttributeError, StateMismatch) as error:
             raise GraceConfigError(
-                f"the state does not fit {_describe(self._methods())} ({type(error).__name__}: "
+                f"the state does not fit {handshake.describe_methods(self._methods())} ({type(error).__name__}: "
                 f"{error}); was it saved by another method?"
             ) from error
 
@@ -674,33 +578,11 @@ class Grace:
             problems += part.shape_problems(state.get(kind), shapes, f"grace[{kind!r}]")
         return problems
 
-    def _check_settings(self, saved: dict[str, dict[str, str]] | None) -> None:
-        """Refuse a state saved with other settings, unless a part declares that the
-        difference does not change its state's layout or meaning (``RESUME_MAY_DIFFER``)."""
-        if saved is None:  # format 1
-            return
-        mine = self.settings()
-        differing = []
-        for kind, part in self._parts():
-            now = mine[kind]["settings"]
-            for key in sorted(set(saved.get(kind, {})) | set(now)):
-                then = saved.get(kind, {}).get(key, "(not set)")
-                if then != now.get(key, "(not set)") and key not in part.RESUME_MAY_DIFFER:
-                    differing.append(
-                        f"{kind} {mine[kind]['name']} {key}: saved {then}, this run {now.get(key, '(not set)')}"
-                    )
-        if differing:
-            raise GraceConfigError(
-                "the state was saved with other settings, which change what it means: "
-                + "; ".join(differing)
-                + ". Build with the saved settings to resume"
-            )
-
     def _parts(self) -> tuple[tuple[str, Any], ...]:
         return (("compressor", self.compressor), ("memory", self.memory), ("communicator", self.communicator))
 
     def _methods(self) -> dict[str, str]:
-        return {kind: _name_of(part) for kind, part in self._parts()}
+        return {kind: getattr(part, "registered_name", type(part).__name__) for kind, part in self._parts()}
 
     def __repr__(self) -> str:
         return (
@@ -708,44 +590,6 @@ class Grace:
             f"memory={self.memory.registered_name!r}, "
             f"communicator={self.communicator.registered_name!r}, engine={self.engine.name!r})"
         )
-
-
-def _shares_storage(payloads: list[Payload], tensors: list[Tensor], inplace: bool) -> bool:
-    """Does a payload tensor share memory with an input that was not handed over (an
-    in-place reduction would then write into the caller's tensor)?"""
-    if inplace:
-        return False
-    inputs = {t.untyped_storage().data_ptr() for t in tensors}
-    return any(p.untyped_storage().data_ptr() in inputs for payload in payloads for p in payload)
-
-
-_is_cuda = attrgetter("is_cuda")
-
-
-def _outputs(tensors: list[Tensor], inplace: bool) -> list[Tensor]:
-    """Where the averages go: the handed-over tensors themselves, else (or when one is not
-    contiguous) new ones."""
-    return [
-        t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors
-    ]
-
-
-def _apart(output: Tensor, compensated: Tensor, memory: Memory) -> Tensor:
-    """``output``, or a new tensor when it shares memory with what the memory's ``update``
-    reads after the aggregate is written (a plugin memory whose ``compensate`` returned a
-    handed-over input); Grace then copies the average back."""
-    if memory.identity or output.untyped_storage().data_ptr() != compensated.untyped_storage().data_ptr():
-        return output
-    return torch.empty(output.shape, dtype=output.dtype, device=output.device)
-
-
-def _name_of(part: Any) -> str:
-    """The part's registered name (a chain of compressors names itself: "topk>qsgd")."""
-    return getattr(part, "registered_name", type(part).__name__)
-
-
-def _describe(methods: dict[str, str]) -> str:
-    return "compressor {compressor!r}, memory {memory!r}, communicator {communicator!r}".format(**methods)
 
 
 def check_nonfinite(policy: str) -> str:

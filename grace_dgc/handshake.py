@@ -21,8 +21,9 @@ On any difference every rank gathers the others' descriptions and raises a
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -168,3 +169,92 @@ def agree_replicas(engine: Engine, params: Mapping[str, Tensor], device: torch.d
 
 def _short(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
+
+
+# -- a saved state agrees with this Grace, or is refused by name before anything loads -----------
+STATE_FORMAT = 2
+READABLE_FORMATS = (1, 2)  # 1: an earlier header, without the settings
+
+
+def describe_methods(methods: Mapping[str, str]) -> str:
+    return "compressor {compressor!r}, memory {memory!r}, communicator {communicator!r}".format(**methods)
+
+
+def refuse_another_state(grace: Grace, state: Any) -> None:
+    """A :meth:`Grace.state_dict` of other methods or another world size is refused with an
+    error naming both (per-rank state such as residuals has no meaning on a different number
+    of ranks), and one of other settings unless a part declares that the difference does not
+    change its state (``RESUME_MAY_DIFFER``); a state without the header (grace_dgc 0.1) loads."""
+    if not isinstance(state, dict) or "compressor" not in state or "memory" not in state:
+        raise GraceConfigError(
+            "load_state_dict needs a Grace.state_dict(): a dict with 'compressor' and "
+            f"'memory', got {type(state).__name__} with keys {sorted(state)[:6]}"
+            if isinstance(state, dict)
+            else f"load_state_dict needs a Grace.state_dict() dict, got {type(state).__name__}"
+        )
+    if "format" in state:
+        if state["format"] not in READABLE_FORMATS:
+            raise GraceConfigError(
+                f"state format {state['format']!r} is not supported; accepted: {', '.join(map(str, READABLE_FORMATS))}"
+            )
+        mine = grace._methods()
+        if state["methods"] != mine:
+            raise GraceConfigError(
+                f"the state was saved by {describe_methods(state['methods'])}; this Grace is "
+                f"{describe_methods(mine)}: build the same methods to resume"
+            )
+        if state["world_size"] != grace.world_size:
+            raise GraceConfigError(
+                f"the state was saved on {state['world_size']} ranks; this run has "
+                f"{grace.world_size}: per-rank state (residuals, momenta) does not carry over"
+            )
+        _refuse_other_settings(grace, state.get("settings"))
+
+
+def _refuse_other_settings(grace: Grace, saved: dict[str, dict[str, str]] | None) -> None:
+    """Refuse a state saved with other settings, unless a part declares that the
+    difference does not change its state's layout or meaning (``RESUME_MAY_DIFFER``)."""
+    if saved is None:  # format 1
+        return
+    mine = grace.settings()
+    differing = []
+    for kind, part in grace._parts():
+        now = mine[kind]["settings"]
+        for key in sorted(set(saved.get(kind, {})) | set(now)):
+            then = saved.get(kind, {}).get(key, "(not set)")
+            if then != now.get(key, "(not set)") and key not in part.RESUME_MAY_DIFFER:
+                differing.append(
+                    f"{kind} {mine[kind]['name']} {key}: saved {then}, this run {now.get(key, '(not set)')}"
+                )
+    if differing:
+        raise GraceConfigError(
+            "the state was saved with other settings, which change what it means: "
+            + "; ".join(differing)
+            + ". Build with the saved settings to resume"
+        )
+
+
+def warn_of_a_partial_resume(grace: Grace) -> None:
+    """A run whose optimizer state was restored while grace's was not (or was another
+    rank's) trains on, with its error feedback, momenta or Q lost: say so once."""
+    if not any(part.STATE for _, part in grace._parts()):
+        return  # nothing of grace's to lose
+    fix = grace._resume_route or (
+        "save every rank's grace state (grace_dgc.gather_state(optimizer or schedule) into rank 0's file, "
+        "restored with grace_dgc.load_gathered_state; or grace_dgc.PerRankState with "
+        "torch.distributed.checkpoint; or the DistributedOptimizer's or schedule's state_dict() written by "
+        "every rank)"
+    )
+    if grace._loaded_rank is not None and grace._loaded_rank != grace.rank:
+        warnings.warn(
+            f"rank {grace.rank} resumed from rank {grace._loaded_rank}'s grace state, which holds that rank's "
+            f"memory, not this one's: {fix}",
+            stacklevel=2,
+        )
+    elif grace._loaded_rank is None and grace._watched_optimizer is not None and grace._watched_optimizer.state:
+        warnings.warn(
+            "the optimizer has state (a resumed run?) but grace's state starts empty: what the "
+            f"{describe_methods(grace._methods())} kept (error feedback, momenta, factors) was not "
+            f"restored; {fix}",
+            stacklevel=2,
+        )

@@ -12,7 +12,9 @@ caller's ``out``.
 
 from __future__ import annotations
 
+import inspect
 import random
+import warnings
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -402,6 +404,17 @@ class Memory(Part):
     identity = False
     error_feedback = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A plugin written for the earlier ``attach_optimizer(optimizer, grace, named_parameters)``
+        is refused by name where it is defined (the ``grace`` argument was removed before 0.1.0)."""
+        super().__init_subclass__(**kwargs)
+        attach = cls.__dict__.get("attach_optimizer")
+        if attach is not None and len(inspect.signature(attach).parameters) == 4:  # self, optimizer, grace, params
+            raise GraceConfigError(
+                f"{cls.__qualname__}.attach_optimizer(optimizer, grace, named_parameters): the grace argument was "
+                "removed; define attach_optimizer(self, optimizer, named_parameters)"
+            )
+
     def compensate(self, tensor: Tensor, name: str) -> Tensor:
         return tensor
 
@@ -523,3 +536,17 @@ class Communicator(Part):
         aggregate kept, gTop-k; its last round's, PowerSGD). ``consume=True``: nothing reads
         the payloads afterwards, so they may be reduced where they lie."""
         raise NotImplementedError
+
+
+def audit_declarations(parts: Sequence[tuple[str, Part]]) -> None:
+    """Warn of what a part keeps across steps without declaring it (after the first exchange,
+    where the parts' state exists): checkpoints, reset() and skipped steps would miss it."""
+    for kind, part in parts:
+        undeclared = part.undeclared_state()
+        if undeclared:
+            warnings.warn(
+                f"{kind} {getattr(part, 'registered_name', type(part).__name__)} keeps {', '.join(undeclared)} "
+                "across steps but declares it neither STATE nor RANK_LOCAL: checkpoints, reset() and skipped "
+                "steps miss it. Name it in STATE (or RANK_LOCAL, with why), or override state_dict and reset",
+                stacklevel=3,
+            )

@@ -99,6 +99,13 @@ class Tally:
         self.values["dense_bytes"] += dense_bytes
         self.steps.update(names)
 
+    def count_exchange(self, numel: int, name: str, sent: int, received: int) -> None:
+        """An exchange of ``numel`` elements of ``name`` that ran outside the Grace's data path
+        (FSDP2's own reduce-scatter for ``none``): ``sent``/``received`` bytes, one group."""
+        self.group([name], numel * 4)
+        self.values["bytes_sent"] += sent
+        self.values["bytes_received"] += received
+
     def communicating(self, engine: Any) -> _Moved:
         """The communicate phase: its time, and the bytes ``engine`` moved meanwhile."""
         return _Moved(self, engine, "bytes_sent", "bytes_received", self.clock.timed("communicate"))

@@ -2,12 +2,16 @@
 
 A fresh full-size temporary costs more than the arithmetic done in it on a CPU (the pages
 of every large allocation are faulted in anew: about 5× one ``copy_`` for an fp32 tensor),
-so the data path keeps its temporaries here instead of allocating them every step.
+so the data path keeps its temporaries here instead of allocating them every step. And the
+data path's other questions about its tensors: where the averages go (:func:`outputs_for`,
+:func:`apart`), whether a payload shares memory with an input (:func:`shares_storage`), whether
+a group is finite (:func:`all_finite`).
 """
 
+import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -217,3 +221,50 @@ def flat_span(tensors: Sequence[Tensor]) -> Tensor | None:
     if (offset + total) * itemsize > storage.nbytes():
         return None  # adjacent in memory, but another allocation
     return first.new_empty(0).set_(storage, offset, (total,))  # type: ignore[call-overload]  # stub: stride required
+
+
+# -- the data path's tensors: where the averages go, and whether they are finite -------------
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """No NaN and no infinity in ``tensors``: one sum per tensor (one read each), their total
+    read back in a single host sync per group (on a GPU, a sync per tensor and ``isfinite``'s
+    four kernels per sum were most of a dense group's launches); element by element only
+    when that total is not finite (finite elements may overflow in a sum)."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    if len(tensors) == 1:
+        total = tensors[0].sum()
+    elif len({t.device for t in tensors}) == 1:
+        wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        total = torch.stack([t.sum(dtype=wide) for t in tensors]).sum()
+    else:
+        return all(all_finite([t]) for t in tensors)
+    if math.isfinite(total.item()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def shares_storage(payloads: Sequence[Sequence[Tensor]], tensors: list[Tensor], inplace: bool) -> bool:
+    """Does a payload tensor share memory with an input that was not handed over (an
+    in-place reduction would then write into the caller's tensor)?"""
+    if inplace:
+        return False
+    inputs = {t.untyped_storage().data_ptr() for t in tensors}
+    return any(p.untyped_storage().data_ptr() in inputs for payload in payloads for p in payload)
+
+
+def outputs_for(tensors: list[Tensor], inplace: bool) -> list[Tensor]:
+    """Where the averages go: the handed-over tensors themselves, else (or when one is not
+    contiguous) new ones."""
+    return [
+        t if inplace and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors
+    ]
+
+
+def apart(output: Tensor, compensated: Tensor, memory: Any) -> Tensor:
+    """``output``, or a new tensor when it shares memory with what the memory's ``update``
+    reads after the aggregate is written (a plugin memory whose ``compensate`` returned a
+    handed-over input); Grace then copies the average back."""
+    if memory.identity or output.untyped_storage().data_ptr() != compensated.untyped_storage().data_ptr():
+        return output
+    return torch.empty(output.shape, dtype=output.dtype, device=output.device)

@@ -280,7 +280,7 @@ class FSDPCompression(Driver):
             )
         if self._native(grace):  # FSDP's own reduce-scatter, counted as grace counts: (N−1)/N out and in
             moved = input_.numel() * input_.element_size() * (n - 1) // n
-            grace.count_exchange(input_, name, moved, moved)
+            grace.tally.count_exchange(input_.numel(), name, moved, moved)
             # torch 2.13: reduce_scatter_single (reduce_scatter_tensor warns, deprecated); 2.11 has only the latter
             reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             return reduce_scatter(output, input_, op=op, group=group)

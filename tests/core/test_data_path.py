@@ -467,7 +467,7 @@ def test_handing_the_gradients_over_loses_no_memory_state(name, memory, comm):
 def test_all_finite_equals_an_element_by_element_check(dtype, sizes, bad, big, data):
     """One total per group, read once; finite elements whose sums overflow (the dtype's
     largest values, several tensors) are still finite; a NaN/Inf anywhere is found."""
-    from grace_dgc.grace import all_finite
+    from grace_dgc.workspace import all_finite
 
     top = torch.finfo(dtype).max
     tensors = [
