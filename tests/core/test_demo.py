@@ -229,6 +229,7 @@ def test_an_optimizer_momentum_is_warned_about(caplog):
         )
     assert "plain SGD (momentum=0)" in caplog.text
     caplog.clear()
+    grace = grace_dgc.build("demo", "demo", "allgather", engine="local")  # one Grace per way in (issue 55)
     with caplog.at_level(logging.WARNING, logger="grace_dgc"):
         grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace, model.named_parameters())
     assert "momentum" not in caplog.text

@@ -274,7 +274,8 @@ def test_optimizer_bad_input_and_misuse():
         model(x).sum().backward()
     opt.synchronize()
     opt.step()
-    assert set(opt.state_dict()) == {"optimizer", "grace"}
+    # issue 55: the header every way in's state carries (the training wing's Driver), then what it holds
+    assert set(opt.state_dict()) == {"format", "wrapper", "settings", "optimizer", "grace", "stats"}
     plain = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
     opt.load_state_dict(plain)  # a plain optimizer checkpoint also loads
 

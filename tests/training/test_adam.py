@@ -471,7 +471,7 @@ def test_registered_by_name_with_aliases():
     ],
 )
 def test_error_feedback_under_adam_is_warned_once_and_only_there(caplog, compressor, memory, optimizer, warned):
-    from grace_dgc import grace as grace_module
+    from grace_dgc.memories import adaptive as grace_module
 
     grace_module._warned_compositions.clear()
     params = {"momentum": 0.0} if memory == "momentum" else {}
@@ -488,7 +488,7 @@ def test_error_feedback_under_adam_is_warned_once_and_only_there(caplog, compres
 
 
 def test_a_plugin_adam_is_recognised_by_its_defaults_and_the_ddp_hook_warns_too(caplog):
-    from grace_dgc import grace as grace_module
+    from grace_dgc.memories import adaptive as grace_module
 
     class PluginAdam(torch.optim.Optimizer):
         def __init__(self, params):
