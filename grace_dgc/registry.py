@@ -468,23 +468,19 @@ def build(
     """
     from .grace import Grace, check_nonfinite  # the data path imports the registries: built here, at run time
 
-    names = {
-        "compressor": COMPRESSORS.canonical(compressor),
-        "memory": MEMORIES.canonical(memory),
-        "communicator": COMMUNICATORS.canonical(communicator),
-    }
-    parts = [
-        ("compressor", COMPRESSORS, names["compressor"]),
-        ("memory", MEMORIES, names["memory"]),
-        ("communicator", COMMUNICATORS, names["communicator"]),
-    ]
+    asked = (
+        ("compressor", COMPRESSORS, compressor),
+        ("memory", MEMORIES, memory),
+        ("communicator", COMMUNICATORS, communicator),
+    )
+    parts = [(kind, registry, registry.canonical(name)) for kind, registry, name in asked]
+    names = {kind: name for kind, _, name in parts}
     routed = _route(params, parts)
     check_nonfinite(nonfinite)  # every value is checked before the parts' pairing
     comp = COMPRESSORS.get(names["compressor"])(**routed["compressor"])
     mem = MEMORIES.get(names["memory"])(**routed["memory"])
-    comm_cls = COMMUNICATORS.get(names["communicator"])
     eng = _engine(engine, process_group, timeout)
-    comm = comm_cls(eng, **routed["communicator"])
+    comm = COMMUNICATORS.get(names["communicator"])(eng, **routed["communicator"])
     reason = comm.refuse(comp)
     if reason:
         fitting = [c for c in COMMUNICATORS.names() if COMMUNICATORS.get(c).fits(comp)]
@@ -492,13 +488,6 @@ def build(
             f"communicator {names['communicator']!r} cannot carry compressor {names['compressor']!r}: "
             f"{reason}; communicators that can: {', '.join(fitting)}"
         )
-    grace = Grace(
-        comp,
-        mem,
-        comm,
-        eng,
-        nonfinite=nonfinite,
-        world_size=world_size,
-    )
+    grace = Grace(comp, mem, comm, eng, nonfinite=nonfinite, world_size=world_size)
     grace.params = routed
     return grace
