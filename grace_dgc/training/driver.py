@@ -17,6 +17,7 @@ its declarations, nothing else::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -169,7 +170,7 @@ class Driver:
         Plain tensors, numbers and strings: it loads with ``torch.load(..., weights_only=True)``."""
         self._before_saving()
         state: dict[str, Any] = {"format": STATE_FORMAT, self.KIND: self.name, "settings": self.settings()}
-        state.update({key: getattr(self, key) for key in self.COUNTERS})
+        state.update({key: copy.deepcopy(getattr(self, key)) for key in self.COUNTERS})  # 0/1 Adam's lists too
         state.update({key: getattr(self, key).state_dict() for key in self.OBJECTS})
         state.update({key: {name: t.clone() for name, t in getattr(self, key).items()} for key in self.TENSORS})
         state.update({key: getattr(self, key) for key in self.PLAIN})
@@ -202,18 +203,14 @@ class Driver:
                 setattr(self, key, placed)
         for key in self.COUNTERS:
             if key in state:
-                setattr(self, key, state[key])
+                setattr(self, key, copy.deepcopy(state[key]))
         saved = state.get("stats", {})  # the counters of stats(), carried as the Graces' are
         for attribute in self.STATS.values():
             setattr(self, attribute, int(saved.get(attribute.removeprefix("_stat_"), getattr(self, attribute))))
-        self._after_loading()
 
     # the hooks of a way in whose state needs more than its declarations
     def _before_saving(self) -> None:
         """Bring the declared state up to date (a schedule's round start, exchanges in flight)."""
-
-    def _after_loading(self) -> None:
-        """Rebuild what follows from the loaded state."""
 
     def _load_foreign(self, state: Any) -> bool:
         """Load a state this way in also accepts in another form (the optimizer wrapper: a
