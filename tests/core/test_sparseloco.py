@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from ranks import run_ranks
 from test_distributed import batches, make_model
 
@@ -93,6 +95,56 @@ def test_fp4_is_the_nearest_e3m0_value_under_a_power_of_two_scale(seed, n, magni
     payload, ctx = comp.compress(x, "w")
     assert [t.numel() * t.element_size() for t in payload] == [math.ceil(n / 2), 4]
     assert torch.equal(comp.decompress(payload, ctx), reference_fp4(x).float())
+
+
+def fp4_edges() -> list[float]:
+    """Where fp4's rounding turns: each field's value, the midpoints between neighbours (ties
+    round up) and their fp32 neighbours, the 2^−7 threshold, ±0 and subnormals."""
+    out = [0.0, -0.0, 1e-45, 1e-40, 1.0]
+    for e in range(-9, 1):
+        for v in (2.0**e, 1.5 * 2.0 ** (e - 1)):
+            out += [v, math.nextafter(v, 0.0), math.nextafter(v, 2.0)]
+    return [sign * v for v in out for sign in (1, -1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    hnp.arrays(np.float32, st.integers(1, 300), elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=True)),
+    st.sampled_from([1.0, 2.0**-90, 3.0**40, 0.75]),
+    st.booleans(),
+)
+def test_fp4s_bit_path_is_the_elementwise_path_bit_for_bit(values, factor, edges):
+    """On a CPU fp4 encodes and decodes on the fp32 bits, chunk by chunk (112x -> 6x one copy_
+    at 25M, issue 58); it must give the elementwise ops' codes and values bit for bit, at every
+    rounding edge, for ±0, subnormals and any power-of-two scale (beyond 2^±100 and for a
+    non-finite peak the elementwise ops run)."""
+    from grace_dgc.compressors.fp4 import FIELDS, SIGN, _codes, _power_of_two
+
+    x = torch.from_numpy(values) * factor
+    if edges:
+        x = torch.cat([x, torch.tensor(fp4_edges()) * float(x.abs().max() or 1.0)])
+    comp = COMPRESSORS.get("fp4")()
+    payload, ctx = comp.compress(x, "w")
+    scale = payload[1]
+    assert factor != 1.0 or _power_of_two(scale) is not None  # the bit path ran
+    codes = grace_dgc.wire.unpack_bits(payload[0], 4, x.numel())
+    assert torch.equal(codes, _codes(x.reshape(-1).float(), scale[0]))
+    field = codes.to(torch.int32) & FIELDS  # the values by elementwise ops: ±s·2^(e−7), e = 0 is ±0
+    magnitude = torch.where(field > 0, torch.exp2((field - FIELDS).float()) * scale, torch.zeros(()))
+    expected = torch.where(codes >= SIGN, -magnitude, magnitude)
+    decoded = comp.decompress(payload, ctx)
+    assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))  # -0.0 included
+    if math.isfinite(float(x.abs().max())):
+        assert torch.equal(decoded, reference_fp4(x).float())
+
+
+def test_fp4_with_a_nan_or_an_infinity_takes_the_elementwise_path():
+    from grace_dgc.compressors.fp4 import _codes
+
+    comp = COMPRESSORS.get("fp4")()
+    for x in (torch.tensor([float("nan"), 1.0, -2.0]), torch.tensor([float("inf"), 0.5, -0.25])):
+        payload, _ = comp.compress(x, "w")
+        assert torch.equal(grace_dgc.wire.unpack_bits(payload[0], 4, 3), _codes(x, payload[1][0]))
 
 
 def test_sparseloco_chain_bytes_and_error_feedback_over_the_whole_composition():
