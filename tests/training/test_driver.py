@@ -123,3 +123,67 @@ def test_a_state_of_another_shape_is_refused_before_anything_loads():
     assert (
         other.steps == 0 and not other.start and all(torch.equal(before[k], v) for k, v in wider.state_dict().items())
     )
+
+
+def old_layout(way, state):
+    """``state`` as grace_dgc wrote it before the training wing (issue 55): the schedules' format 1
+    (the Adam schedules' tensors and policy counters nested, their dense Grace's counters alone),
+    the optimizer wrapper's without a header."""
+    state = dict(state)
+    if way == "wrapper":
+        return {"optimizer": state["optimizer"], "grace": state["grace"]}
+    state["format"] = 1
+    if way == "zero_one_adam":
+        state["tensors"] = {key: state.pop(key) for key in ("exp_avg", "exp_avg_sq", "round_starts")}
+        state["counters"] = {key: state.pop(key) for key in OLD_ADAM_COUNTERS}
+        state["dense_counters"] = state.pop("dense")["counters"]
+    return state
+
+
+OLD_ADAM_COUNTERS = (
+    "var_interval",
+    "var_counter",
+    "var_updates",
+    "local_step_interval",
+    "local_step_counter",
+    "lrs",
+    "decays",
+    "frozen",
+    "since_sync",
+)
+
+
+def built(way):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    if way == "wrapper":
+        grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.5, engine="local")
+        return model, grace_dgc.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), grace, model.named_parameters()
+        )
+    if way == "zero_one_adam":
+        grace = grace_dgc.build("onebit", "residual", "allgather", engine="local")
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        params = {"var_freeze_step": 3, "local_step_scaler": 4}
+    else:
+        grace = grace_dgc.build("topk", "residual", "allgather", compress_ratio=0.5, engine="local")
+        inner, params = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), {"inner_steps": 2}
+    return model, grace_dgc.schedules.create(way, inner, grace, model.named_parameters(), **params)
+
+
+@pytest.mark.parametrize("way", ["wrapper", "diloco", "zero_one_adam"])
+def test_a_checkpoint_in_the_layout_before_the_wing_resumes_bit_for_bit(way):
+    """The states written before issue 55 load into the new ways in and go on as the uninterrupted
+    run does (state_dict -> torch.save -> fresh objects -> load_state_dict)."""
+    model, optimizer = built(way)
+    train(model, optimizer, range(7))
+    cut_model, cut = built(way)
+    train(cut_model, cut, range(4))
+    buffer = io.BytesIO()
+    torch.save({"model": cut_model.state_dict(), "way": old_layout(way, cut.state_dict())}, buffer)
+    saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    resumed_model, resumed = built(way)
+    resumed_model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["way"])
+    train(resumed_model, resumed, range(4, 7))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
