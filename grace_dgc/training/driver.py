@@ -28,6 +28,7 @@ from ..errors import GraceConfigError
 if TYPE_CHECKING:
     from ..grace import Grace
 
+FUSION_BYTES = 4 * 2**20  # every way in's default fusion group: up to 4 MiB of gradient per exchange
 STATE_FORMAT = 2  # 1: the schedules' before the training wing (read, see _upgrade)
 READABLE_FORMATS = (1, 2)
 

@@ -19,7 +19,7 @@ import torch
 from ..engines import create_engine
 from ..engines.base import Engine
 from ..errors import GraceConfigError, check_bool, on_every_rank
-from .driver import Driver
+from .driver import FUSION_BYTES, Driver
 
 if TYPE_CHECKING:
     from ..grace import Grace
@@ -148,7 +148,7 @@ class DistributedOptimizer(WrappingOptimizer):
         grace: Grace,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
         backward_passes_per_step: int = 1,
-        fusion_bytes: int = 4 * 2**20,
+        fusion_bytes: int = FUSION_BYTES,
     ) -> None:
         # Deliberately no super().__init__: the wrapped optimizer owns groups and state.
         if not isinstance(optimizer, torch.optim.Optimizer):

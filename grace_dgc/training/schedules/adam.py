@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ...errors import GraceConfigError, GraceNonFiniteError, check_bool, check_range, on_every_rank
+from ..driver import FUSION_BYTES
 from ..optimizer import WrappingOptimizer
 from .registry import register_schedule
 
@@ -272,7 +273,7 @@ class OneBitAdam(AdamSchedule):
         bias_correction: bool = True,
         momentum_mask: bool = True,
         max_grad_norm: float | None = None,
-        fusion_bytes: int = 4 * 2**20,
+        fusion_bytes: int = FUSION_BYTES,
     ) -> None:
         self.freeze_step = check_range("freeze_step", freeze_step, 1, kind=int)
         super().__init__(
@@ -425,7 +426,7 @@ class ZeroOneAdam(AdamSchedule):
         bias_correction: bool = True,
         momentum_mask: bool = True,
         max_grad_norm: float | None = None,
-        fusion_bytes: int = 4 * 2**20,
+        fusion_bytes: int = FUSION_BYTES,
     ) -> None:
         self.var_freeze_step = check_range("var_freeze_step", var_freeze_step, 1, kind=int)
         self.var_update_scaler = check_range("var_update_scaler", var_update_scaler, 1, kind=int)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ...errors import GraceConfigError, check_bool, check_range
+from ..driver import FUSION_BYTES
 from ..optimizer import WrappingOptimizer
 from .registry import SCHEDULES, Preset, register_schedule
 
@@ -88,7 +89,7 @@ class OuterSync(WrappingOptimizer):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
-        fusion_bytes: int = 4 * 2**20,
+        fusion_bytes: int = FUSION_BYTES,
     ) -> None:
         # Deliberately no super().__init__: the inner optimizer owns groups and state.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -276,7 +277,7 @@ class SparseLoCo(OuterSync):
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
         inner_steps: int = 15,
         outer_lr: float = 1.0,
-        fusion_bytes: int = 4 * 2**20,
+        fusion_bytes: int = FUSION_BYTES,
     ) -> None:
         if not getattr(grace.memory, "error_feedback", False):
             raise GraceConfigError(

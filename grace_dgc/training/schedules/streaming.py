@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ...errors import GraceConfigError, check_choice, check_range
+from ..driver import FUSION_BYTES
 from .outer import OuterSync
 from .registry import register_schedule
 
@@ -99,7 +100,7 @@ class StreamingDiLoCo(OuterSync):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
-        fusion_bytes: int = 4 * 2**20,
+        fusion_bytes: int = FUSION_BYTES,
     ) -> None:
         steps = check_range("inner_steps", inner_steps, 1, kind=int)
         self.fragments = check_range("fragments", fragments, 1, steps, kind=int)
