@@ -252,8 +252,8 @@ class TorchEngine(Engine):
     def fail(self, error: BaseException) -> None:
         """Post this rank's error in the store (where the others' :meth:`_diagnose` reads
         it), then release the process group (:meth:`_release`), so a peer blocked in a
-        collective ends now instead of at its timeout, and stay (bounded) until the others
-        have read the error: rank 0 hosts the store. A collective that failed here
+        collective ends now instead of at its timeout; rank 0, which hosts the store, stays
+        (bounded) until the others have read the error. A collective that failed here
         (:class:`GraceCommError`) needs neither: its peers' collectives failed or time out
         alike, and aborting a group whose peer is stopped would block."""
         if self._failed or isinstance(error, GraceCommError):
@@ -269,6 +269,8 @@ class TorchEngine(Engine):
         except Exception:  # best effort: the store may be gone or its host stopped
             pass
         self._release()
+        if self._global(self.rank) != 0:
+            return  # the store lives on in rank 0's process: nothing to stay for
         try:  # rank 0 hosts the store: stay until the others have read the error
             others = [f"{SEEN_KEY}{self._global(r)}" for r in range(self.size) if r != self.rank]
             seconds = min(self.timeout, 10.0) + DIAGNOSIS_MARGIN
