@@ -37,7 +37,7 @@ from ...errors import GraceConfigError
 from ...grace import Grace
 from ...registry import build
 from ..checkpoint import gather_state, load_gathered_state
-from ..ddp import GraceHookState, ddp_comm_hook
+from ..ddp import GraceHookState, grace_hook
 from . import logged_stats, own_group, warn_of_a_checkpoint_without_grace
 
 STATE_FILE = "grace_dgc.pt"  # every rank's state, beside Accelerate's files (as the Trainer's callback)
@@ -45,21 +45,14 @@ STATE_FILE = "grace_dgc.pt"  # every rank's state, beside Accelerate's files (as
 log = logging.getLogger(__name__)
 
 
-class GraceAccelerate:
-    """The Grace on an Accelerate-prepared model, its hook state, and its checkpointing.
+class GraceAccelerate(GraceHookState):
+    """The DDP hook's state on an Accelerate-prepared model (its ``stats()`` and per-rank
+    ``state_dict()`` are the hook's, :class:`~grace_dgc.training.ddp.GraceHookState`), hooked into
+    ``save_state`` and ``load_state`` (:meth:`save_into`, :meth:`load_from`)."""
 
-    ``state_dict()`` is collective (every process calls it in ``save_state``): the main
-    process's holds every rank's state (:func:`grace_dgc.gather_state`), the others' hold
-    None; ``load_state_dict`` loads each rank's own part (a rank that read None receives its
-    part from the main process)."""
-
-    def __init__(self, accelerator: Any, grace: Grace, hook_state: GraceHookState | None) -> None:
+    def __init__(self, accelerator: Any, grace: Grace, model: torch.nn.Module, optimizer: Any) -> None:
+        super().__init__(grace, model, optimizer)
         self.accelerator = accelerator
-        self.grace = grace
-        self.hook_state = hook_state
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"grace_dgc": gather_state(self.grace)}
 
     def save_into(self, models: Any, weights: Any, output_dir: str) -> None:
         """``save_state``'s pre-hook (every process: the gather is a collective): every rank's
@@ -79,17 +72,6 @@ class GraceAccelerate:
             warn_of_a_checkpoint_without_grace(self.grace, f"{input_dir} (no {STATE_FILE})")
             return
         load_gathered_state(self.grace, torch.load(path, weights_only=True) if readable else None)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or "grace_dgc" not in state:
-            raise GraceConfigError(
-                f"not a grace_dgc checkpoint entry (a dict with 'grace_dgc'), got {type(state).__name__}: "
-                "was the state saved with grace_dgc.training.integrations.accelerate.attach registered?"
-            )
-        load_gathered_state(self.grace, state["grace_dgc"])
-
-    def stats(self) -> dict[str, Any]:
-        return self.grace.stats()
 
     def log_stats(self, step: int | None = None) -> None:
         """``grace/<stat>`` (bytes, ratio, phase times) through ``accelerator.log`` (its trackers)."""
@@ -135,11 +117,9 @@ def attach(
         made = build(compressor, memory, communicator, engine=engine, nonfinite=nonfinite, **params)
     if not isinstance(made, Grace):
         raise GraceConfigError(f"grace= must return a Grace, returned {type(made).__name__}")
-    hook_state = None
+    attached = GraceAccelerate(accelerator, made, model, getattr(optimizer, "optimizer", optimizer))
     if isinstance(model, DistributedDataParallel):
-        hook_state, hook = ddp_comm_hook(made, model, getattr(optimizer, "optimizer", optimizer))
-        model.register_comm_hook(hook_state, hook)
-    attached = GraceAccelerate(accelerator, made, hook_state)
+        model.register_comm_hook(attached, grace_hook)
     # its own file beside Accelerate's, as the Trainer's callback writes: a dense run's folder then
     # lacks only that file, which the one rule handles (register_for_checkpointing would make
     # Accelerate's load fail with its own missing-file error)

@@ -23,9 +23,7 @@ dense Grace on the same engine (fp32 allreduce), counted in :meth:`stats`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -33,25 +31,19 @@ from torch import Tensor
 
 from ...errors import GraceConfigError, GraceNonFiniteError, check_bool, check_range, on_every_rank
 from ..driver import FUSION_BYTES
-from ..optimizer import WrappingOptimizer
+from .base import Fill, Schedule
 from .registry import register_schedule
 
 if TYPE_CHECKING:
     from ...grace import Grace
 
-Fill = Callable[[torch.nn.Parameter, Tensor], object]  # writes what a parameter sends into a buffer
 
-
-class AdamSchedule(WrappingOptimizer):
+class AdamSchedule(Schedule):
     """What 1-bit Adam and 0/1 Adam share: the Adam hyper-parameters read from the wrapped
     ``Adam``/``AdamW`` (per param group), the moments m and v per parameter name (equal on
     every rank), the exchanges in fusion groups, the stats and the checkpoint."""
 
-    KIND = "schedule"
     SETTINGS: ClassVar[tuple[str, ...]] = ("fusion_bytes",)
-    RESUME_MAY_DIFFER: ClassVar[dict[str, str]] = {
-        "fusion_bytes": "fusion only batches the exchange; what is kept is kept per parameter name"
-    }
     COUNTERS: ClassVar[tuple[str, ...]] = ("steps", "skipped")  # steps taken (skipped ones not counted)
     STATS: ClassVar[dict[str, str]] = {"steps": "_stat_steps", "skipped_steps": "_stat_skipped"}
     OBJECTS: ClassVar[tuple[str, ...]] = ("optimizer",)
@@ -64,10 +56,7 @@ class AdamSchedule(WrappingOptimizer):
         optimizer: torch.optim.Optimizer,
         grace: Grace,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
-        fusion_bytes: int,
-        max_grad_norm: float | None = None,
-        bias_correction: bool = True,
-        momentum_mask: bool = True,
+        **settings: Any,
     ) -> None:
         from ...registry import build
 
@@ -81,19 +70,13 @@ class AdamSchedule(WrappingOptimizer):
             for flag in ("amsgrad", "maximize"):
                 if group.get(flag):
                     raise GraceConfigError(f"{self.name}: param group {index} has {flag}=True; accepted: False")
-        self.fusion_bytes = check_range("fusion_bytes", fusion_bytes, 0, kind=int)
-        self.bias_correction = check_bool("bias_correction", bias_correction)
-        self.momentum_mask = check_bool("momentum_mask", momentum_mask)
-        self.max_grad_norm = (
-            None if max_grad_norm is None else check_range("max_grad_norm", max_grad_norm, 0, low_open=True)
-        )
-        self.optimizer, self.grace = optimizer, grace
-        self._names = self._name_parameters(optimizer, named_parameters)
-        if not self._names:
-            raise GraceConfigError("the optimizer has no trainable parameters (requires_grad=True)")
+        self.bias_correction = check_bool("bias_correction", settings["bias_correction"])
+        self.momentum_mask = check_bool("momentum_mask", settings["momentum_mask"])
+        clip = settings["max_grad_norm"]
+        self.max_grad_norm = None if clip is None else check_range("max_grad_norm", clip, 0, low_open=True)
+        self._wrap(optimizer, grace, named_parameters, settings["fusion_bytes"])
         # param groups by index: optimizer.load_state_dict replaces the group dicts
         self._index_of = {p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
-        self._groups = self._fusion_groups(list(self._names), self.fusion_bytes)
         # the dense exchanges: fp32 allreduce on the same engine (never in flight with grace's)
         self.dense = build("none", "none", "allreduce", engine=grace.engine, nonfinite=grace.nonfinite)
         self.steps = 0  # optimizer steps taken (skipped ones not counted)
@@ -107,9 +90,6 @@ class AdamSchedule(WrappingOptimizer):
             self._plan(part, self._groups)
         grace.attach_optimizer(optimizer, {n: p for p, n in self._names.items()})
         self.dense.watch({n: p for p, n in self._names.items()})  # ranks start from one model
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return self.optimizer.zero_grad(set_to_none=set_to_none)
 
     # -- the pieces of a step -----------------------------------------------------------
     def _hyper(self, p: torch.nn.Parameter) -> tuple[float, float, float, float, float, bool]:
@@ -155,14 +135,7 @@ class AdamSchedule(WrappingOptimizer):
     def _average(self, grace: Grace, fill: Fill) -> dict | None:
         """Every rank's ``fill`` averaged through ``grace``, per parameter (None: the exchange
         was skipped alike on every rank for a NaN/Inf; nothing was changed)."""
-        filled = []
-        with torch.no_grad():
-            for group in self._groups:
-                flat = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
-                views = [view.view_as(p) for p, view in zip(group, flat.split([p.numel() for p in group]))]
-                for p, view in zip(group, views):
-                    fill(p, view)
-                filled.append((group, flat, views))
+        filled = list(self._fill(self._groups, fill))
         # one question for the whole step: a NaN/Inf anywhere skips every group alike, before
         # any of them changes the Grace's state (a group skipped alone would leave the others'
         # errors counting a step that never happened). A Grace that keeps no state and sums
@@ -173,14 +146,7 @@ class AdamSchedule(WrappingOptimizer):
                 raise on_every_rank(GraceNonFiniteError(f"{self.name}: a gradient is not finite (NaN or Inf)"))
             return None
         mark = grace.skipped
-        pending: list[tuple[list[torch.nn.Parameter], Future[list[Tensor]]]] = []
-        with torch.no_grad():
-            for group, _, views in filled:
-                names = [self._names[p] for p in group]
-                pending.append((group, grace.step_group_async(views, names, inplace=True, finite=agreed)))
-            waiting = time.perf_counter()
-            averages = {p: average for group, future in pending for p, average in zip(group, future.result())}
-            grace.add_wait(time.perf_counter() - waiting)
+        averages = self._wait(grace, self._send_groups(grace, filled, finite=agreed))
         return None if grace.skipped != mark else averages
 
     def _skip(self) -> None:
@@ -218,10 +184,6 @@ class AdamSchedule(WrappingOptimizer):
         """Bring every rank onto the same parameters now (before evaluating or saving): a
         no-op (False) where they already are, i.e. except inside 0/1 Adam's local steps."""
         return False
-
-    def __repr__(self) -> str:
-        listed = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
-        return f"{type(self).__name__}({self.optimizer!r}, {self.grace!r}, {listed})"
 
 
 @register_schedule("onebit_adam", aliases=("1bit_adam", "onebit-adam"))
@@ -269,6 +231,7 @@ class OneBitAdam(AdamSchedule):
         optimizer: torch.optim.Optimizer,
         grace: Grace,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        *,
         freeze_step: int = 1000,
         bias_correction: bool = True,
         momentum_mask: bool = True,
@@ -277,7 +240,13 @@ class OneBitAdam(AdamSchedule):
     ) -> None:
         self.freeze_step = check_range("freeze_step", freeze_step, 1, kind=int)
         super().__init__(
-            optimizer, grace, named_parameters, fusion_bytes, max_grad_norm, bias_correction, momentum_mask
+            optimizer,
+            grace,
+            named_parameters,
+            fusion_bytes=fusion_bytes,
+            max_grad_norm=max_grad_norm,
+            bias_correction=bias_correction,
+            momentum_mask=momentum_mask,
         )
 
     def phase(self) -> str:
@@ -419,6 +388,7 @@ class ZeroOneAdam(AdamSchedule):
         optimizer: torch.optim.Optimizer,
         grace: Grace,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        *,
         var_freeze_step: int = 100_000,
         var_update_scaler: int = 16,
         local_step_scaler: int = 32768,
@@ -440,7 +410,13 @@ class ZeroOneAdam(AdamSchedule):
         self.since_sync = 0  # local steps since the last synchronization
         self.round_starts: dict[str, Tensor] = {}  # p₀: the parameters the round started from, per name
         super().__init__(
-            optimizer, grace, named_parameters, fusion_bytes, max_grad_norm, bias_correction, momentum_mask
+            optimizer,
+            grace,
+            named_parameters,
+            fusion_bytes=fusion_bytes,
+            max_grad_norm=max_grad_norm,
+            bias_correction=bias_correction,
+            momentum_mask=momentum_mask,
         )
 
     TENSORS = (*AdamSchedule.TENSORS, "round_starts")  # p₀ of the round, per name

@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -14,7 +12,7 @@ from torch import Tensor
 
 from ...errors import GraceConfigError, check_bool, check_range
 from ..driver import FUSION_BYTES
-from ..optimizer import WrappingOptimizer
+from .base import Schedule
 from .registry import SCHEDULES, Preset, register_schedule
 
 if TYPE_CHECKING:
@@ -23,7 +21,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("grace_dgc")
 
 
-class OuterSync(WrappingOptimizer):
+class OuterSync(Schedule):
     """An inner optimizer stepped locally; every ``inner_steps`` steps an outer step on the
     average over ranks of the outer gradient (DiLoCo, Douillard et al. 2023, arXiv 2311.08105,
     Algorithm 1; local SGD, Lin et al. 2018, arXiv 1808.07217, and torch's
@@ -70,11 +68,7 @@ class OuterSync(WrappingOptimizer):
     with ``nonfinite="raise"`` the error propagates.
     """
 
-    KIND = "schedule"
     SETTINGS: ClassVar[tuple[str, ...]] = ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "fusion_bytes")
-    RESUME_MAY_DIFFER: ClassVar[dict[str, str]] = {
-        "fusion_bytes": "fusion only batches the exchange; what is kept is kept per parameter name"
-    }
     COUNTERS: ClassVar[tuple[str, ...]] = ("steps", "since_sync", "syncs")
     STATS: ClassVar[dict[str, str]] = {"steps": "_stat_steps", "syncs": "_stat_syncs", "skipped_syncs": "_stat_skipped"}
     OBJECTS: ClassVar[tuple[str, ...]] = ("optimizer", "outer_optimizer")
@@ -85,15 +79,13 @@ class OuterSync(WrappingOptimizer):
         optimizer: torch.optim.Optimizer,
         grace: Grace,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        *,
         inner_steps: int = 500,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         fusion_bytes: int = FUSION_BYTES,
     ) -> None:
-        # Deliberately no super().__init__: the inner optimizer owns groups and state.
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise GraceConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.inner_steps = check_range("inner_steps", inner_steps, 1, kind=int)
         self.outer_lr = check_range("outer_lr", outer_lr, 0, low_open=True)
         self.outer_momentum = check_range("outer_momentum", outer_momentum, 0, 1, high_open=True)
@@ -103,13 +95,7 @@ class OuterSync(WrappingOptimizer):
                 "nesterov=True needs outer_momentum > 0 (Nesterov momentum without momentum is plain SGD); "
                 "accepted: nesterov=False, or outer_momentum in (0, 1)"
             )
-        self.fusion_bytes = check_range("fusion_bytes", fusion_bytes, 0, kind=int)
-        self.optimizer = optimizer
-        self.grace = grace
-        self._names = self._name_parameters(optimizer, named_parameters)
-        if not self._names:  # the outer SGD would refuse an empty list, less clearly
-            raise GraceConfigError("the inner optimizer has no trainable parameters (requires_grad=True)")
-        self._groups = self._fusion_groups(list(self._names), self.fusion_bytes)
+        self._wrap(optimizer, grace, named_parameters, fusion_bytes)
         self.outer_optimizer = torch.optim.SGD(
             list(self._names), lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov
         )
@@ -162,21 +148,12 @@ class OuterSync(WrappingOptimizer):
     def _synchronize(self) -> None:
         start, name_of = self.start, self._names  # taken by step() or synchronize_now() before any call here
         mark = self.grace.skipped
-        pending: list[tuple[list[torch.nn.Parameter], Future[list[Tensor]]]] = []
+
+        def delta(p: torch.nn.Parameter, out: Tensor) -> None:  # Δ = θ_start − θ
+            torch.sub(start[name_of[p]], p.detach(), out=out)
+
+        averages = self._wait(self.grace, self._send_groups(self.grace, self._fill(self._groups, delta)))
         with torch.no_grad():
-            for group in self._groups:
-                # Δ = θ_start − θ, into views of one flat buffer per group: elementwise methods
-                # (none, fp16, bf16) without memory then reduce the group in one collective
-                flat = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
-                deltas = [
-                    torch.sub(start[name_of[p]], p.detach(), out=view.view_as(p))
-                    for p, view in zip(group, flat.split([p.numel() for p in group]))
-                ]
-                names = [self._names[p] for p in group]
-                pending.append((group, self.grace.step_group_async(deltas, names, inplace=True)))
-            waiting = time.perf_counter()  # the training thread blocks here until the round's exchanges end
-            averages = {p: average for group, future in pending for p, average in zip(group, future.result())}
-            self.grace.add_wait(time.perf_counter() - waiting)
             for p in self._names:  # θ ← θ_start
                 p.copy_(start[name_of[p]])
         self.since_sync = 0
@@ -202,10 +179,6 @@ class OuterSync(WrappingOptimizer):
         self.syncs += 1
         self._stat_syncs += 1
 
-    # -- what the inner optimizer owns ------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return self.optimizer.zero_grad(set_to_none=set_to_none)
-
     # -- stats and checkpoints (the rest follows from the declarations: Driver) -----------
     def _more_stats(self, out: dict[str, Any]) -> None:
         """steps: inner optimizer steps; syncs: synchronizations (skipped_syncs: rounds dropped
@@ -226,10 +199,6 @@ class OuterSync(WrappingOptimizer):
         state) is best taken right after ``synchronize_now()``, where the parameters, θ_start
         and the outer optimizer agree on every rank."""
         self._take_start()
-
-    def __repr__(self) -> str:
-        listed = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())
-        return f"{type(self).__name__}({self.optimizer!r}, {self.grace!r}, {listed})"
 
 
 DiLoCo = Preset(
@@ -275,6 +244,7 @@ class SparseLoCo(OuterSync):
         optimizer: torch.optim.Optimizer,
         grace: Grace,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        *,
         inner_steps: int = 15,
         outer_lr: float = 1.0,
         fusion_bytes: int = FUSION_BYTES,
@@ -285,7 +255,16 @@ class SparseLoCo(OuterSync):
                 f"memory {grace.memory.registered_name!r}: build it with sparseloco_grace(), or with memory "
                 "'residual' and beta=0.95"
             )
-        super().__init__(optimizer, grace, named_parameters, inner_steps, outer_lr, 0.0, False, fusion_bytes)
+        super().__init__(
+            optimizer,
+            grace,
+            named_parameters,
+            inner_steps=inner_steps,
+            outer_lr=outer_lr,
+            outer_momentum=0.0,
+            nesterov=False,
+            fusion_bytes=fusion_bytes,
+        )
 
 
 def sparseloco_grace(

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ...errors import GraceConfigError, check_choice, check_range
 from ..driver import FUSION_BYTES
+from .base import Pending
 from .outer import OuterSync
 from .registry import register_schedule
 
@@ -32,7 +33,7 @@ class _Exchange:
     loaded from a checkpoint, the averages by name) and whether a rank's Δ was not finite."""
 
     due: int
-    pending: list[tuple[list[torch.nn.Parameter], Future[list[Tensor]]]]
+    pending: Pending
     skipped_before: Future[int] | None = None
     skipped_after: Future[int] | None = None
     averages: dict[str, Tensor] | None = None
@@ -92,6 +93,7 @@ class StreamingDiLoCo(OuterSync):
         optimizer: torch.optim.Optimizer,
         grace: Grace,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        *,
         inner_steps: int = 100,
         fragments: int = 4,
         pattern: str = "strided",
@@ -112,7 +114,16 @@ class StreamingDiLoCo(OuterSync):
                 f"mixing={mixing} with delay=0: no local steps are taken while a fragment is exchanged, so there is "
                 "nothing local to mix in; accepted: delay ≥ 1, or mixing=0"
             )
-        super().__init__(optimizer, grace, named_parameters, steps, outer_lr, outer_momentum, nesterov, fusion_bytes)
+        super().__init__(
+            optimizer,
+            grace,
+            named_parameters,
+            inner_steps=steps,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            fusion_bytes=fusion_bytes,
+        )
         params = list(self._names)
         if self.fragments > len(params):
             raise GraceConfigError(f"fragments={fragments} is more than the {len(params)} parameters to split")
@@ -171,19 +182,13 @@ class StreamingDiLoCo(OuterSync):
         return True
 
     def _send(self, fragment: int) -> None:
-        start, name_of = self.start, self._names
-        grace = self.grace
+        start, name_of, grace = self.start, self._names, self.grace
+
+        def delta(p: torch.nn.Parameter, out: Tensor) -> None:  # Δ_p = θ_start,p − θ_p
+            torch.sub(start[name_of[p]], p.detach(), out=out)
+
         before = grace.run_in_order(lambda: grace.skipped)
-        pending = []
-        with torch.no_grad():
-            for group in self._fragment_groups[fragment]:
-                flat = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
-                deltas = [
-                    torch.sub(start[name_of[p]], p.detach(), out=view.view_as(p))
-                    for p, view in zip(group, flat.split([p.numel() for p in group]))
-                ]
-                names = [self._names[p] for p in group]
-                pending.append((group, grace.step_group_async(deltas, names, inplace=True)))
+        pending = self._send_groups(grace, self._fill(self._fragment_groups[fragment], delta))
         after = grace.run_in_order(lambda: grace.skipped)
         self._in_flight[fragment] = _Exchange(self.steps + self.delay, pending, before, after)
 
