@@ -314,6 +314,22 @@ class TorchEngine(Engine):
                 return f"rank {rank} failed first ({store.get(key).decode()[:300]}); its log has the traceback"
         return None
 
+    def _hold_the_store_for_readers(self, store: Any, patience: float) -> None:
+        """On the store's host (global rank 0), having read another rank's posted error: wait
+        (bounded) until every other survivor has read it too. Raising at once, the host's
+        process could end and take the store with it while a slower survivor (a loaded
+        machine) had yet to read why, and that one could only say the store was gone."""
+        if self._global(self.rank) != 0:
+            return
+        for rank in range(self.size):
+            glob = self._global(rank)
+            if rank == self.rank or store.check([f"{ERROR_KEY}{glob}"]):  # the failed rank reads nothing
+                continue
+            try:
+                store.wait([f"{SEEN_KEY}{glob}"], timedelta(seconds=patience))
+            except Exception:  # it left, or reads no more: nothing to hold the store for
+                continue
+
     def _diagnose(self, kind: str, error: BaseException) -> str:
         """Meet the other ranks in the store: a rank that failed on its own left its error
         there (:meth:`fail`); otherwise each survivor sets a key for this collective and
@@ -364,6 +380,7 @@ class TorchEngine(Engine):
         posted = self._posted_error(store)
         if posted:
             store.set(f"{LEFT_SEEN_KEY}{dist.get_rank()}", "1")
+            self._hold_the_store_for_readers(store, patience)
             return f"{what}; {posted}"
         prefix = f"grace/failed/{self._meeting()}/"
         store.set(prefix + str(self._global(self.rank)), "1")
@@ -382,6 +399,7 @@ class TorchEngine(Engine):
                 missing.append(rank)
         posted = self._posted_error(store)  # a rank that failed while this one waited
         if posted:
+            self._hold_the_store_for_readers(store, patience)
             return f"{what}; {posted}"
         self._linger_as_host(store, [r for r in range(self.size) if r != self.rank and r not in missing])
         left = [r for r in missing if store.check([f"{LEFT_KEY}{self._global(r)}"])]
