@@ -109,13 +109,10 @@ class Grace:
     def watch(
         self, params: Mapping[str, Tensor], optimizer: torch.optim.Optimizer | None = None, resume: str | None = None
     ) -> None:
-        """The model a wrapper trains (DistributedOptimizer, the DDP hook): at the next exchange
-        (1) the ranks compare a fingerprint of each parameter's values, and ranks that start from
-        different models are a :class:`GraceConfigError` naming the parameters and the fix
-        (``broadcast_parameters``), not a silent divergence; (2) a resume that restored
-        ``optimizer``'s state but not grace's own (or another rank's) is warned about once,
-        naming ``resume``: how the wrapper's user restores grace's state (default: the
-        DistributedOptimizer's and the schedules' ways)."""
+        """The model a wrapper trains: at the next exchange (1) the ranks compare a fingerprint of
+        each parameter, and different models are a :class:`GraceConfigError` naming them and the
+        fix (``broadcast_parameters``); (2) a resume that restored ``optimizer``'s state but not
+        grace's own is warned of once, naming ``resume`` (how to restore it)."""
         self._watched, self._watched_optimizer, self._resume_route = dict(params), optimizer, resume
         self._resume_to_check = True
         if optimizer is not None:
@@ -152,13 +149,9 @@ class Grace:
 
     def step_async(self, tensor: Tensor, name: str) -> Future[Tensor]:
         """Start :meth:`step` on the communication thread; returns a Future of the average."""
-        group = self.step_group_async([tensor], [name])
-        single: Future[Tensor] = Future()
-        group.add_done_callback(
-            lambda done: (
-                single.set_exception(done.exception()) if done.exception() else single.set_result(done.result()[0])
-            )
-        )
+        group, single = self.step_group_async([tensor], [name]), Future()  # type: ignore[var-annotated]
+        fail, done = single.set_exception, single.set_result
+        group.add_done_callback(lambda g: fail(g.exception()) if g.exception() else done(g.result()[0]))
         return single
 
     def step_group_async(
@@ -180,17 +173,11 @@ class Grace:
         inputs are left untouched and the averages are new tensors.
 
         Groups run one at a time in submission order, so ranks that submit the same groups
-        in the same order issue matching collectives.
-
-        ``finite=True``: the caller has asked :meth:`nonfinite_ranks` for these tensors (every
-        rank alike) and none holds a NaN/Inf, so the group's own flag exchange is left out.
-
-        ``span``: with ``inplace=True``, a flat tensor whose memory the tensors are, back to back
-        in this order (a fusion bucket's buffer, which the caller made): saves looking for it.
-
-        ``overlap=False``: nothing is left for this exchange to overlap with (the step's last
-        group): it runs on the caller's thread once the groups before it are done, without the
-        hand-off to the communication thread and back (see :meth:`run_in_order`).
+        in the same order issue matching collectives. ``finite=True``: the caller asked
+        :meth:`nonfinite_ranks` (every rank alike) and none holds a NaN/Inf: no flag exchange.
+        ``span``: with ``inplace=True``, the flat tensor the tensors are, back to back (a
+        fusion bucket's buffer). ``overlap=False``: nothing is left to overlap (the step's last
+        group): it runs on the caller's thread after the groups before it (:meth:`run_in_order`).
         """
         ready = None
         if any(t.is_cuda for t in tensors):  # the gradients are produced on the caller's stream
@@ -201,16 +188,11 @@ class Grace:
         )
 
     def run_in_order(self, fn: Any, overlap: bool = True) -> Future[Any]:
-        """Run ``fn()`` on the communication thread after the groups submitted before it:
-        a collective of the caller's own (a flag, a broadcast) stays in the same order on
-        every rank as grace's exchanges.
-
-        ``fn`` runs here instead, on the caller's thread, where there is nothing to overlap
-        (unless :attr:`always_thread`): on one rank, and with ``overlap=False`` (the step's
-        last group), then after the groups before it are done. The hand-off to the thread and
-        back costs more than a small exchange (host-bound steps on one rank: the DDP hook
-        1.29× DDP's step on the thread, 1.16× inline). The caller is held meanwhile: that time
-        is its wait (``wait_seconds``), as a wait on the thread's Future would be."""
+        """Run ``fn()`` on the communication thread after the groups submitted before it (a
+        collective of the caller's own stays in order with grace's on every rank); on the
+        caller's thread where nothing is left to overlap (one rank, ``overlap=False``): the
+        hand-off costs more than a small exchange (the DDP hook on one rank: 1.29× DDP's step
+        on the thread, 1.16× inline). The caller's time held here is its ``wait_seconds``."""
         if not self.always_thread and (self.engine.size == 1 or not overlap):
             started = time.perf_counter()
             if self._last_submitted is not None:  # the groups before it go first, on the thread
@@ -566,6 +548,25 @@ class Grace:
                 f"the state does not fit {handshake.describe_methods(self._methods())} ({type(error).__name__}: "
                 f"{error}); was it saved by another method?"
             ) from error
+
+    def heal(self, peer: dict[str, Any]) -> None:
+        """Take a healthy peer's :meth:`state_dict` as a rank that rejoins (torchft): what every
+        rank holds alike (``Part.REPLICATED``) and the counters; the rest starts empty."""
+        try:
+            handshake.refuse_another_state(self, peer, healing=True)
+        except GraceConfigError as error:
+            raise GraceConfigError(f"a group that rejoins must be built as its healthy peers are: {error}") from None
+        for kind, part in self._parts():
+            part.heal(peer[kind])
+        self.load_counters(peer.get("counters", {}))
+
+    def ranks_changed(self, replicas: Mapping[str, Tensor]) -> None:
+        """The ranks are others (a new quorum): bind and agree again, forget what held only for
+        the old ranks, and compare ``replicas`` across the new ones (at the next exchange)."""
+        self._bound, self._watched = False, dict(replicas)
+        self._agreed.clear()
+        for _, part in self._parts():
+            part.ranks_changed()
 
     def shape_problems(self, state: dict[str, Any], shapes: dict[str, torch.Size]) -> list[str]:
         """What in a saved :meth:`state_dict` does not fit tensors of ``shapes`` (name ->

@@ -180,11 +180,12 @@ def describe_methods(methods: Mapping[str, str]) -> str:
     return "compressor {compressor!r}, memory {memory!r}, communicator {communicator!r}".format(**methods)
 
 
-def refuse_another_state(grace: Grace, state: Any) -> None:
+def refuse_another_state(grace: Grace, state: Any, healing: bool = False) -> None:
     """A :meth:`Grace.state_dict` of other methods or another world size is refused with an
     error naming both (per-rank state such as residuals has no meaning on a different number
     of ranks), and one of other settings unless a part declares that the difference does not
-    change its state (``RESUME_MAY_DIFFER``); a state without the header (grace_dgc 0.1) loads."""
+    change its state (``RESUME_MAY_DIFFER``); a state without the header (grace_dgc 0.1) loads.
+    ``healing``: a peer's state, of which no per-rank part is kept: any world size."""
     if not isinstance(state, dict) or "compressor" not in state or "memory" not in state:
         raise GraceConfigError(
             "load_state_dict needs a Grace.state_dict(): a dict with 'compressor' and "
@@ -203,7 +204,7 @@ def refuse_another_state(grace: Grace, state: Any) -> None:
                 f"the state was saved by {describe_methods(state['methods'])}; this Grace is "
                 f"{describe_methods(mine)}: build the same methods to resume"
             )
-        if state["world_size"] != grace.world_size:
+        if state["world_size"] != grace.world_size and not healing:
             raise GraceConfigError(
                 f"the state was saved on {state['world_size']} ranks; this run has "
                 f"{grace.world_size}: per-rank state (residuals, momenta) does not carry over"

@@ -53,6 +53,14 @@ class Part:
     ``RANK_LOCAL``: constructor parameters and long-lived attributes in neither, each with
         why (scratch buffers, what a rank was handed by the optimizer).
     ``RESUME_MAY_DIFFER``: settings a checkpoint may carry other values of, with why.
+    ``REPLICATED``: the ``STATE`` attributes that are equal on every rank (PowerSGD's Q, a
+        random stream all ranks share, a step count). A rank that rejoins a fault-tolerant job
+        takes them from a healthy peer (:meth:`heal`); the rest of its state is its own (error
+        feedback, a worker's momentum, an owner's chunk error) and starts empty: adopting a
+        peer's would send that peer's gradient mass a second time.
+    ``RESET_WHEN_RANKS_CHANGE``: True where the state is only right for the ranks it was built
+        with (an owner's error on its chunk of N; EF21's shared estimate, the mean of every
+        rank's own): every rank resets it when the ranks change (:meth:`ranks_changed`).
 
     ``tests/core/test_declarations.py`` walks every registered part and fails on a constructor
     parameter or a tensor kept across steps that none of these names.
@@ -62,6 +70,8 @@ class Part:
     STATE: ClassVar[tuple[str, ...]] = ()
     RANK_LOCAL: ClassVar[dict[str, str]] = {}
     RESUME_MAY_DIFFER: ClassVar[dict[str, str]] = {}
+    REPLICATED: ClassVar[tuple[str, ...]] = ()
+    RESET_WHEN_RANKS_CHANGE: ClassVar[bool] = False
 
     def agreed_settings(self) -> dict[str, Any]:
         """The values of ``SETTINGS``, as the ranks compare them (effective values: a
@@ -88,6 +98,36 @@ class Part:
         after changing the model); the next step starts from zero state."""
         for key in self.STATE:
             _forget(getattr(self, key), name)
+
+    def heal(self, peer: dict[str, Any]) -> None:
+        """Take a healthy peer's :meth:`state_dict` as a rank that rejoins: the ``REPLICATED``
+        attributes become the peer's, the others start empty (a nested part decides for its own)."""
+        if self.STATE and set(self.STATE) <= set(self.REPLICATED):
+            self.load_state_dict(peer)  # all of it is shared: the part's own load (DGC's random stream)
+            return
+        for key in self.STATE:
+            current = getattr(self, key, None)
+            if isinstance(current, Part):
+                current.heal(peer[key])
+            elif isinstance(current, dict) and current and all(isinstance(v, Part) for v in current.values()):
+                for name, part in current.items():
+                    part.heal(peer[key][name])
+            elif key in self.REPLICATED:
+                setattr(self, key, _loaded(current, peer[key]))
+            else:
+                _forget(current, None)
+
+    def ranks_changed(self) -> None:
+        """The ranks exchanging are others now (a fault-tolerant job's new quorum): forget what
+        only held for the old ones (``RESET_WHEN_RANKS_CHANGE``), in this part and the parts it holds."""
+        if self.RESET_WHEN_RANKS_CHANGE:
+            self.reset()
+            return
+        for key in self.STATE:
+            value = getattr(self, key, None)
+            for part in value.values() if isinstance(value, dict) else [value]:
+                if isinstance(part, Part):
+                    part.ranks_changed()
 
     def snapshot(self, names: Sequence[str]) -> dict[str, Any]:
         """Copies of the state kept for ``names`` (and of the state kept for no tensor):

@@ -66,6 +66,7 @@ class Auto(Communicator):
 
     SETTINGS = ("bandwidth", "latency", "interval")
     STATE = ("choice", "buckets", "link", "members")
+    REPLICATED = ("choice", "link")  # rank 0's plan, broadcast (each rank times its own buckets)
 
     def __init__(
         self, engine: Any, bandwidth: float | None = None, latency: float | None = None, interval: int = 200

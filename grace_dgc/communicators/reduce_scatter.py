@@ -44,6 +44,7 @@ class ReduceScatter(Communicator):
 
     SETTINGS = ("error_feedback",)
     STATE = ("errors",)
+    RESET_WHEN_RANKS_CHANGE = True  # each owner's error on its chunk of N
 
     @classmethod
     def cost(cls, nodes: int, nbytes: float, dense_bytes: float, **settings: Any) -> Cost:

@@ -62,6 +62,7 @@ class DGCCompressor(SparseCompressor):
         "seed",
     )
     STATE = ("epoch", "steps", "rng", "current_ratio")
+    REPLICATED = STATE  # the warm-up's place and the sampling stream: alike on every rank
 
     def __init__(
         self,

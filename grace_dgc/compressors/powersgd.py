@@ -78,6 +78,7 @@ class PowerSGDCompressor(Compressor):
 
     SETTINGS = ("compress_rank", "min_compression_rate", "warm_start", "orthogonalization_epsilon", "seed")
     STATE = ("q", "draws")
+    REPLICATED = STATE  # Q is averaged, so alike on every rank; a rank with another would mix bases
 
     def __init__(
         self,

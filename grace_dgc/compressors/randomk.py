@@ -130,6 +130,7 @@ class RandomKCompressor(Compressor):
 
     SETTINGS = ("compress_ratio", "seed")
     STATE = ("steps",)
+    REPLICATED = ("steps",)  # the shared index stream: every rank picks the same coordinates
 
     def __init__(self, compress_ratio: float = 0.01, seed: int = 0) -> None:
         self.compress_ratio = check_range("compress_ratio", compress_ratio, 0, 1, low_open=True)

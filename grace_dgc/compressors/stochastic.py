@@ -33,6 +33,7 @@ class StochasticCompressor(PackedCompressor):
     sends_all = True  # a level, ternary or power of two for every element, a rounded 0 included
     SETTINGS: ClassVar[tuple[str, ...]] = ("seed",)
     STATE = ("steps",)
+    REPLICATED = ("steps",)  # each tensor's stream position, alike on every rank
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = check_range("seed", seed, 0, kind=int)

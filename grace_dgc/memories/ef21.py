@@ -40,6 +40,7 @@ class EF21Memory(Memory):
 
     SETTINGS = ("eta",)
     STATE = ("estimates", "shared", "momenta")
+    RESET_WHEN_RANKS_CHANGE = True  # g is the mean of every rank's g_i: a rank lost takes its g_i along
 
     def __init__(self, eta: float = 1.0) -> None:
         self.eta = check_range("eta", eta, 0, 1, low_open=True)

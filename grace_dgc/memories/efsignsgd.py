@@ -38,6 +38,7 @@ class EFSignSGDMemory(Memory):
 
     SETTINGS = ("lr",)
     STATE = ("lr", "residuals")
+    REPLICATED = ("lr",)
     RESUME_MAY_DIFFER = {"lr": "the checkpoint carries the lr the schedule had reached"}
 
     def __init__(self, lr: float = 1.0) -> None:

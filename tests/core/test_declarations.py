@@ -121,6 +121,68 @@ def test_the_state_round_trips_through_torch_load_with_weights_only(kind, name):
     assert_same(fresh.state_dict(), grace.state_dict())
 
 
+@pytest.mark.parametrize("kind, name", list(every_part()))
+def test_a_rejoining_rank_adopts_only_what_every_rank_holds_alike(kind, name):
+    """Part.heal (torchft's heal of a restarted group): the peer's REPLICATED state bit for bit,
+    none of its own per-rank state (a peer's residual taken over would be sent a second time),
+    and nothing of what the healed rank kept before."""
+    _, peer = built(kind, name)
+    assert set(peer.REPLICATED) <= set(peer.STATE), f"{kind} {name}: REPLICATED names attributes of STATE"
+    saved = peer.state_dict()
+    _, healed = built(kind, name)  # three steps of its own: all of it goes
+    healed.heal(saved)
+    after = healed.state_dict()
+    for key in peer.STATE:
+        value = getattr(healed, key)
+        if isinstance(value, Part) or (
+            isinstance(value, dict) and value and isinstance(next(iter(value.values())), Part)
+        ):
+            continue  # a nested part answers for its own (it is registered and walked too)
+        if key in peer.REPLICATED:
+            assert_same(after[key], saved[key], f"{kind} {name}.{key}")
+        elif isinstance(value, dict):
+            assert value == {}, f"{kind} {name}.{key}: a rank's own state is not taken from a peer"
+
+
+def replicated_state_job(rank, world, kind, name):
+    import torch.distributed as dist
+
+    grace = grace_dgc.build(*parts_of(kind, name), process_group=None)
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own gradients
+    for _ in range(3):
+        grace.step_group_async([torch.randn(8, 6, generator=gen), torch.randn(5, generator=gen)], ["w", "b"]).result()
+    part = {"compressor": grace.compressor, "memory": grace.memory, "communicator": grace.communicator}[kind]
+    mine = {key: part.state_dict()[key] for key in part.REPLICATED}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    grace.close()
+    return everyone
+
+
+def parts_of(kind, name):
+    if kind == "compressor":
+        fitting = [c for c in ("allreduce", "allgather") if COMMUNICATORS.get(c).fits(COMPRESSORS.get(name)())]
+        return name, FITTING_MEMORY.get(name, "residual"), fitting[0]
+    if kind == "memory":
+        compressor = {"powersgd": "powersgd", "efsignsgd": "efsignsgd", "momentum": "dgc"}.get(name, "topk")
+        return compressor, name, "allreduce" if compressor == "powersgd" else "allgather"
+    return (*CARRIED[name], name)
+
+
+@pytest.mark.fast
+def test_what_a_part_declares_replicated_is_equal_on_every_rank():
+    """The declarations a heal relies on, checked against 2 gloo ranks with different gradients:
+    every REPLICATED attribute is bitwise the same on both after three steps."""
+    from ranks import run_ranks
+
+    cases = [(kind, name) for kind, name in every_part() if kind != "communicator" or name != "hierarchical"]
+    cases = [(k, n) for k, n in cases if getattr(built(k, n)[1], "REPLICATED", ())]
+    assert cases, "some part declares replicated state"
+    for kind, name in cases:
+        first, second = run_ranks(replicated_state_job, 2, (kind, name), timeout=120)[0]
+        assert_same(first, second, f"{kind} {name}")
+
+
 def assert_same(a, b, path="state"):
     assert type(a) is type(b), path
     if isinstance(a, torch.Tensor):
