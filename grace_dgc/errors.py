@@ -33,6 +33,14 @@ class GraceCommError(RuntimeError):
     """A collective failed or timed out; the message names the ranks that did not answer."""
 
 
+class StepDiscarded(GraceCommError):
+    """A collective of this step failed in a fault-tolerant job (a replica group was lost): the
+    step commits on no group that met it, and the way in discards it, grace's state as before
+    (:mod:`grace_dgc.training.torchft`)."""
+
+    on_every_rank = True  # the groups that exchanged with the lost one meet it alike: nothing to tell
+
+
 def on_every_rank(error: E) -> E:
     """Mark ``error`` as raised alike on every rank (a handshake mismatch, the non-finite
     policy "raise"): the ranks stay in step, so nothing needs to tear the group down."""

@@ -33,6 +33,21 @@ STATE_FORMAT = 2  # 1: the schedules' before the training wing (read, see _upgra
 READABLE_FORMATS = (1, 2)
 
 
+class Coordinator:
+    """Where a way in's step (or a schedule's round) begins, and whether it commits: by default
+    every rank applies every step. Under torchft (:mod:`grace_dgc.training.torchft`) the
+    quorum forms at :meth:`begin` (a group that rejoins takes a healthy peer's state there) and
+    the groups vote at :meth:`commit`; a step that does not commit leaves grace's state as it
+    was at :meth:`begin`."""
+
+    def begin(self) -> None:
+        """Before the step's first exchange (and before the forward pass that feeds it)."""
+
+    def commit(self) -> bool:
+        """After the step's exchanges, before anything is applied: apply it (True) or discard it."""
+        return True
+
+
 class Driver:
     """What a way in keeps, declared once (class attributes, each a tuple of attribute names):
 
@@ -74,6 +89,7 @@ class Driver:
     STATS_PER_GRACE: ClassVar[bool] = False
 
     _names: dict[Any, str]  # parameter -> name, in the order the way in exchanges them
+    coordinator: Coordinator = Coordinator()  # where a step begins and whether it commits (torchft's sets its own)
 
     # -- what it is --------------------------------------------------------------------
     preset: str | None = None  # the registered name it was built under (a schedule's Preset)
@@ -142,6 +158,11 @@ class Driver:
         the first exchange)."""
         grace.expect_groups([[(self._names[p], p) for p in group] for group in groups])
 
+    def replicas(self) -> dict[str, torch.Tensor]:
+        """What is equal on every rank at an exchange ({name: tensor}): the parameters for a way
+        in that averages every step; a new quorum compares them across its ranks."""
+        return {name: p.detach() for p, name in self._names.items()}
+
     # -- stats ---------------------------------------------------------------------------
     def reset_stats(self) -> None:
         """Zero the counters of :meth:`stats` (and the Graces')."""
@@ -179,21 +200,24 @@ class Driver:
         state["stats"] = {attr.removeprefix("_stat_"): getattr(self, attr) for attr in self.STATS.values()}
         return self._per_rank(state) if self.PER_RANK else state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, peer: bool = False) -> None:
         """Restore :meth:`state_dict`'s output. The state of another way in, of other
         settings, of other parameters' shapes or of other Graces is refused with an error
-        naming what differs, before anything is loaded."""
+        naming what differs, before anything is loaded. ``peer=True``: the state is a healthy
+        peer's, taken by a rank that rejoins (torchft's heal): each Grace keeps of it what is
+        equal on every rank (:meth:`Grace.heal`), the rest as saved."""
         state = self._from_rank(state_dict) if self.PER_RANK else state_dict
         if self._load_foreign(state):
             return
         state = self._upgrade(state)
         self._refuse_another(state)
-        self._refuse_other_shapes(state)
+        if not peer:  # a peer's is of the same model (the quorum compares it), and binding would exchange
+            self._refuse_other_shapes(state)
         for key in self.PLAIN:  # first: a setter may refuse what does not fit (FSDP's layout)
             if key in state:
                 setattr(self, key, state[key])
-        for key, grace in self._graces():
-            grace.load_state_dict(state[key])  # refuses other methods, world sizes, settings
+        for key, grace in self._graces():  # refuse other methods, world sizes, settings
+            (grace.heal if peer else grace.load_state_dict)(state[key])
         for key in self.OBJECTS:
             if key in state:
                 getattr(self, key).load_state_dict(state[key])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
@@ -18,7 +18,7 @@ import torch
 
 from ..engines import create_engine
 from ..engines.base import Engine
-from ..errors import GraceConfigError, check_bool, on_every_rank
+from ..errors import GraceConfigError, StepDiscarded, check_bool, on_every_rank
 from .driver import FUSION_BYTES, Driver
 
 if TYPE_CHECKING:
@@ -299,11 +299,14 @@ class DistributedOptimizer(WrappingOptimizer):
             if bucket not in self._pending:
                 self._submit(bucket)
         started = time.perf_counter()
-        for bucket, future in self._pending.items():
-            for param, average in zip(self._buckets[bucket], future.result()):
-                grad = cast(torch.Tensor, param.grad)  # _submit gave every parameter one
-                if average is not grad and average.data_ptr() != grad.data_ptr():  # in place: already there
-                    grad.copy_(average)
+        try:
+            for bucket, future in self._pending.items():
+                for param, average in zip(self._buckets[bucket], future.result()):
+                    grad = cast(torch.Tensor, param.grad)  # _submit gave every parameter one
+                    if average is not grad and average.data_ptr() != grad.data_ptr():  # in place: already there
+                        grad.copy_(average)
+        except StepDiscarded:  # a fault-tolerant job lost a group: step() will not commit, wait for the rest
+            wait(list(self._pending.values()))
         self.grace.add_wait(time.perf_counter() - started)
         self._pending.clear()
         self._clear_counts()
@@ -404,6 +407,9 @@ class DistributedOptimizer(WrappingOptimizer):
         if not self._synchronized:
             self.synchronize()
         self._synchronized = False
+        if not self.coordinator.commit():  # torchft: a group was lost, every group discards the step
+            self.optimizer.zero_grad()
+            return None
         if self.found_inf:  # every rank skips this step alike (grace's nonfinite="skip")
             return None
         return self.optimizer.step()
@@ -415,6 +421,7 @@ class DistributedOptimizer(WrappingOptimizer):
             )
         self._clear_counts()
         self._synchronized = False
+        self.coordinator.begin()  # torchft: the quorum forms, a rejoining group takes its peer's state
         return self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _clear_counts(self) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from ...errors import GraceConfigError, check_bool, check_range
+from ...errors import GraceConfigError, StepDiscarded, check_bool, check_range
 from ..driver import FUSION_BYTES
 from .base import Schedule
 from .registry import SCHEDULES, Preset, register_schedule
@@ -112,6 +112,8 @@ class OuterSync(Schedule):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One inner step (no communication); every ``inner_steps``-th also synchronizes.
         Returns what the inner optimizer's step returns (the closure's loss)."""
+        if self.since_sync == 0:  # a round begins (torchft: the quorum; a rejoining group takes its peer's state)
+            self.coordinator.begin()
         self._take_start()
         result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self.steps += 1
@@ -152,17 +154,22 @@ class OuterSync(Schedule):
         def delta(p: torch.nn.Parameter, out: Tensor) -> None:  # Δ = θ_start − θ
             torch.sub(start[name_of[p]], p.detach(), out=out)
 
-        averages = self._wait(self.grace, self._send_groups(self.grace, self._fill(self._groups, delta)))
+        try:
+            averages = self._wait(self.grace, self._send_groups(self.grace, self._fill(self._groups, delta)))
+        except StepDiscarded:  # a fault-tolerant job lost a group: the round commits nowhere
+            averages = {}
         with torch.no_grad():
             for p in self._names:  # θ ← θ_start
                 p.copy_(start[name_of[p]])
         self.since_sync = 0
-        if self.grace.skipped != mark:  # a NaN/Inf on some rank: every rank drops the round alike
+        committed = self.coordinator.commit()  # every group votes, whatever it met
+        if self.grace.skipped != mark or not committed:  # every rank drops the round alike
             self._stat_skipped += 1
             log.warning(
-                "%s: the outer gradient was not finite on some rank; this round is dropped on every rank "
-                "(parameters back to the start of the round, no outer step)",
+                "%s: the outer gradient was %s; this round is dropped on every rank (parameters back to the "
+                "start of the round, no outer step)",
                 self.name,
+                "not finite on some rank" if committed else "not committed (a replica group was lost)",
             )
             return
         saved = {p: p.grad for p in self._names}  # the inner gradients, given back after the outer step
@@ -189,6 +196,12 @@ class OuterSync(Schedule):
         out["inner_steps"] = self.inner_steps
         out["bytes_per_sync"] = sent / self._stat_syncs if self._stat_syncs else 0.0
         out["bytes_per_step"] = sent / self._stat_steps if self._stat_steps else 0.0
+
+    def replicas(self) -> dict[str, Tensor]:
+        """θ_start: what every rank holds alike when a round's exchange runs (the parameters
+        have moved apart by then)."""
+        self._take_start()
+        return dict(self.start)
 
     def _before_saving(self) -> None:
         """The round's start is part of the state from the first step on (taken now if not yet).

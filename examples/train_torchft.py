@@ -1,0 +1,190 @@
+"""Surviving a lost node: grace_dgc under torchft, run as printed.
+
+    pip install 'grace_dgc[torchft]'
+    python examples/train_torchft.py --groups 2 --kill 1:4
+
+One process here is the lighthouse and starts the replica groups, one process each (one rank per
+group, gloo on the CPU). ``--kill G:S`` kills group G (SIGKILL-like: ``os._exit``) at step S,
+between steps; ``G:S:exchange`` kills it inside an exchange (in grace's communication thread).
+The others go on without it; it is started again ``--restart-after`` seconds later, takes a
+healthy group's state at its first step (torchft's heal) and trains on with them. Each group
+writes its parameters, its final loss and the steps it applied to ``--out``; at the end the
+groups' parameters are equal bit for bit, or the script exits 1.
+
+``--way diloco`` runs DiLoCo (4 inner steps per round) instead of the DistributedOptimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def model_and_data(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group ``group``'s batch at ``step``: its own shard of a fixed regression task."""
+    generator = torch.Generator().manual_seed(1000 * step + group)
+    x = torch.randn(32, 16, generator=generator)
+    return x, x @ torch.linspace(-1, 1, 16).unsqueeze(1)
+
+
+def replica_group(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torchft import Manager, ProcessGroupGloo
+
+    import grace_dgc
+    from grace_dgc.engines.torchft_engine import TorchFTEngine
+    from grace_dgc.training.torchft import fault_tolerant
+
+    torch.manual_seed(args.group)  # each group its own initial model: torchft's first heal makes them one
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        use_async_quorum=False,
+        replica_id=f"group_{args.group}",
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=args.lighthouse,
+        hostname="localhost",
+        timeout=timedelta(seconds=20),
+        quorum_timeout=timedelta(seconds=60),
+        connect_timeout=timedelta(seconds=20),
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    engine = TorchFTEngine(manager)
+    params = args.restart_params if args.attempt and args.restart_params else args.params
+    grace = grace_dgc.build(args.compressor, args.memory, args.communicator, engine=engine, **params)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    if args.way == "diloco":
+        way = grace_dgc.schedules.create("diloco", inner, grace, model.named_parameters(), inner_steps=4)
+    else:
+        way = grace_dgc.DistributedOptimizer(inner, grace, model.named_parameters())
+    fault_tolerant(manager, way, model)
+    kill_group, kill_step, where = args.kill
+    # the steps asked for, and then on until every group is back (a demo: a lost node rejoins before the end)
+    while manager.current_step() < args.steps or manager.num_participants() < args.groups:
+        step = manager.current_step()
+        dying = args.attempt == 0 and args.group == kill_group and step == kill_step
+        if dying and where == "between":
+            os._exit(9)
+        if dying:  # inside an exchange: the communication thread dies in its next collective
+            grace.engine.allgather = lambda *a, **k: os._exit(9)  # type: ignore[method-assign]
+        x, y = model_and_data(args.group, step)
+        way.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        way.step()
+        time.sleep(args.step_seconds)  # a real step's compute: time for a lost group to come back
+    if args.way == "diloco":
+        way.synchronize_now()
+    x, y = model_and_data(99, 0)
+    with torch.no_grad():
+        final = float(torch.nn.functional.mse_loss(model(x), y))
+    record = {
+        "group": args.group,
+        "attempt": args.attempt,
+        "steps": manager.current_step(),
+        "final_loss": final,
+        "parameters": [p.detach().flatten().tolist() for p in model.parameters()],
+        "stats": {k: v for k, v in way.stats().items() if isinstance(v, (int, float))},
+    }
+    with open(os.path.join(args.out, f"group{args.group}.json"), "w") as f:
+        json.dump(record, f)
+    manager.shutdown(wait=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--step-seconds", type=float, default=0.1)
+    parser.add_argument("--kill", default="", help="G:S[:exchange] (empty: no failure)")
+    parser.add_argument("--restart-after", type=float, default=2.0)
+    parser.add_argument("--late", type=int, default=-1, help="a group that starts --restart-after seconds late")
+    parser.add_argument("--way", choices=["optimizer", "diloco"], default="optimizer")
+    parser.add_argument("--compressor", default="topk")
+    parser.add_argument("--memory", default="residual")
+    parser.add_argument("--communicator", default="allgather")
+    parser.add_argument("--params", type=json.loads, default={"compress_ratio": 0.25})
+    parser.add_argument("--restart-params", type=json.loads, default=None, help="the restarted group's own")
+    parser.add_argument("--out", default="torchft-run")
+    parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--group", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--attempt", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    parts = args.kill.split(":") if args.kill else ["-1", "-1"]
+    args.kill = (int(parts[0]), int(parts[1]), parts[2] if len(parts) > 2 else "between")
+    if args.group >= 0:
+        replica_group(args)
+        return 0
+    return lighthouse_and_groups(args, argv or sys.argv[1:])
+
+
+def lighthouse_and_groups(args: argparse.Namespace, argv: list[str]) -> int:
+    from torchft.coordination import LighthouseServer
+
+    os.makedirs(args.out, exist_ok=True)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    address = "http://localhost:" + lighthouse.address().rsplit(":", 1)[1]
+
+    def start(group: int, attempt: int) -> subprocess.Popen:
+        extra = ["--group", str(group), "--attempt", str(attempt), "--lighthouse", address]
+        return subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, *extra])
+
+    deadline = time.monotonic() + args.timeout
+    groups = {g: start(g, 0) for g in range(args.groups) if g != args.late}
+    pending_start = {args.late: time.monotonic() + args.restart_after} if args.late >= 0 else {}
+    ok = True
+    try:
+        while groups or pending_start:
+            if time.monotonic() > deadline:
+                print(f"timeout: groups {sorted(groups)} still running", file=sys.stderr)
+                ok = False
+                break
+            for group, at in list(pending_start.items()):
+                if time.monotonic() >= at:
+                    groups[group] = start(group, 1)
+                    del pending_start[group]
+            for group, process in list(groups.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                del groups[group]
+                if code == 9 and group == args.kill[0]:
+                    print(f"group {group} was killed; it starts again in {args.restart_after:g} s", flush=True)
+                    pending_start[group] = time.monotonic() + args.restart_after
+                elif code != 0:
+                    print(f"group {group} failed (exit {code}): stopping the others", file=sys.stderr)
+                    ok = False
+            if not ok:
+                break
+            time.sleep(0.05)
+    finally:
+        for process in groups.values():
+            process.kill()
+        lighthouse.shutdown()
+    if not ok:
+        return 1
+    records = [json.load(open(os.path.join(args.out, f"group{g}.json"))) for g in range(args.groups)]
+    same = all(r["parameters"] == records[0]["parameters"] for r in records)
+    for r in records:
+        print(f"group {r['group']}: {r['steps']} steps, final loss {r['final_loss']:.6f}")
+    print("parameters equal on every group" if same else "parameters DIFFER between groups")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

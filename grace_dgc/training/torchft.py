@@ -1,0 +1,126 @@
+"""Training that survives a lost replica group: a way in under torchft's ``Manager``.
+
+torchft (``pip install 'grace_dgc[torchft]'``) keeps a job going when a replica group dies: a
+lighthouse keeps the quorum, each group's ``Manager`` reconfigures the process group over the
+groups alive, and a group that comes back receives a healthy peer's state. :func:`fault_tolerant`
+puts a DistributedOptimizer or an outer-loop schedule under a Manager::
+
+    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), use_async_quorum=False, min_replica_size=1,
+                              load_state_dict=None, state_dict=None, replica_id=f"group_{g}", ...)
+    grace = grace_dgc.build("topk", "residual", "allgather", engine=TorchFTEngine(manager), compress_ratio=0.01)
+    optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace,
+                                               model.named_parameters())
+    fault_tolerant(manager, optimizer, model)
+    while manager.current_step() < steps:
+        optimizer.zero_grad()            # the quorum forms; a group that rejoins takes its peer's state here
+        loss_of(model, batch).backward()  # grace's exchanges run on the quorum's process group
+        optimizer.step()                  # applied if every group's exchanges went through, else discarded
+
+What each step does (:class:`Quorum`, the way in's coordinator):
+
+1. ``begin`` (the DistributedOptimizer's ``zero_grad``, a schedule's first inner step of a round):
+   ``manager.start_quorum()``. A group behind the others (restarted after a loss) receives a
+   healthy peer's state there (the model, and the way in's ``state_dict()`` loaded with
+   ``peer=True``). When the quorum is another one, each Grace binds and agrees again on the new
+   ranks (a rejoining group with other settings is refused by name) and compares what must be
+   equal on every rank (the parameters; a schedule's round start), so a heal that left a group
+   apart is an error, not a silent divergence. Grace's state is copied.
+2. The exchanges run on the Manager's process group (:class:`~grace_dgc.engines.torchft_engine.TorchFTEngine`);
+   the average divides by the quorum's participants. A collective that fails is reported to
+   the Manager and ends the step's exchanges (:class:`~grace_dgc.errors.StepDiscarded`).
+3. ``commit`` (the optimizer's ``step``, a schedule's synchronization): ``manager.should_commit()``.
+   Where it is False the step is discarded on this group: nothing applied, grace's state back
+   to the copy of 1 (an error feedback that took in a discarded step would carry mass that was
+   never applied).
+
+What a rejoining group does with grace's state (``Part.REPLICATED``): it adopts what is equal on
+every rank (PowerSGD's Q, a shared random stream, step counts, the Adam moments and round start
+of a schedule, the optimizers' state) and starts its own error feedback, worker momentum and
+owner errors empty: a peer's residual taken over would be sent by two groups, its mass counted
+twice. State that holds only for the ranks it was built with (an owner's chunk error; EF21's shared
+estimate) is reset on every group when the quorum changes (``Part.RESET_WHEN_RANKS_CHANGE``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..engines.torchft_engine import TorchFTEngine
+from ..errors import GraceConfigError, StepDiscarded
+from .driver import Coordinator, Driver
+from .optimizer import DistributedOptimizer
+from .schedules.outer import OuterSync
+from .schedules.streaming import StreamingDiLoCo
+
+STATE_KEY = "grace_dgc"  # the key of the way in's state among the Manager's state functions
+
+
+class Quorum(Coordinator):
+    """A way in's steps under ``manager`` (see the module): the quorum at :meth:`begin`, the
+    vote at :meth:`commit`, a healthy peer's state for a group that rejoins."""
+
+    def __init__(self, manager: Any, way: Driver, model: torch.nn.Module) -> None:
+        self.manager, self.way, self.model = manager, way, model
+        self.graces = [grace for _, grace in way._graces()]
+        self._saved: list[dict[str, Any]] = []
+
+    def begin(self) -> None:
+        self.manager.start_quorum()  # a group behind the others heals here (load_from_peer)
+        self._follow_the_quorum()
+        try:  # on a new quorum the Graces bind first: the ranks agree on their settings and replicas
+            self._saved = [grace.state_dict() for grace in self.graces]
+        except StepDiscarded:  # a group was lost as the quorum formed: nothing changed, nothing commits
+            self._saved = []
+
+    def commit(self) -> bool:
+        if self.manager.should_commit():
+            return True
+        for grace, saved in zip(self.graces, self._saved):  # as at begin: the discarded step left no trace
+            grace.load_state_dict(saved)
+        return False
+
+    def _follow_the_quorum(self) -> None:
+        """Another quorum than the last: the Graces bind and agree again on its ranks."""
+        if self.graces[0].engine.refresh():  # type: ignore[attr-defined]
+            replicas = self.way.replicas()
+            for grace in self.graces:
+                grace.ranks_changed(replicas)
+
+    def state_for_peer(self) -> dict[str, Any]:
+        """What a healthy group sends one that rejoins: the model and the way in's state."""
+        return {"model": self.model.state_dict(), "way": self.way.state_dict()}
+
+    def load_from_peer(self, state: dict[str, Any]) -> None:
+        """A group behind the others (restarted after a loss) takes a healthy peer's state, then
+        the quorum's ranks (what it compares across them is the peer's by then)."""
+        self.model.load_state_dict(state["model"])
+        self.way.load_state_dict(state["way"], peer=True)
+        self._follow_the_quorum()
+
+
+def fault_tolerant(manager: Any, way: Driver, model: torch.nn.Module) -> Quorum:
+    """Run ``way`` (a :class:`DistributedOptimizer` or an outer-loop schedule: DiLoCo, local
+    SGD, SparseLoCo) under torchft's ``manager``: its Graces exchange on the Manager's process
+    group (build them with ``engine=TorchFTEngine(manager)``), its steps begin with the quorum
+    and commit by the groups' vote, and a group that rejoins takes a healthy peer's state (the
+    module's docstring). Registers the state functions with the Manager (give it
+    ``load_state_dict=None, state_dict=None``). Returns the coordinator the way in now uses."""
+    if isinstance(way, StreamingDiLoCo) or not isinstance(way, (DistributedOptimizer, OuterSync)):
+        raise GraceConfigError(
+            f"fault_tolerant runs a DistributedOptimizer or an outer-loop schedule (diloco, local_sgd, sparseloco); "
+            f"got {getattr(way, 'name', type(way).__name__)}: its exchanges in flight across steps (Streaming "
+            "DiLoCo) or its dense and compressed phases (the Adam schedules) are not under a quorum yet"
+        )
+    graces = [grace for _, grace in way._graces()]
+    foreign = [g for g in graces if not (isinstance(g.engine, TorchFTEngine) and g.engine.manager is manager)]
+    if foreign:
+        raise GraceConfigError(
+            f"the Grace of {way.name} exchanges on engine {foreign[0].engine.name!r}; under torchft build it with "
+            "engine=grace_dgc.engines.torchft_engine.TorchFTEngine(manager), the same Manager"
+        )
+    quorum = Quorum(manager, way, model)
+    manager.register_state_dict_fn(STATE_KEY, quorum.load_from_peer, quorum.state_for_peer)
+    way.coordinator = quorum
+    return quorum
