@@ -106,6 +106,16 @@ class Engine:
         self.traffic.sent += tensor.numel() * size
         self.traffic.received += (tensor.numel() if received is None else received) * size
 
+    def _all_to_all_buffers(
+        self, tensor: Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int]
+    ) -> tuple[list[int], list[int], Tensor]:
+        """An all_to_all's sizes (checked, as ints) and its output buffer; counts what crosses to
+        other ranks (a rank's part for itself stays home)."""
+        self._check_splits(tensor, send_sizes, recv_sizes)
+        send, recv = [int(n) for n in send_sizes], [int(n) for n in recv_sizes]
+        self._count(tensor[: tensor.numel() - send[self.rank]], received=sum(recv) - recv[self.rank])
+        return send, recv, tensor.new_empty(sum(recv))
+
     def _check_splits(self, tensor: Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int]) -> None:
         if len(send_sizes) != self.size or len(recv_sizes) != self.size:
             raise GraceConfigError(

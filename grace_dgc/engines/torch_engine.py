@@ -478,10 +478,7 @@ class TorchEngine(Engine):
         return tensor
 
     def all_to_all(self, tensor: Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int]) -> Tensor:
-        self._check_splits(tensor, send_sizes, recv_sizes)
-        send, recv = [int(n) for n in send_sizes], [int(n) for n in recv_sizes]
-        out = tensor.new_empty(sum(recv))
-        self._count(tensor[: tensor.numel() - send[self.rank]], received=sum(recv) - recv[self.rank])
+        send, recv, out = self._all_to_all_buffers(tensor, send_sizes, recv_sizes)
         # always a collective, even with nothing to send or receive here: the other ranks may
         # exchange among themselves, and a rank that skipped would meet them in the next one
         self._run(

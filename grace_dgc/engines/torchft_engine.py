@@ -122,10 +122,7 @@ class TorchFTEngine(Engine):
     def all_to_all(self, tensor: Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int]) -> Tensor:
         from torch._C._distributed_c10d import AllToAllOptions
 
-        self._check_splits(tensor, send_sizes, recv_sizes)
-        send, recv = [int(n) for n in send_sizes], [int(n) for n in recv_sizes]
-        out = tensor.new_empty(sum(recv))
-        self._count(tensor[: tensor.numel() - send[self.rank]], received=sum(recv) - recv[self.rank])
+        send, recv, out = self._all_to_all_buffers(tensor, send_sizes, recv_sizes)
         source = tensor.contiguous()
         self._run("all_to_all", lambda: self.pg.alltoall_base(out, source, recv, send, AllToAllOptions()))
         return out

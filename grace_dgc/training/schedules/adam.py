@@ -23,7 +23,7 @@ dense Grace on the same engine (fp32 allreduce), counted in :meth:`stats`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ...errors import GraceConfigError, GraceNonFiniteError, check_bool, check_range, on_every_rank
 from ..driver import FUSION_BYTES
-from .base import Fill, Schedule
+from .base import Fill, Named, Schedule
 from .registry import register_schedule
 
 if TYPE_CHECKING:
@@ -52,12 +52,9 @@ class AdamSchedule(Schedule):
     needs_adam = True  # a configuration check builds it over an AdamW
 
     def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        grace: Grace,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
-        **settings: Any,
+        self, optimizer: torch.optim.Optimizer, grace: Grace, named_parameters: Named, fusion_bytes: int
     ) -> None:
+        """After the subclass's :meth:`_adam_settings` (its own settings first, then these)."""
         from ...registry import build
 
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -70,11 +67,7 @@ class AdamSchedule(Schedule):
             for flag in ("amsgrad", "maximize"):
                 if group.get(flag):
                     raise GraceConfigError(f"{self.name}: param group {index} has {flag}=True; accepted: False")
-        self.bias_correction = check_bool("bias_correction", settings["bias_correction"])
-        self.momentum_mask = check_bool("momentum_mask", settings["momentum_mask"])
-        clip = settings["max_grad_norm"]
-        self.max_grad_norm = None if clip is None else check_range("max_grad_norm", clip, 0, low_open=True)
-        self._wrap(optimizer, grace, named_parameters, settings["fusion_bytes"])
+        self._wrap(optimizer, grace, named_parameters, fusion_bytes)
         # param groups by index: optimizer.load_state_dict replaces the group dicts
         self._index_of = {p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
         # the dense exchanges: fp32 allreduce on the same engine (never in flight with grace's)
@@ -90,6 +83,13 @@ class AdamSchedule(Schedule):
             self._plan(part, self._groups)
         grace.attach_optimizer(optimizer, {n: p for p, n in self._names.items()})
         self.dense.watch({n: p for p, n in self._names.items()})  # ranks start from one model
+
+    def _adam_settings(self, bias_correction: bool, momentum_mask: bool, max_grad_norm: float | None) -> None:
+        """The settings both methods take, checked."""
+        self.bias_correction = check_bool("bias_correction", bias_correction)
+        self.momentum_mask = check_bool("momentum_mask", momentum_mask)
+        clip = max_grad_norm
+        self.max_grad_norm = None if clip is None else check_range("max_grad_norm", clip, 0, low_open=True)
 
     # -- the pieces of a step -----------------------------------------------------------
     def _hyper(self, p: torch.nn.Parameter) -> tuple[float, float, float, float, float, bool]:
@@ -230,7 +230,7 @@ class OneBitAdam(AdamSchedule):
         self,
         optimizer: torch.optim.Optimizer,
         grace: Grace,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        named_parameters: Named = None,
         *,
         freeze_step: int = 1000,
         bias_correction: bool = True,
@@ -239,15 +239,8 @@ class OneBitAdam(AdamSchedule):
         fusion_bytes: int = FUSION_BYTES,
     ) -> None:
         self.freeze_step = check_range("freeze_step", freeze_step, 1, kind=int)
-        super().__init__(
-            optimizer,
-            grace,
-            named_parameters,
-            fusion_bytes=fusion_bytes,
-            max_grad_norm=max_grad_norm,
-            bias_correction=bias_correction,
-            momentum_mask=momentum_mask,
-        )
+        self._adam_settings(bias_correction, momentum_mask, max_grad_norm)
+        super().__init__(optimizer, grace, named_parameters, fusion_bytes)
 
     def phase(self) -> str:
         return "warm-up" if self.steps < self.freeze_step else "compressed"
@@ -387,7 +380,7 @@ class ZeroOneAdam(AdamSchedule):
         self,
         optimizer: torch.optim.Optimizer,
         grace: Grace,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        named_parameters: Named = None,
         *,
         var_freeze_step: int = 100_000,
         var_update_scaler: int = 16,
@@ -409,15 +402,8 @@ class ZeroOneAdam(AdamSchedule):
         self.frozen = False
         self.since_sync = 0  # local steps since the last synchronization
         self.round_starts: dict[str, Tensor] = {}  # p₀: the parameters the round started from, per name
-        super().__init__(
-            optimizer,
-            grace,
-            named_parameters,
-            fusion_bytes=fusion_bytes,
-            max_grad_norm=max_grad_norm,
-            bias_correction=bias_correction,
-            momentum_mask=momentum_mask,
-        )
+        self._adam_settings(bias_correction, momentum_mask, max_grad_norm)
+        super().__init__(optimizer, grace, named_parameters, fusion_bytes)
 
     TENSORS = (*AdamSchedule.TENSORS, "round_starts")  # p₀ of the round, per name
 

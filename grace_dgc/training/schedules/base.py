@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 Fill = Callable[[torch.nn.Parameter, Tensor], object]  # writes what a parameter sends into a buffer
 Filled = tuple[list[torch.nn.Parameter], Tensor, list[Tensor]]  # a fusion group, its flat buffer, its views
 Pending = list[tuple[list[torch.nn.Parameter], Future[list[Tensor]]]]
+Named = Iterable[tuple[str, torch.nn.Parameter]] | None  # model.named_parameters(), or None: param.<i>
 
 
 class Schedule(WrappingOptimizer):
@@ -30,13 +31,7 @@ class Schedule(WrappingOptimizer):
         "fusion_bytes": "fusion only batches the exchange; what is kept is kept per parameter name"
     }
 
-    def _wrap(
-        self,
-        optimizer: torch.optim.Optimizer,
-        grace: Grace,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
-        fusion_bytes: int,
-    ) -> None:
+    def _wrap(self, optimizer: torch.optim.Optimizer, grace: Grace, named_parameters: Named, fusion_bytes: int) -> None:
         """Keep the optimizer and the Grace, name the trainable parameters and plan their fusion
         groups (``self._groups``). Deliberately no ``Optimizer.__init__``: the wrapped optimizer
         owns the parameter groups and the state."""

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ...errors import GraceConfigError, StepDiscarded, check_bool, check_range
 from ..driver import FUSION_BYTES
-from .base import Schedule
+from .base import Named, Schedule
 from .registry import SCHEDULES, Preset, register_schedule
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class OuterSync(Schedule):
         self,
         optimizer: torch.optim.Optimizer,
         grace: Grace,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        named_parameters: Named = None,
         *,
         inner_steps: int = 500,
         outer_lr: float = 0.7,
@@ -256,7 +256,7 @@ class SparseLoCo(OuterSync):
         self,
         optimizer: torch.optim.Optimizer,
         grace: Grace,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        named_parameters: Named = None,
         *,
         inner_steps: int = 15,
         outer_lr: float = 1.0,

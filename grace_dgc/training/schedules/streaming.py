@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ...errors import GraceConfigError, check_choice, check_range
 from ..driver import FUSION_BYTES
-from .base import Pending
+from .base import Named, Pending
 from .outer import OuterSync
 from .registry import register_schedule
 
@@ -92,7 +92,7 @@ class StreamingDiLoCo(OuterSync):
         self,
         optimizer: torch.optim.Optimizer,
         grace: Grace,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        named_parameters: Named = None,
         *,
         inner_steps: int = 100,
         fragments: int = 4,
