@@ -4,8 +4,9 @@
     python examples/train_torchft.py --groups 2 --kill 1:4
 
 One process here is the lighthouse and starts the replica groups, one process each (one rank per
-group, gloo on the CPU). ``--kill G:S`` kills group G (SIGKILL-like: ``os._exit``) at step S,
-between steps; ``G:S:exchange`` kills it inside an exchange (in grace's communication thread).
+group, gloo on the CPU). ``--kill G:S`` kills group G (SIGKILL-like: ``os._exit``) at its own S-th
+step (an inner step under DiLoCo), between steps; ``G:S:exchange`` kills it inside an exchange (in
+grace's communication thread).
 The others go on without it; it is started again ``--restart-after`` seconds later, takes a
 healthy group's state at its first step (torchft's heal) and trains on with them. Each group
 writes its parameters, its final loss and the steps it applied to ``--out``; at the end the
@@ -74,14 +75,17 @@ def replica_group(args: argparse.Namespace) -> None:
         way = grace_dgc.DistributedOptimizer(inner, grace, model.named_parameters())
     fault_tolerant(manager, way, model)
     kill_group, kill_step, where = args.kill
+    taken = 0  # this process's own steps: it dies at its kill_step-th, wherever the job is by then
     # the steps asked for, and then on until every group is back (a demo: a lost node rejoins before the end)
     while manager.current_step() < args.steps or manager.num_participants() < args.groups:
         step = manager.current_step()
-        dying = args.attempt == 0 and args.group == kill_group and step == kill_step
+        taken += 1
+        dying = args.attempt == 0 and args.group == kill_group and taken == kill_step
         if dying and where == "between":
             os._exit(9)
         if dying:  # inside an exchange: the communication thread dies in its next collective
-            grace.engine.allgather = lambda *a, **k: os._exit(9)  # type: ignore[method-assign]
+            for collective in ("allreduce", "allgather", "all_to_all", "broadcast"):
+                setattr(engine, collective, lambda *a, **k: os._exit(9))
         x, y = model_and_data(args.group, step)
         way.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()

@@ -58,7 +58,7 @@ CASES = {
         *("--groups", "3", "--kill", "2:4", "--compressor", "powersgd", "--communicator", "allreduce"),
         *("--params", '{"compress_rank": 2}'),
     ],
-    "2 groups, DiLoCo": ["--groups", "2", "--kill", "1:2", "--way", "diloco", "--steps", "8"],
+    "2 groups, DiLoCo": ["--groups", "2", "--kill", "1:6", "--way", "diloco", "--steps", "6"],
     "2 groups, one joins late": ["--groups", "2", "--late", "1"],
 }
 
