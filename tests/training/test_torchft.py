@@ -155,3 +155,74 @@ def test_a_way_in_not_under_a_quorum_yet_or_a_grace_on_another_engine_is_refused
     )
     with pytest.raises(GraceConfigError, match="Streaming DiLoCo"):
         fault_tolerant(manager, streaming, model)
+
+
+class Done:
+    def wait(self, *a):
+        return True
+
+
+class OneGroupPG:
+    """The process group of a quorum of one (collectives complete at once)."""
+
+    def size(self):
+        return 1
+
+    def allgather(self, outs, ins, opts):
+        outs[0][0].copy_(ins[0])
+        return Done()
+
+    def allreduce(self, tensors, opts):
+        return Done()
+
+
+class ScriptedManager(FakeManager):
+    """A quorum of one whose votes are scripted: the commit protocol without a lighthouse."""
+
+    def __init__(self, votes):
+        super().__init__()
+        self.votes, self._pg, self._quorum_id, self.registered = list(votes), OneGroupPG(), 0, {}
+        self.errored = lambda: None
+
+    def start_quorum(self):
+        pass
+
+    def num_participants(self):
+        return 1
+
+    def participating_rank(self):
+        return 0
+
+    def should_commit(self):
+        return self.votes.pop(0)
+
+    def register_state_dict_fn(self, key, load, save):
+        self.registered[key] = (load, save)
+
+
+def test_a_discarded_step_leaves_no_trace_so_error_feedback_loses_and_doubles_no_mass():
+    """Applied + held = the committed steps' gradients, exactly, across a discarded step: grace's
+    residual goes back to what it was when the step began (a residual that kept the discarded
+    step's mass would send it later, a step nobody applied)."""
+    import grace_dgc
+    from grace_dgc.training.torchft import fault_tolerant
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1, bias=False)
+    start = model.weight.detach().clone()
+    manager = ScriptedManager([True, False, True, True])
+    grace = grace_dgc.build("topk", "residual", "allgather", engine=TorchFTEngine(manager), compress_ratio=0.34)
+    optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), grace)
+    fault_tolerant(manager, optimizer, model)
+    assert "grace_dgc" in manager.registered
+    gradients = [torch.randn(1, 6) for _ in range(4)]
+    held = []
+    for gradient in gradients:
+        optimizer.zero_grad()
+        model.weight.grad = gradient.clone()  # as backward would leave it
+        optimizer.step()
+        held.append(grace.memory.residuals["param.0"].clone())
+    committed = gradients[0] + gradients[2] + gradients[3]
+    applied = start - model.weight.detach()
+    torch.testing.assert_close(applied + held[-1], committed, rtol=0, atol=1e-6)
+    assert torch.equal(held[1], held[0]), "the discarded step's residual is the one before it"
