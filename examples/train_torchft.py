@@ -12,7 +12,8 @@ healthy group's state at its first step (torchft's heal) and trains on with them
 writes its parameters, its final loss and the steps it applied to ``--out``; at the end the
 groups' parameters are equal bit for bit, or the script exits 1.
 
-``--way diloco`` runs DiLoCo (4 inner steps per round) instead of the DistributedOptimizer.
+``--way diloco`` runs DiLoCo (4 inner steps per round) instead of the DistributedOptimizer,
+``--way onebit_adam`` 1-bit Adam (3 dense warm-up steps, then the momentum through the Grace).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def replica_group(args: argparse.Namespace) -> None:
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     if args.way == "diloco":
         way = grace_dgc.schedules.create("diloco", inner, grace, model.named_parameters(), inner_steps=4)
+    elif args.way == "onebit_adam":  # 3 dense warm-up steps, then the momentum through the Grace
+        adam = torch.optim.AdamW(model.parameters(), lr=0.01)
+        way = grace_dgc.schedules.create("onebit_adam", adam, grace, model.named_parameters(), freeze_step=3)
     else:
         way = grace_dgc.DistributedOptimizer(inner, grace, model.named_parameters())
     fault_tolerant(manager, way, model)
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill", default="", help="G:S[:exchange] (empty: no failure)")
     parser.add_argument("--restart-after", type=float, default=2.0)
     parser.add_argument("--late", type=int, default=-1, help="a group that starts --restart-after seconds late")
-    parser.add_argument("--way", choices=["optimizer", "diloco"], default="optimizer")
+    parser.add_argument("--way", choices=["optimizer", "diloco", "onebit_adam"], default="optimizer")
     parser.add_argument("--compressor", default="topk")
     parser.add_argument("--memory", default="residual")
     parser.add_argument("--communicator", default="allgather")

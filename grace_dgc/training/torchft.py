@@ -51,6 +51,7 @@ from ..engines.torchft_engine import TorchFTEngine
 from ..errors import GraceConfigError, StepDiscarded
 from .driver import Coordinator, Driver
 from .optimizer import DistributedOptimizer
+from .schedules.adam import OneBitAdam, ZeroOneAdam
 from .schedules.outer import OuterSync
 from .schedules.streaming import StreamingDiLoCo
 
@@ -101,17 +102,20 @@ class Quorum(Coordinator):
 
 
 def fault_tolerant(manager: Any, way: Driver, model: torch.nn.Module) -> Quorum:
-    """Run ``way`` (a :class:`DistributedOptimizer` or an outer-loop schedule: DiLoCo, local
-    SGD, SparseLoCo) under torchft's ``manager``: its Graces exchange on the Manager's process
+    """Run ``way`` (a :class:`DistributedOptimizer`, an outer-loop schedule: DiLoCo, local
+    SGD, SparseLoCo, or 1-bit Adam) under torchft's ``manager``: its Graces exchange on the Manager's process
     group (build them with ``engine=TorchFTEngine(manager)``), its steps begin with the quorum
     and commit by the groups' vote, and a group that rejoins takes a healthy peer's state (the
     module's docstring). Registers the state functions with the Manager (give it
     ``load_state_dict=None, state_dict=None``). Returns the coordinator the way in now uses."""
-    if isinstance(way, StreamingDiLoCo) or not isinstance(way, (DistributedOptimizer, OuterSync)):
+    if isinstance(way, (StreamingDiLoCo, ZeroOneAdam)) or not isinstance(
+        way, (DistributedOptimizer, OuterSync, OneBitAdam)
+    ):
         raise GraceConfigError(
-            f"fault_tolerant runs a DistributedOptimizer or an outer-loop schedule (diloco, local_sgd, sparseloco); "
-            f"got {getattr(way, 'name', type(way).__name__)}: its exchanges in flight across steps (Streaming "
-            "DiLoCo) or its dense and compressed phases (the Adam schedules) are not under a quorum yet"
+            "fault_tolerant runs a DistributedOptimizer, an outer-loop schedule (diloco, local_sgd, sparseloco) or "
+            f"onebit_adam; got {getattr(way, 'name', type(way).__name__)}: its exchanges in flight across steps "
+            "(Streaming DiLoCo) or its local steps, whose parameters a healed group would take from a peer mid-round "
+            "and send again (0/1 Adam), are not under a quorum yet"
         )
     graces = [grace for _, grace in way._graces()]
     foreign = [g for g in graces if not (isinstance(g.engine, TorchFTEngine) and g.engine.manager is manager)]

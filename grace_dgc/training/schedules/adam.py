@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from ...errors import GraceConfigError, GraceNonFiniteError, check_bool, check_range, on_every_rank
+from ...errors import GraceConfigError, GraceNonFiniteError, StepDiscarded, check_bool, check_range, on_every_rank
 from ..driver import FUSION_BYTES
 from .base import Fill, Named, Schedule
 from .registry import register_schedule
@@ -84,6 +84,10 @@ class AdamSchedule(Schedule):
         grace.attach_optimizer(optimizer, {n: p for p, n in self._names.items()})
         self.dense.watch({n: p for p, n in self._names.items()})  # ranks start from one model
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.coordinator.begin()  # torchft: every step exchanges, so every step is under the quorum
+        return super().zero_grad(set_to_none)
+
     def _adam_settings(self, bias_correction: bool, momentum_mask: bool, max_grad_norm: float | None) -> None:
         """The settings both methods take, checked."""
         self.bias_correction = check_bool("bias_correction", bias_correction)
@@ -135,6 +139,12 @@ class AdamSchedule(Schedule):
     def _average(self, grace: Grace, fill: Fill) -> dict | None:
         """Every rank's ``fill`` averaged through ``grace``, per parameter (None: the exchange
         was skipped alike on every rank for a NaN/Inf; nothing was changed)."""
+        try:
+            return self._average_or_discard(grace, fill)
+        except StepDiscarded:  # a fault-tolerant job lost a group: this step commits nowhere
+            return None
+
+    def _average_or_discard(self, grace: Grace, fill: Fill) -> dict | None:
         filled = list(self._fill(self._groups, fill))
         # one question for the whole step: a NaN/Inf anywhere skips every group alike, before
         # any of them changes the Grace's state (a group skipped alone would leave the others'
@@ -255,7 +265,7 @@ class OneBitAdam(AdamSchedule):
         params = list(self._names)
         if t <= self.freeze_step:  # 1. dense Adam
             averages = self._average(self.dense, lambda p, out: out.copy_(self._grad(p)))
-            if averages is None:
+            if not self.coordinator.commit() or averages is None:  # torchft: a group lost; or a NaN/Inf
                 self._skip()
                 return loss
             self._clip([averages[p] for p in params])
@@ -274,7 +284,7 @@ class OneBitAdam(AdamSchedule):
 
             self._clip_local()
             averages = self._average(self.grace, momentum)
-            if averages is None:
+            if not self.coordinator.commit() or averages is None:
                 self._skip()
                 return loss
             with torch.no_grad():
