@@ -77,21 +77,27 @@ def replica_group(args: argparse.Namespace) -> None:
         way = grace_dgc.schedules.create("onebit_adam", adam, grace, model.named_parameters(), freeze_step=3)
     else:
         way = grace_dgc.DistributedOptimizer(inner, grace, model.named_parameters())
-    fault_tolerant(manager, way, model)
+    quorum = fault_tolerant(manager, way, model)
+    first_step = None  # the job's step at this process's first step: above 0 where it healed in late
     kill_group, kill_step, where = args.kill
     taken = 0  # this process's own steps: it dies at its kill_step-th, wherever the job is by then
     # the steps asked for, and then on until every group is back (a demo: a lost node rejoins before the end)
     while manager.current_step() < args.steps or manager.num_participants() < args.groups:
-        step = manager.current_step()
         taken += 1
         dying = args.attempt == 0 and args.group == kill_group and taken == kill_step
         if dying and where == "between":
             os._exit(9)
+        way.zero_grad()  # the quorum: a group behind the others heals here, so its data follow
         if dying:  # inside an exchange: the communication thread dies in its next collective
             for collective in ("allreduce", "allgather", "all_to_all", "broadcast"):
                 setattr(engine, collective, lambda *a, **k: os._exit(9))
+        step = manager.current_step()
         x, y = model_and_data(args.group, step)
-        way.zero_grad()
+        if first_step is None:
+            first_step = step
+        if args.group == 0:  # the job's progress, for a group that starts late (--late)
+            with open(os.path.join(args.out, "progress"), "w") as f:
+                f.write(str(manager.current_step()))
         torch.nn.functional.mse_loss(model(x), y).backward()
         way.step()
         time.sleep(args.step_seconds)  # a real step's compute: time for a lost group to come back
@@ -107,6 +113,9 @@ def replica_group(args: argparse.Namespace) -> None:
         "final_loss": final,
         "parameters": [p.detach().flatten().tolist() for p in model.parameters()],
         "stats": {k: v for k, v in way.stats().items() if isinstance(v, (int, float))},
+        "first_step": first_step,
+        "discarded": quorum.discarded,
+        "healed": quorum.healed,
     }
     with open(os.path.join(args.out, f"group{args.group}.json"), "w") as f:
         json.dump(record, f)
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--kill", default="", help="G:S[:exchange] (empty: no failure)")
     parser.add_argument("--restart-after", type=float, default=2.0)
-    parser.add_argument("--late", type=int, default=-1, help="a group that starts --restart-after seconds late")
+    parser.add_argument("--late", type=int, default=-1, help="a group that starts once group 0 has 3 steps")
     parser.add_argument("--way", choices=["optimizer", "diloco", "onebit_adam"], default="optimizer")
     parser.add_argument("--compressor", default="topk")
     parser.add_argument("--memory", default="residual")
@@ -141,11 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     return lighthouse_and_groups(args, argv or sys.argv[1:])
 
 
+def _progress(out: str) -> int:
+    try:
+        with open(os.path.join(out, "progress")) as f:
+            return int(f.read() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def lighthouse_and_groups(args: argparse.Namespace, argv: list[str]) -> int:
     from torchft.coordination import LighthouseServer
 
     os.makedirs(args.out, exist_ok=True)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    # a group silent for 2 s is out of the quorum (long enough for a slow start on a busy machine)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
     address = "http://localhost:" + lighthouse.address().rsplit(":", 1)[1]
 
     def start(group: int, attempt: int) -> subprocess.Popen:
@@ -154,14 +172,17 @@ def lighthouse_and_groups(args: argparse.Namespace, argv: list[str]) -> int:
 
     deadline = time.monotonic() + args.timeout
     groups = {g: start(g, 0) for g in range(args.groups) if g != args.late}
-    pending_start = {args.late: time.monotonic() + args.restart_after} if args.late >= 0 else {}
+    pending_start: dict[int, float] = {}
+    late = args.late >= 0  # started once group 0 has committed 3 steps: it heals in past step 0
     ok = True
     try:
-        while groups or pending_start:
+        while groups or pending_start or late:
             if time.monotonic() > deadline:
                 print(f"timeout: groups {sorted(groups)} still running", file=sys.stderr)
                 ok = False
                 break
+            if late and _progress(args.out) >= 3:
+                groups[args.late], late = start(args.late, 1), False
             for group, at in list(pending_start.items()):
                 if time.monotonic() >= at:
                     groups[group] = start(group, 1)

@@ -34,9 +34,9 @@ class GraceCommError(RuntimeError):
 
 
 class StepDiscarded(GraceCommError):
-    """A collective of this step failed in a fault-tolerant job (a replica group was lost): the
-    step commits on no group that met it, and the way in discards it, grace's state as before
-    (:mod:`grace_dgc.training.torchft`)."""
+    """A collective of this step failed in a fault-tolerant job (a replica group was lost): this
+    group's step does not commit, and the way in discards it, grace's state as before (torchft
+    decides per group; a group left behind heals from a peer: :mod:`grace_dgc.training.torchft`)."""
 
     on_every_rank = True  # the groups that exchanged with the lost one meet it alike: nothing to tell
 

@@ -504,13 +504,13 @@ class Grace:
         out["way_in"] = self._driver[1] if self._driver else {}
         return out
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, bind: bool = True) -> dict[str, Any]:
         """The compressor's, memory's and communicator's state (copies), with what it belongs
         to: the format version, the three method names, the world size and the settings; and
         the :meth:`counters` of :meth:`stats`, which a resumed run goes on from.
         Plain tensors, numbers, strings and containers only: it loads with
         ``torch.load(..., weights_only=True)``."""
-        if not self._bound:
+        if bind and not self._bound:  # bind=False: off the training thread (a peer's heal), no exchange
             self.bind()  # set-up makes the state some communicators keep (hierarchical's outer)
         settings = self.settings()
         return {

@@ -4,8 +4,8 @@ torchft (pytorch/torchft) keeps a job training when a replica group is lost: a l
 the quorum, each group's ``Manager`` reconfigures the process group over the groups alive, and a
 group that rejoins receives a healthy peer's state. This engine is grace's side of it: every
 collective runs on the Manager's process group, the ranks are the quorum's, and a collective that
-fails is reported to the Manager (its step will not commit, :meth:`Manager.should_commit`) and
-raised as :class:`StepDiscarded`, which the way in turns into a discarded step. Nothing waits for
+fails is reported to the Manager (this group's step will not commit, :meth:`Manager.should_commit`)
+and raised as :class:`StepDiscarded`, which the way in turns into a discarded step. Nothing waits for
 a lost group: its peers' collectives end at the process group's timeout or at once when its
 connections close.
 """
@@ -83,7 +83,7 @@ class TorchFTEngine(Engine):
             self.manager.report_error(error)
             raise StepDiscarded(
                 f"{kind} failed on replica group {self.rank} of {self.size} ({type(error).__name__}: "
-                f"{str(error).splitlines()[0][:200] if str(error) else ''}): the step is discarded on every group"
+                f"{str(error).splitlines()[0][:200] if str(error) else ''}): this group discards the step"
             ) from error
 
     def allreduce(self, tensor: Tensor) -> Tensor:

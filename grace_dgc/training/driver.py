@@ -185,18 +185,20 @@ class Driver:
         """Figures derived from the others (bytes per synchronization, …), added to ``out``."""
 
     # -- checkpoints -------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, peer: bool = False) -> dict[str, Any]:
         """Everything a resumed run needs to go on bit for bit, besides the model's own
         parameters (save ``model.state_dict()`` beside it): the declared state, each Grace's
         and the counters of :meth:`stats`, under a header naming this way in and its settings.
-        Plain tensors, numbers and strings: it loads with ``torch.load(..., weights_only=True)``."""
+        Plain tensors, numbers and strings: it loads with ``torch.load(..., weights_only=True)``.
+        ``peer=True``: for a group that rejoins (torchft), taken off the training thread, so no
+        Grace binds (binding exchanges)."""
         self._before_saving()
         state: dict[str, Any] = {"format": STATE_FORMAT, self.KIND: self.name, "settings": self.settings()}
         state.update({key: copy.deepcopy(getattr(self, key)) for key in self.COUNTERS})  # 0/1 Adam's lists too
         state.update({key: getattr(self, key).state_dict() for key in self.OBJECTS})
         state.update({key: {name: t.clone() for name, t in getattr(self, key).items()} for key in self.TENSORS})
         state.update({key: getattr(self, key) for key in self.PLAIN})
-        state.update({key: grace.state_dict() for key, grace in self._graces()})
+        state.update({key: grace.state_dict(bind=not peer) for key, grace in self._graces()})
         state["stats"] = {attr.removeprefix("_stat_"): getattr(self, attr) for attr in self.STATS.values()}
         return self._per_rank(state) if self.PER_RANK else state
 

@@ -307,6 +307,10 @@ class DistributedOptimizer(WrappingOptimizer):
                         grad.copy_(average)
         except StepDiscarded:  # a fault-tolerant job lost a group: step() will not commit, wait for the rest
             wait(list(self._pending.values()))
+            errors = [f.exception() for f in self._pending.values() if f.exception() is not None]
+            other = next((e for e in errors if not isinstance(e, StepDiscarded)), None)
+            if other is not None:  # a mistake met on every rank is named, not taken for a lost group
+                raise other from None
         self.grace.add_wait(time.perf_counter() - started)
         self._pending.clear()
         self._clear_counts()
@@ -407,7 +411,7 @@ class DistributedOptimizer(WrappingOptimizer):
         if not self._synchronized:
             self.synchronize()
         self._synchronized = False
-        if not self.coordinator.commit():  # torchft: a group was lost, every group discards the step
+        if not self.coordinator.commit():  # torchft: this group met a lost one: it discards the step
             self.optimizer.zero_grad()
             return None
         if self.found_inf:  # every rank skips this step alike (grace's nonfinite="skip")
@@ -421,7 +425,7 @@ class DistributedOptimizer(WrappingOptimizer):
             )
         self._clear_counts()
         self._synchronized = False
-        self.coordinator.begin()  # torchft: the quorum forms, a rejoining group takes its peer's state
+        self.coordinator.begin()  # torchft: the quorum forms, a group that rejoins takes its peer's state
         return self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def _clear_counts(self) -> None:

@@ -14,7 +14,7 @@ puts a DistributedOptimizer or an outer-loop schedule under a Manager::
     while manager.current_step() < steps:
         optimizer.zero_grad()            # the quorum forms; a group that rejoins takes its peer's state here
         loss_of(model, batch).backward()  # grace's exchanges run on the quorum's process group
-        optimizer.step()                  # applied if every group's exchanges went through, else discarded
+        optimizer.step()                  # applied if this group's exchanges went through, else discarded
 
 What each step does (:class:`Quorum`, the way in's coordinator):
 
@@ -31,7 +31,11 @@ What each step does (:class:`Quorum`, the way in's coordinator):
 3. ``commit`` (the optimizer's ``step``, a schedule's synchronization): ``manager.should_commit()``.
    Where it is False the step is discarded on this group: nothing applied, grace's state back
    to the copy of 1 (an error feedback that took in a discarded step would carry mass that was
-   never applied).
+   never applied). torchft's vote is per group, not across groups: a group whose exchanges went
+   through applies its step while one that met the failure discards it (a ring broken part way).
+   The groups meet again at the next quorum, where the one behind (its step count lags) heals
+   from a peer: the same parameters everywhere, and the lagging group's own error feedback
+   starts empty (its unsent mass is lost, never sent twice).
 
 What a rejoining group does with grace's state (``Part.REPLICATED``): it adopts what is equal on
 every rank (PowerSGD's Q, a shared random stream, step counts, the Adam moments and round start
@@ -43,6 +47,7 @@ estimate) is reset on every group when the quorum changes (``Part.RESET_WHEN_RAN
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -60,15 +65,24 @@ STATE_KEY = "grace_dgc"  # the key of the way in's state among the Manager's sta
 
 class Quorum(Coordinator):
     """A way in's steps under ``manager`` (see the module): the quorum at :meth:`begin`, the
-    vote at :meth:`commit`, a healthy peer's state for a group that rejoins."""
+    vote at :meth:`commit`, a healthy peer's state for a group that rejoins. ``discarded`` and
+    ``healed`` count the steps this group discarded and the heals it took."""
 
     def __init__(self, manager: Any, way: Driver, model: torch.nn.Module) -> None:
         self.manager, self.way, self.model = manager, way, model
         self.graces = [grace for _, grace in way._graces()]
+        self.engines = list({id(g.engine): g.engine for g in self.graces}.values())
         self._saved: list[dict[str, Any]] = []
+        self._open = False  # between begin and commit
+        self.discarded = self.healed = 0
 
     def begin(self) -> None:
+        if self._open:  # a second zero_grad in one step: the step has begun
+            return
+        self._open, self._saved = True, []
         self.manager.start_quorum()  # a group behind the others heals here (load_from_peer)
+        if self.manager.errored() is not None:  # the quorum's set-up or the heal failed: nothing commits
+            return
         self._follow_the_quorum()
         try:  # on a new quorum the Graces bind first: the ranks agree on their settings and replicas
             self._saved = [grace.state_dict() for grace in self.graces]
@@ -76,28 +90,40 @@ class Quorum(Coordinator):
             self._saved = []
 
     def commit(self) -> bool:
+        if not self._open:
+            raise GraceConfigError(
+                f"{self.way.name} under torchft: call zero_grad() before each step's forward pass (the quorum "
+                "forms there, and a group that rejoins takes its peer's state before it computes a gradient)"
+            )
+        self._open = False
         if self.manager.should_commit():
             return True
+        self.discarded += 1
         for grace, saved in zip(self.graces, self._saved):  # as at begin: the discarded step left no trace
             grace.load_state_dict(saved)
         return False
 
     def _follow_the_quorum(self) -> None:
         """Another quorum than the last: the Graces bind and agree again on its ranks."""
-        if self.graces[0].engine.refresh():  # type: ignore[attr-defined]
+        changed = [engine.refresh() for engine in self.engines]  # type: ignore[attr-defined]  # every one
+        if any(changed):
             replicas = self.way.replicas()
             for grace in self.graces:
                 grace.ranks_changed(replicas)
 
     def state_for_peer(self) -> dict[str, Any]:
-        """What a healthy group sends one that rejoins: the model and the way in's state."""
-        return {"model": self.model.state_dict(), "way": self.way.state_dict()}
+        """What a healthy group sends one that rejoins: copies of the model and of the way in's state
+        (torchft's transport serializes them when the peer reads them), taken without binding a Grace
+        (this runs on torchft's quorum thread: no collective may start here)."""
+        return copy.deepcopy({"model": self.model.state_dict(), "way": self.way.state_dict(peer=True)})
 
     def load_from_peer(self, state: dict[str, Any]) -> None:
-        """A group behind the others (restarted after a loss) takes a healthy peer's state, then
-        the quorum's ranks (what it compares across them is the peer's by then)."""
+        """A group behind the others (restarted after a loss, or one whose step did not commit where
+        the others' did) takes a healthy peer's state, then the quorum's ranks (what it compares
+        across them is the peer's by then)."""
         self.model.load_state_dict(state["model"])
         self.way.load_state_dict(state["way"], peer=True)
+        self.healed += 1
         self._follow_the_quorum()
 
 

@@ -76,6 +76,12 @@ def test_a_lost_group_comes_back_and_every_group_ends_on_the_same_parameters(tmp
     assert len({r["steps"] for r in records}) == 1, "every group committed the same steps"
     if "--kill" in args:
         assert any("was killed" in line for line in stdout.splitlines())
+        killed = int(args[args.index("--kill") + 1].split(":")[0])
+        assert records[killed]["healed"] >= 1 and records[killed]["first_step"] > 0, "the restarted group healed"
+        if args[args.index("--kill") + 1].endswith("exchange"):  # its peers met the loss in a collective
+            assert any(r["discarded"] >= 1 for i, r in enumerate(records) if i != killed), records
+    if "--late" in args:
+        assert records[1]["healed"] >= 1 and records[1]["first_step"] >= 3, "the late group healed in past step 0"
     if case == "2 groups, killed between steps":  # the same run without a failure
         clean, _ = run(tmp_path, "clean", *CASES[case][:2])
         failed_loss, clean_loss = records[0]["final_loss"], clean[0]["final_loss"]
@@ -234,3 +240,24 @@ def test_a_discarded_step_leaves_no_trace_so_error_feedback_loses_and_doubles_no
     applied = start - model.weight.detach()
     torch.testing.assert_close(applied + held[-1], committed, rtol=0, atol=1e-6)
     assert torch.equal(held[1], held[0]), "the discarded step's residual is the one before it"
+
+
+def test_a_step_that_never_began_is_an_error_naming_zero_grad_and_a_second_zero_grad_begins_nothing():
+    import grace_dgc
+    from grace_dgc.training.torchft import fault_tolerant
+
+    model = torch.nn.Linear(3, 1)
+    manager = ScriptedManager([True, True])
+    quorums = []
+    manager.start_quorum = lambda: quorums.append(1)
+    grace = grace_dgc.build("topk", "residual", "allgather", engine=TorchFTEngine(manager), compress_ratio=0.5)
+    optimizer = grace_dgc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), grace)
+    fault_tolerant(manager, optimizer, model)
+    model(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(GraceConfigError, match=r"call zero_grad\(\) before each step's forward pass"):
+        optimizer.step()
+    optimizer.zero_grad()
+    optimizer.zero_grad()  # as some loops do: the step has begun once
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    assert len(quorums) == 1

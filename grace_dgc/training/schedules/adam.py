@@ -141,7 +141,7 @@ class AdamSchedule(Schedule):
         was skipped alike on every rank for a NaN/Inf; nothing was changed)."""
         try:
             return self._average_or_discard(grace, fill)
-        except StepDiscarded:  # a fault-tolerant job lost a group: this step commits nowhere
+        except StepDiscarded:  # a fault-tolerant job lost a group: this group's step does not commit
             return None
 
     def _average_or_discard(self, grace: Grace, fill: Fill) -> dict | None:

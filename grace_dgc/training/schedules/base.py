@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -69,8 +69,13 @@ class Schedule(WrappingOptimizer):
         """The averages of ``pending``, per parameter; the time the training thread blocks on
         them is the Grace's wait."""
         waiting = time.perf_counter()
-        averages = {p: average for group, future in pending for p, average in zip(group, future.result())}
-        grace.add_wait(time.perf_counter() - waiting)
+        try:
+            averages = {p: average for group, future in pending for p, average in zip(group, future.result())}
+        except BaseException:  # the groups after it still run: none may change state once the step is judged
+            wait([future for _, future in pending])
+            raise
+        finally:
+            grace.add_wait(time.perf_counter() - waiting)
         return averages
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -112,7 +112,7 @@ class OuterSync(Schedule):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One inner step (no communication); every ``inner_steps``-th also synchronizes.
         Returns what the inner optimizer's step returns (the closure's loss)."""
-        if self.since_sync == 0:  # a round begins (torchft: the quorum; a rejoining group takes its peer's state)
+        if self.since_sync == 0:  # a round begins (torchft: once, at zero_grad if it came first)
             self.coordinator.begin()
         self._take_start()
         result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
@@ -156,13 +156,13 @@ class OuterSync(Schedule):
 
         try:
             averages = self._wait(self.grace, self._send_groups(self.grace, self._fill(self._groups, delta)))
-        except StepDiscarded:  # a fault-tolerant job lost a group: the round commits nowhere
+        except StepDiscarded:  # a fault-tolerant job lost a group: this group's round does not commit
             averages = {}
         with torch.no_grad():
             for p in self._names:  # θ ← θ_start
                 p.copy_(start[name_of[p]])
         self.since_sync = 0
-        committed = self.coordinator.commit()  # every group votes, whatever it met
+        committed = self.coordinator.commit()  # every group asks, whatever it met
         if self.grace.skipped != mark or not committed:  # every rank drops the round alike
             self._stat_skipped += 1
             log.warning(
@@ -196,6 +196,11 @@ class OuterSync(Schedule):
         out["inner_steps"] = self.inner_steps
         out["bytes_per_sync"] = sent / self._stat_syncs if self._stat_syncs else 0.0
         out["bytes_per_step"] = sent / self._stat_steps if self._stat_steps else 0.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.since_sync == 0:  # torchft: a round begins before its first forward pass (a heal lands here)
+            self.coordinator.begin()
+        return super().zero_grad(set_to_none)
 
     def replicas(self) -> dict[str, Tensor]:
         """θ_start: what every rank holds alike when a round's exchange runs (the parameters
