@@ -145,12 +145,14 @@ def pack_chunks(
     encode: Callable[[int, int], Tensor],
     device: torch.device | str,
     workspace: Workspace | None = None,
+    multiple: int = 8,
 ) -> Tensor:
     """:func:`pack_bits` of ``n`` codes of 1, 2 or 4 bits that ``encode(start, stop)`` makes
     chunk by chunk (uint8 or bool, one per byte; ``start`` a multiple of 8): a method's
     encoding and the packing then both run in cache, chunks at once on the CPU's workers
     (:func:`~grace_dgc.workspace.for_chunks`: ``encode`` writes only its own chunk), and no
-    full-size code tensor exists.
+    full-size code tensor exists. ``multiple`` (of 8): every chunk but the last a multiple of it
+    (``CPU_CHUNK``: the same chunks whatever the threads, for statistics kept per chunk).
 
     Packing: on a GPU by one fused kernel (:mod:`grace_dgc.kernels`, the whole tensor as one
     chunk); on a CPU by numpy (:func:`_pack_host`); elsewhere, or with
@@ -176,7 +178,7 @@ def pack_chunks(
         packed = _pack_host(codes, bits) if host else _pack_words(codes, bits, workspace)
         out[first : first + packed_nbytes(stop - start, bits)] = packed
 
-    for_chunks(pack, n, device, multiple=8)
+    for_chunks(pack, n, device, multiple=multiple)
     return out
 
 

@@ -7,6 +7,7 @@ from .. import wire
 from ..errors import GraceConfigError, check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
+from ..workspace import CPU_CHUNK, chunks, for_chunks
 from .packed import PackedCompressor, Shaped
 
 BITS = (1, 2, 4, 8)
@@ -47,6 +48,43 @@ class StatisticalQuantizer(PackedCompressor):
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
         flat = tensor.reshape(-1).float()
+        if flat.device.type != "cpu" or flat.numel() < 2:  # a GPU sums its bins with atomics at memory speed
+            return self._compress_elementwise(flat), (tensor.shape, tensor.dtype)
+        levels, n = 1 << self.bits, flat.numel()
+        # every sum over fixed chunks in float64, added in chunk order: the same bits whatever the threads
+        totals = for_chunks(lambda a, b: flat[a:b].sum(dtype=torch.float64), n, "cpu", multiple=CPU_CHUNK)
+        shift = (sum(totals) / n).float()
+        squares = for_chunks(
+            lambda a, b: torch.sub(flat[a:b], shift).square_().sum(dtype=torch.float64), n, "cpu", multiple=CPU_CHUNK
+        )
+        spread = float(sum(squares)) ** 0.5 / math.sqrt(n - 1) * (self.range_sigmas / levels)
+        scale = torch.tensor(spread if 0 < spread < math.inf else 1.0)  # fp32, as the elementwise path's
+        binned: dict[int, tuple[Tensor, Tensor]] = {}  # chunk start -> its bins' sums and counts
+
+        def encode(start: int, stop: int) -> Tensor:
+            # the codes and each bin's sum and count, one chunk in cache: no full-size temporary, and
+            # no serial scatter over the whole tensor (index_add_ on a CPU walks it on one core)
+            size, scratch = stop - start, self.workspace
+            centered = torch.sub(flat[start:stop], shift, out=scratch.get("centered", size, torch.float32, "cpu"))
+            grid = torch.div(centered, scale, out=scratch.get("grid", size, torch.float32, "cpu"))
+            codes = grid.add_(levels // 2).round_().clamp_(0, levels - 1).to(torch.uint8)
+            binned[start] = (
+                torch.bincount(codes, weights=centered.double(), minlength=levels),
+                torch.bincount(codes, minlength=levels),
+            )
+            return codes
+
+        if self.bits == 8:
+            packed = torch.cat([encode(a, b) for a, b in chunks(n, "cpu", multiple=CPU_CHUNK)])
+        else:  # the same chunks whatever the threads: the sums add up in one order
+            packed = wire.pack_chunks(n, self.bits, encode, "cpu", self.workspace, multiple=CPU_CHUNK)
+        sums = sum((binned[start][0] for start in sorted(binned)), torch.zeros(levels, dtype=torch.float64))
+        counts = sum((binned[start][1] for start in sorted(binned)), torch.zeros(levels, dtype=torch.int64))
+        table = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).float()
+        return [packed, torch.cat([shift.view(1), table])], (tensor.shape, tensor.dtype)
+
+    def _compress_elementwise(self, flat: Tensor) -> Payload:
+        """The whole tensor at once (a GPU): the bins' sums by index_add_."""
         levels, n = 1 << self.bits, flat.numel()
         shift = flat.mean() if n else flat.new_zeros(())
         centered = flat - shift
@@ -58,10 +96,27 @@ class StatisticalQuantizer(PackedCompressor):
         sums = torch.zeros(levels, device=flat.device).index_add_(0, slots, centered)
         counts = torch.bincount(slots, minlength=levels).to(torch.float32)
         table = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
-        return [wire.pack_bits(codes, self.bits), torch.cat([shift.view(1), table])], (tensor.shape, tensor.dtype)
+        return [wire.pack_bits(codes, self.bits), torch.cat([shift.view(1), table])]
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         packed, header = payload
-        codes = wire.unpack_bits(packed, self.bits, out.numel()).long()
-        out.view(-1).copy_(header[1:].index_select(0, codes).add_(header[0]))
+        values = header[1:] + header[0]  # T_j + μ: one fp32 addition per level, as per element before
+        if out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
+            codes = wire.unpack_bits(packed, self.bits, out.numel()).long()
+            out.view(-1).copy_(values.index_select(0, codes))
+            return out
+        # a byte holds 8/b codes: one lookup in a 256-row table writes all of their values
+        per, n, flat = 8 // self.bits, out.numel(), out.view(-1)
+        byte = torch.arange(256)
+        table = values[torch.stack([(byte >> (i * self.bits)) & ((1 << self.bits) - 1) for i in range(per)], 1)]
+        whole = n // per
+        rows = flat[: whole * per].view(whole, per)
+
+        def decode(start: int, stop: int) -> None:
+            index = self.workspace.get("index", stop - start, torch.int64, "cpu").copy_(packed[start:stop])
+            torch.index_select(table, 0, index, out=rows[start:stop])
+
+        for_chunks(decode, whole, "cpu")
+        if n > whole * per:  # the last byte's codes
+            flat[whole * per :] = values[wire.unpack_bits(packed[whole:], self.bits, n - whole * per).long()]
         return out

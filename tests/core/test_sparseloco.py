@@ -49,6 +49,18 @@ def reference_statq(x: torch.Tensor, bits: int, range_sigmas: float) -> tuple[li
     return codes, torch.tensor([table[q] + float(mean) for q in codes])
 
 
+def reference_statq_float64(x: torch.Tensor, bits: int, range_sigmas: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference_statq in whole-tensor float64 ops, for a tensor too long for its Python loops."""
+    v = x.reshape(-1).double()
+    levels, n = 2**bits, v.numel()
+    c = v - v.mean()
+    scale = range_sigmas * float(c.norm()) / math.sqrt(n - 1) / levels or 1.0
+    codes = (c / scale + levels // 2).round().clamp(0, levels - 1).long()
+    counts = torch.bincount(codes, minlength=levels)
+    table = torch.bincount(codes, weights=c, minlength=levels) / counts.clamp(min=1)
+    return codes, table[codes] + v.mean()
+
+
 def reference_fp4(x: torch.Tensor) -> torch.Tensor:
     """The nearest of the 15 E3M0 values (0 and ±s·2^−6 … ±s) to each element, by search,
     under s = the smallest power of two ≥ max |x|."""
@@ -84,6 +96,39 @@ def test_statq_equals_the_reference_code_for_code(seed, n, bits, range_sigmas):
     assert grace_dgc.wire.unpack_bits(payload[0], bits, n).tolist() == codes
     assert payload[1].numel() == 2**bits + 1 and payload[0].numel() == math.ceil(n * bits / 8)
     torch.testing.assert_close(comp.decompress(payload, ctx), expected.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8])
+def test_statq_over_several_chunks_is_the_reference_and_the_same_under_any_threads(bits):
+    """On a CPU statq codes and bins chunk by chunk (fixed chunks of CPU_CHUNK, each bin's sum in
+    float64 in chunk order, issue 58): over a tensor of three chunks its codes are the float64
+    reference's (but on a bin's edge), its table each bin's mean, its table decode the elementwise
+    lookup bit for bit, and 1 or 2 threads give the same payload bit for bit."""
+    from grace_dgc.workspace import CPU_CHUNK
+
+    n = 2 * CPU_CHUNK + 12_345
+    x = torch.randn(n, generator=torch.Generator().manual_seed(bits)) * 3 + 1
+    comp = COMPRESSORS.get("statq")(bits=bits)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone, ctx = comp.compress(x, "w")
+        torch.set_num_threads(2)
+        shared, _ = comp.compress(x, "w")
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(alone, shared))
+    codes, _ = reference_statq_float64(x, bits, 6.0)
+    unpacked = grace_dgc.wire.unpack_bits(alone[0], bits, n).long()
+    # fp32 against float64 arithmetic: a code may differ by one where x sits on a bin's edge
+    assert (unpacked - codes).abs().max() <= 1 and int((unpacked != codes).sum()) <= n // 10_000
+    centered = x.double() - x.double().mean()  # each bin's mean of what it holds, in float64
+    means = torch.bincount(unpacked, weights=centered, minlength=2**bits) / torch.bincount(
+        unpacked, minlength=2**bits
+    ).clamp(min=1)
+    torch.testing.assert_close(alone[1][1:].double(), means, rtol=1e-6, atol=1e-6)
+    decoded = comp.decompress(alone, ctx)
+    assert torch.equal(decoded, (alone[1][1:] + alone[1][0]).index_select(0, unpacked))
 
 
 @settings(max_examples=30, deadline=None)
