@@ -3,7 +3,7 @@
 torchft (``pip install 'grace_dgc[torchft]'``) keeps a job going when a replica group dies: a
 lighthouse keeps the quorum, each group's ``Manager`` reconfigures the process group over the
 groups alive, and a group that comes back receives a healthy peer's state. :func:`fault_tolerant`
-puts a DistributedOptimizer or an outer-loop schedule under a Manager::
+puts a DistributedOptimizer, an outer-loop schedule or 1-bit Adam under a Manager::
 
     manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), use_async_quorum=False, min_replica_size=1,
                               load_state_dict=None, state_dict=None, replica_id=f"group_{g}", ...)
@@ -18,13 +18,14 @@ puts a DistributedOptimizer or an outer-loop schedule under a Manager::
 
 What each step does (:class:`Quorum`, the way in's coordinator):
 
-1. ``begin`` (the DistributedOptimizer's ``zero_grad``, a schedule's first inner step of a round):
-   ``manager.start_quorum()``. A group behind the others (restarted after a loss) receives a
-   healthy peer's state there (the model, and the way in's ``state_dict()`` loaded with
-   ``peer=True``). When the quorum is another one, each Grace binds and agrees again on the new
-   ranks (a rejoining group with other settings is refused by name) and compares what must be
-   equal on every rank (the parameters; a schedule's round start), so a heal that left a group
-   apart is an error, not a silent divergence. Grace's state is copied.
+1. ``begin`` (the DistributedOptimizer's and 1-bit Adam's ``zero_grad``; an outer-loop
+   schedule's ``zero_grad`` or first inner step of a round): ``manager.start_quorum()``. A group
+   behind the others (restarted after a loss) receives a healthy peer's state there (the model,
+   and the way in's ``state_dict()`` loaded with ``peer=True``). When the quorum is another one,
+   each Grace binds and agrees again on the new ranks (a rejoining group with other settings is
+   refused by name) and compares what must be equal on every rank (the parameters; a schedule's
+   round start), so a heal that left a group apart is an error, not a silent divergence. Grace's
+   state is copied.
 2. The exchanges run on the Manager's process group (:class:`~grace_dgc.engines.torchft_engine.TorchFTEngine`);
    the average divides by the quorum's participants. A collective that fails is reported to
    the Manager and ends the step's exchanges (:class:`~grace_dgc.errors.StepDiscarded`).
