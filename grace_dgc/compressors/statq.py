@@ -51,13 +51,13 @@ class StatisticalQuantizer(PackedCompressor):
         if flat.device.type != "cpu" or flat.numel() < 2:  # a GPU sums its bins with atomics at memory speed
             return self._compress_elementwise(flat), (tensor.shape, tensor.dtype)
         levels, n = 1 << self.bits, flat.numel()
-        # every sum over fixed chunks in float64, added in chunk order: the same bits whatever the threads
+        # every sum over fixed chunks in float64, then over the chunks: the same bits whatever the threads
         totals = for_chunks(lambda a, b: flat[a:b].sum(dtype=torch.float64), n, "cpu", multiple=CPU_CHUNK)
-        shift = (sum(totals) / n).float()
+        shift = (torch.stack(totals).sum() / n).float()
         squares = for_chunks(
             lambda a, b: torch.sub(flat[a:b], shift).square_().sum(dtype=torch.float64), n, "cpu", multiple=CPU_CHUNK
         )
-        spread = float(sum(squares)) ** 0.5 / math.sqrt(n - 1) * (self.range_sigmas / levels)
+        spread = float(torch.stack(squares).sum()) ** 0.5 / math.sqrt(n - 1) * (self.range_sigmas / levels)
         scale = torch.tensor(spread if 0 < spread < math.inf else 1.0)  # fp32, as the elementwise path's
         binned: dict[int, tuple[Tensor, Tensor]] = {}  # chunk start -> its bins' sums and counts
 
