@@ -58,10 +58,9 @@ class FP8Compressor(PackedCompressor):
     Wire: one byte per element (the fp8 codes, viewed as uint8 to travel), then one fp32
     scale per block: n + 4·⌈n/block⌉ bytes.
 
-    On a GPU both directions can be one Triton kernel each (:func:`grace_dgc.kernels.fp8_encode`,
-    the rounding done on the bits), tested bit for bit against the torch ops below under
-    Triton's interpreter; ``auto`` leaves them off until a GPU run proves them
-    (:data:`grace_dgc.kernels.UNPROVEN`), ``GRACE_DGC_KERNELS=triton`` runs them.
+    On a GPU both directions are one Triton kernel each (:func:`grace_dgc.kernels.fp8_encode`,
+    the rounding done on the bits), bit for bit the torch ops below: under Triton's interpreter
+    here, compiled on an H100 (2026-12-05).
 
     Plain reference: ``tests/core/test_sparseloco.py::reference_fp8`` (each block divided by its
     scale in float64, cast through torch's float8 dtype, multiplied back).
@@ -98,7 +97,9 @@ class FP8Compressor(PackedCompressor):
         torch.abs(flat[start:stop], out=magnitude[: stop - start])
         magnitude[stop - start :].zero_()  # the tensor's last, partial block: zeros never raise a max
         mine = scales[first : first + count]
-        torch.amax(magnitude.view(count, block), dim=1, out=mine).div_(self.largest)
+        # by a tensor on the data's device: CUDA divides by a Python scalar as a multiply by its
+        # reciprocal (1 ulp off), the kernel and the CPU divide correctly rounded
+        torch.amax(magnitude.view(count, block), dim=1, out=mine).div_(flat.new_full((1,), self.largest))
         mine.masked_fill_(torch.gt(mine, 0).logical_not_(), 1.0)  # an all-zero block (or NaN): 1
         whole = (stop - start) // block
         scaled = torch.div(

@@ -12,8 +12,8 @@ the domain is < 2n, so under 2 walks on average):
 
 Every value is an integer function of (seed, name, t, i): the same bits on every rank, on the
 CPU and on any GPU, by the torch ops below or by one Triton kernel
-(:func:`grace_dgc.kernels.random_indices`, tested bit for bit under Triton's interpreter; ``auto``
-runs it once a GPU run has proven it, :data:`grace_dgc.kernels.UNPROVEN`), with no host generator
+(:func:`grace_dgc.kernels.random_indices`, bit for bit the torch ops under Triton's interpreter
+and compiled on an H100), with no host generator
 and no copy from the host. Six rounds of a keyed hash make π indistinguishable from a random
 permutation for this purpose (Luby–Rackoff needs four); the tests check that each index is kept
 with probability k/n and that kept pairs are not correlated with their distance.

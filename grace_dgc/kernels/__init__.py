@@ -137,11 +137,11 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read
 
 
 # Kernels proven bit for bit under Triton's interpreter but not yet on a GPU: ``auto`` leaves
-# them off (``triton`` runs them). On the H100 of 2026-11-28 they ran and met their speed goals
-# (fp8 2.2×, random-k 2.1× one copy_ at 25M), but the CUDA tests' run was cut off by its time
-# limit with failures near the end of the collection, where their cases are: until a GPU run
-# names those failures, nothing unproven runs by default.
-UNPROVEN = frozenset({"fp8", "random_indices"})
+# them off (``triton`` runs them). A new kernel enters here until a GPU run of its CUDA cases
+# passes. fp8's and random-k's left on the H100 of 2026-12-05 (their CUDA cases passed compiled;
+# fp8's torch path now divides by a device tensor, as the kernel does: CUDA divides by a Python
+# scalar as a multiply by its reciprocal, 1 ulp off).
+UNPROVEN: frozenset[str] = frozenset()
 
 
 def enabled(device: torch.device | str, dtype: torch.dtype | None = None, kernel: str | None = None) -> bool:

@@ -281,3 +281,20 @@ def test_exact_top_k_on_the_device_is_torch_topk(device):
     assert torch.equal(got, torch.cat([above, tied]).sort().values)
     v = magnitude[:5000].to(device)
     assert same_value(kth_smallest(v, 77).cpu(), torch.kthvalue(magnitude[:5000], 77).values)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8])
+def test_statq_whole_tensor_path_bins_each_value_once_and_repeats_bit_for_bit(device, bits):
+    """statq's GPU path (the whole tensor at once; run on the CPU here too): each bin's entry is
+    the float64 mean of what its codes hold, rounded once, and two runs give the same payload
+    bit for bit (its float64 row sums: the atomics' order cannot show in the fp32 means)."""
+    n = 3 * 4096 + 17  # rows of BIN_ROW and a partial last row
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(bits)) * 3 + 1).to(device)
+    comp = COMPRESSORS.get("statq")(bits=bits)
+    first, second = comp._compress_elementwise(x), comp._compress_elementwise(x)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    codes = grace_dgc.wire.unpack_bits(first[0], bits, n).long().cpu()
+    centered = (x - x.mean()).double().cpu()
+    counts = torch.bincount(codes, minlength=2**bits)
+    means = torch.bincount(codes, weights=centered, minlength=2**bits) / counts.clamp(min=1)
+    assert torch.equal(first[1][1:].cpu(), torch.where(counts > 0, means, 0.0).float())
