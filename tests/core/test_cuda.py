@@ -298,3 +298,20 @@ def test_statq_whole_tensor_path_bins_each_value_once_and_repeats_bit_for_bit(de
     counts = torch.bincount(codes, minlength=2**bits)
     means = torch.bincount(codes, weights=centered, minlength=2**bits) / counts.clamp(min=1)
     assert torch.equal(first[1][1:].cpu(), torch.where(counts > 0, means, 0.0).float())
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", grace_dgc.list_compressors())
+def test_no_compressor_synchronizes_with_the_host(name):
+    """Issue 58, item 2: compress, every further round and decompress of a warmed-up compressor
+    under ``torch.cuda.set_sync_debug_mode("error")``: an ``.item()``, a ``nonzero()`` without a
+    size or a copy to the host raises, naming the op."""
+    x = sample(1 << 16, 3, torch.device("cuda"))
+    comp = make(name)
+    round_trip(comp, x)  # the first call may allocate and compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        round_trip(comp, x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
