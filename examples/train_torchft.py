@@ -24,7 +24,6 @@ import os
 import subprocess
 import sys
 import time
-from datetime import timedelta
 
 import torch
 
@@ -39,32 +38,12 @@ def model_and_data(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def replica_group(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-    from torchft import Manager, ProcessGroupGloo
-
     import grace_dgc
     from grace_dgc.engines.torchft_engine import TorchFTEngine
-    from grace_dgc.training.torchft import fault_tolerant
+    from grace_dgc.training.torchft import fault_tolerant, group_manager
 
     torch.manual_seed(args.group)  # each group its own initial model: torchft's first heal makes them one
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=1,
-        use_async_quorum=False,
-        replica_id=f"group_{args.group}",
-        store_addr="localhost",
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        lighthouse_addr=args.lighthouse,
-        hostname="localhost",
-        timeout=timedelta(seconds=20),
-        quorum_timeout=timedelta(seconds=60),
-        connect_timeout=timedelta(seconds=20),
-    )
+    manager = group_manager(f"group_{args.group}", args.lighthouse)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     engine = TorchFTEngine(manager)
     params = args.restart_params if args.attempt and args.restart_params else args.params

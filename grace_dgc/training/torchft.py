@@ -155,3 +155,35 @@ def fault_tolerant(manager: Any, way: Driver, model: torch.nn.Module) -> Quorum:
     manager.register_state_dict_fn(STATE_KEY, quorum.load_from_peer, quorum.state_for_peer)
     way.coordinator = quorum
     return quorum
+
+
+def group_manager(replica_id: str, lighthouse: str, *, timeout: float = 10.0, quorum_timeout: float = 60.0) -> Any:
+    """A torchft ``Manager`` for one replica group of one rank, as grace runs under torchft: a
+    synchronous quorum (a healing group has its peer's state before the step), gloo with a
+    ``timeout``-second collective limit, its own TCP store, state functions left to
+    :func:`fault_tolerant`, and any number of groups down to one (``min_replica_size=1``)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torchft import Manager, ProcessGroupGloo
+
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        use_async_quorum=False,
+        replica_id=replica_id,
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        hostname="localhost",
+        timeout=timedelta(seconds=2 * timeout),
+        quorum_timeout=timedelta(seconds=quorum_timeout),
+        connect_timeout=timedelta(seconds=2 * timeout),
+    )
+    manager._grace_store = store  # the group's store server lives as long as its Manager (its pg meets there)
+    return manager

@@ -1,4 +1,5 @@
-"""One run of a survey grid (a *cell*: method × workers × seed × network) and its fingerprints."""
+"""One run of a survey grid (a *cell*: method × workers × seed × network, or × fault under torchft) and its
+fingerprints."""
 
 import dataclasses
 import hashlib
@@ -45,12 +46,17 @@ class Cell:
     script_args: list[str] = dataclasses.field(default_factory=list)
     script_sha: str = ""  # the script's content: an edited script is a different run
     launcher: str = "local"  # script mode: how its ranks start (not hashed)
+    # under torchft (grace_survey.running.faults): {"tag": "torchft"} without a fault, else the fault's
+    # group, at_step, back_after_steps, inside_exchange and tag; None for every other run (then not hashed)
+    fault: dict[str, Any] | None = None
     run_id: str = ""
     cell_hash: str = ""
     tuning_key: str = ""
 
     def __post_init__(self) -> None:
         self.run_id = run_id(self.label, self.workers, self.seed, self.network["tag"])
+        if self.fault is not None:
+            self.run_id += f" [{self.fault['tag']}]"
         self.cell_hash = fingerprint(self.as_dict())
         self.tuning_key = fingerprint(self.as_dict(), "seed")
 
@@ -62,7 +68,8 @@ class Cell:
             "label": self.label,
             "workers": self.workers,
             "seed": self.seed,
-            "network": self.network["tag"],
+            # a run under torchft is its own group in the report, beside the same network's others
+            "network": self.network["tag"] + ("" if self.fault is None else f" [{self.fault['tag']}]"),
         }
 
     def summary_fields(self) -> dict[str, Any]:
@@ -74,6 +81,7 @@ class Cell:
             "schedule": self.method.get("schedule"),  # what `grace-dgc project` models the overlap of
             "bandwidth_bps": self.network["bandwidth_bps"],
             "latency_ms": self.network["latency_ms"],
+            **({} if self.fault is None else {"fault": self.fault["tag"]}),
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -96,6 +104,8 @@ def fingerprint(cell: Mapping[str, Any], *also_without: str) -> str:
     The target accuracy is not one: training never reads it, and the report measures the
     time to any target from the epoch records (``grace-dgc report --target``)."""
     keep = {k: v for k, v in dict(cell).items() if k not in _UNHASHED + also_without}
+    if keep.get("fault", ...) is None:  # not a run under torchft: its fingerprint as before faults existed
+        del keep["fault"]
     if isinstance(keep.get("hyper"), Mapping):
         keep["hyper"] = {k: v for k, v in keep["hyper"].items() if k != "target_accuracy"}
     return hashlib.sha1(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -57,6 +57,11 @@ TOP_LEVEL: Schema = {
     "timing_skip_steps": ((int,), "first steps of a run left out of the timing means (default 1)"),
     "timeout": ((int, float), "seconds one run may take before it is killed (default 86400)"),
     "networks": ((list,), 'network conditions, e.g. [{}, {bandwidth = "1gbit", latency = 0.1}]'),
+    "faults": (
+        (list,),
+        "replica groups lost and taken back under torchft, for every method: "
+        "[{group = 1, at_step = 20, back_after_steps = 10}] (each method also runs under torchft without a fault)",
+    ),
     "methods": ((list,), "the methods: [[methods]] tables"),
 }
 METHOD_KEYS: Schema = {
@@ -87,6 +92,13 @@ METHOD_KEYS: Schema = {
         "a synchronization schedule instead of a step-by-step exchange (grace_dgc.schedules), e.g. "
         '{name = "diloco", inner_steps = 10}: the method\'s Grace then carries the outer gradient',
     ),
+    "faults": ((list,), "this method's faults, instead of the survey's (see faults above; [] for none)"),
+}
+FAULT_KEYS: Schema = {
+    "group": ((int,), "the replica group that dies (1 .. workers - 1: group 0 records the run)"),
+    "at_step": ((int,), "the job's step at which it dies"),
+    "back_after_steps": ((int,), "steps the others take without it before it is started again"),
+    "inside_exchange": ((bool,), "die inside its next exchange instead of between steps (default false)"),
 }
 NETWORK_KEYS: Schema = {
     "bandwidth": ((str, int, float), 'rate of the shaped loopback, e.g. "1gbit"'),

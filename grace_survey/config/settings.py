@@ -23,6 +23,7 @@ from grace_survey.config.cell import Cell, cell_hash, run_id, tuning_key  # noqa
 from grace_survey.config.presets import KPERCENTS, PRESET_ALIASES, PRESETS, preset_dict, preset_name  # noqa: F401
 from grace_survey.config.schema import (
     DEFAULTS,
+    FAULT_KEYS,
     MAX_WORKERS,
     METHOD_KEYS,
     NETWORK_KEYS,
@@ -87,6 +88,7 @@ class SurveyConfig:
         self._run_settings(settings)
         self._check_hyper()
         self.networks = self._networks(raw.get("networks", [{}]))
+        self.faults = self._faults(raw.get("faults", []), "faults")
         self.methods = self._methods(raw.get("methods"))
 
     def _what_runs(self, raw: dict[str, Any]) -> None:
@@ -218,7 +220,46 @@ class SurveyConfig:
                 raise GraceConfigError(f"{where}: label {spec['label']!r} is used twice; labels must be unique")
             labels.add(spec["label"])
             _method_settings(method, spec, where)
+            spec["faults"] = self._faults(method["faults"], f"{where}.faults") if "faults" in method else self.faults
+            if spec["faults"]:
+                _check_faults_fit(spec, where)
             out.append(spec)
+        return out
+
+    def _faults(self, faults: list[Any], where: str) -> list[dict[str, Any]]:
+        """Each fault checked, with its tag (a run id's suffix): the group, the step it dies at
+        and the step it is started again at."""
+        out = []
+        for i, fault in enumerate(faults):
+            at = f"{where}[{i}]"
+            if not isinstance(fault, dict):
+                raise GraceConfigError(
+                    f"{at} = {fault!r} must be a table, e.g. {{group = 1, at_step = 20, back_after_steps = 10}}"
+                )
+            _check_keys(fault, FAULT_KEYS, at)
+            missing = [k for k in ("group", "at_step", "back_after_steps") if k not in fault]
+            if missing:
+                raise GraceConfigError(
+                    f"{at}: {', '.join(missing)} missing; a fault gives group, at_step and back_after_steps"
+                )
+            group = _positive_int(fault["group"], f"{at}: group")
+            if not any(group < w for w in self.workers):
+                raise GraceConfigError(
+                    f"{at}: group = {group}, but the grid's workers are {self.workers}: a fault needs a group "
+                    "1 .. workers - 1 (group 0 records the run)"
+                )
+            step, back = (
+                _positive_int(fault["at_step"], f"{at}: at_step"),
+                _positive_int(fault["back_after_steps"], f"{at}: back_after_steps"),
+            )
+            inside = bool(fault.get("inside_exchange", False))
+            tag = f"g{group} lost {step}-{step + back}{' in exchange' if inside else ''}"
+            out.append(dict(group=group, at_step=step, back_after_steps=back, inside_exchange=inside, tag=tag))
+        if self.script is not None and out:
+            raise GraceConfigError(f"{where}: faults run built-in and plugin workloads, not script mode")
+        tags = [f["tag"] for f in out]
+        if len(set(tags)) != len(tags):
+            raise GraceConfigError(f"{where}: the same fault is given twice: {tags}")
         return out
 
     def _method(self, method: object, where: str) -> dict[str, Any]:
@@ -296,6 +337,13 @@ class SurveyConfig:
                 for method in self.methods:
                     for seed in self.seeds:
                         cells.append(self._cell(method, workers, seed, net, cache_dir, tensorboard_dir))
+        # under torchft (unshaped): each method with faults, once without one and once per fault
+        for workers in self.workers:
+            for method in self.methods:
+                faults = [f for f in method["faults"] if f["group"] < workers]
+                for fault in [{"tag": "torchft"}, *faults] if faults else []:
+                    for seed in self.seeds:
+                        cells.append(self._cell(method, workers, seed, Network(), cache_dir, tensorboard_dir, fault))
         return cells
 
     def _cell(
@@ -306,6 +354,7 @@ class SurveyConfig:
         net: Network,
         cache_dir: str | None,
         tensorboard_dir: str | None,
+        fault: dict[str, Any] | None = None,
     ) -> Cell:
         hyper = dict(self.hyper)
         hyper.update({k: method[k] for k in ("lr", "momentum", "weight_decay") if k in method})
@@ -339,6 +388,7 @@ class SurveyConfig:
             script_args=list(self.script_args),
             script_sha=self.script_sha,
             launcher=self.launcher,
+            fault=fault,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -457,6 +507,26 @@ def _method_settings(method: Mapping[str, Any], spec: dict[str, Any], where: str
         if "lr" in method:
             raise GraceConfigError(f"{where}: give lr or tune_lr, not both")
         spec["tune_lr"] = [float(c) for c in cands]
+
+
+UNDER_A_QUORUM = ("diloco", "local_sgd", "sparseloco", "onebit_adam")  # the schedules fault_tolerant runs
+
+
+def _check_faults_fit(spec: Mapping[str, Any], where: str) -> None:
+    """A method with faults: one torchft runs (grace_dgc.training.torchft.fault_tolerant), with its own lr."""
+    from grace_dgc.training.schedules import SCHEDULES
+
+    schedule = spec.get("schedule")
+    if schedule is not None and SCHEDULES.canonical(schedule["name"]) not in UNDER_A_QUORUM:
+        raise GraceConfigError(
+            f"{where} ({spec['label']!r}): faults run under torchft, which takes the step-by-step exchange and the "
+            f"schedules {', '.join(UNDER_A_QUORUM)}; not {schedule['name']!r} (give this method faults = [])"
+        )
+    if "tune_lr" in spec:
+        raise GraceConfigError(
+            f"{where} ({spec['label']!r}): faults and tune_lr together: the runs under torchft take the method's lr; "
+            "give lr, or faults = [] for this method"
+        )
 
 
 def _default_label(compressor: str) -> str:

@@ -43,6 +43,7 @@ from typing import Any
 
 from grace_dgc.errors import GraceConfigError
 from grace_survey.report.conditions import launch_lines
+from grace_survey.report.faults import FAULTS_TEXT, fault_rows, fault_table
 from grace_survey.report.grouping import Group, gather
 from grace_survey.report.headline import (
     RANKING_RULE,
@@ -140,6 +141,7 @@ def write_report(out_dir: str, report_dir: str | None = None, target: float | No
         + _general_section(groups)
         + _significance_section(groups)
         + _method_sections(groups, tuning)
+        + _faults_section(groups)
         + _plots_section()
         + _failures_section(failures)
         + _definitions_section(groups)
@@ -278,6 +280,15 @@ def _method_sections(groups: Sequence[Group], tuning: Sequence[Record]) -> list[
     if tuning:
         parts += ["## Learning-rate tuning (best held-out accuracy)", "", tuning_table(tuning), ""]
     return parts
+
+
+def _faults_section(groups: Sequence[Group]) -> list[str]:
+    """Each run that lost a replica group beside the same method under torchft without a fault
+    (launched alike): the metric and the training time the fault cost."""
+    rows = fault_rows(groups)
+    if not rows:
+        return []
+    return ["## Faults: a replica group lost and taken back (torchft)", "", FAULTS_TEXT, "", fault_table(rows), ""]
 
 
 def _plots_section() -> list[str]:

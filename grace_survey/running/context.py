@@ -7,15 +7,17 @@ from typing import Any, Self
 import torch
 
 import grace_dgc
-from grace_dgc.engines import detect_engine_name
+from grace_dgc.engines import Engine, detect_engine_name
 
 
 class Context:
     """This rank's runtime: ``engine`` answers rank/size/backend; ``device`` is where it trains."""
 
     def __init__(self, engine_kind: str, device: torch.device) -> None:
-        self.engine_kind = engine_kind  # what grace.build gets: "torch", "horovod", "local"
+        self.engine_kind = engine_kind  # the runtime's name: "torch", "horovod", "local" (torchft: "torchft")
         self.engine = grace_dgc.create_engine(engine_kind)
+        # what grace.build gets: the name (each Grace makes its own group), or under torchft the group's engine
+        self.grace_engine: str | Engine = engine_kind
         self.rank, self.size = self.engine.rank, self.engine.size
         self.device = device
 

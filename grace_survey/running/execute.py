@@ -46,6 +46,8 @@ def execute_cell(
     neighbours, own_cpu = Neighbours(), time.process_time()
     base: Record = cell.record_head(attempt)
     history, facts = _train_logged(ctx, cell, workload, lr, base, out_dir, progress)
+    if not history:  # a replica group other than 0 under torchft: group 0 records the run
+        return None
     launch = _launch(ctx, launcher, at_start, neighbours, own_cpu)
     timed = [h for h in history if h["timed_steps"]] or history
     sent, dense = byte_totals(history)
@@ -63,7 +65,7 @@ def execute_cell(
         step_times=mean_step_times(timed, [h["timed_steps"] or 1 for h in timed]),
         launch=launch,
     )
-    summary = summary_record(base, cell, history, parts)
+    summary = dict(summary_record(base, cell, history, parts), **facts.get("summary", {}))
     if ctx.rank == 0:
         append_record(out_dir, summary)
         return summary
@@ -72,8 +74,12 @@ def execute_cell(
 
 def _train_logged(
     ctx: Context, cell: Cell, workload: "Workload", lr: float, base: Record, out_dir: str, progress: bool
-) -> tuple[list[Record], dict[str, int]]:
-    """:func:`train`, rank 0 appending each epoch's line (and logging its scalars if asked)."""
+) -> tuple[list[Record], dict[str, Any]]:
+    """:func:`train` (:func:`~grace_survey.running.faults.train_under_faults` for a replica group
+    under torchft), rank 0 appending each epoch's line (and logging its scalars if asked)."""
+    from grace_survey.running.faults import FaultContext, train_under_faults
+
+    training: Any = train_under_faults if isinstance(ctx, FaultContext) else train
 
     def on_epoch(record: Record) -> None:
         if ctx.rank == 0:
@@ -81,7 +87,7 @@ def _train_logged(
 
     writer = _tensorboard(cell) if ctx.rank == 0 else None
     try:
-        return train(
+        return training(
             ctx,
             cell,
             workload,

@@ -290,6 +290,10 @@ class _GridRun:
         """The cell's summary: its script's ranks (script mode), ranks started for it, or the pool's."""
         if cell.script is not None:  # script mode: the user's script is the training
             return run_script_cell(cell, self.out_dir, self.config.timeout, backend, device)
+        if cell.fault is not None:  # replica groups under torchft, one process each (see faults)
+            from grace_survey.running.faults import run_fault_cell
+
+            return run_fault_cell(cell, self.out_dir, self.config.timeout, device)
         if self.fresh_ranks:
             args = (cell, self.out_dir, self.progress, device, "survey")
             return run_local(run_cell, cell.workers, args, backend=backend, timeout=self.config.timeout)[0]

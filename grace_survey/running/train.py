@@ -326,7 +326,7 @@ def _build(
     torch.manual_seed(cell.seed)
     model = workload.make_model().to(ctx.device)
     grace = grace_dgc.build(
-        method["compressor"], method["memory"], method["communicator"], engine=ctx.engine_kind, **params
+        method["compressor"], method["memory"], method["communicator"], engine=ctx.grace_engine, **params
     )
     optimizer = make_optimizer(workload, model, lr)
     fusion = {"fusion_bytes": method["fusion_bytes"]} if "fusion_bytes" in method else {}
