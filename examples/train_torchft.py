@@ -13,7 +13,8 @@ writes its parameters, its final loss and the steps it applied to ``--out``; at 
 groups' parameters are equal bit for bit, or the script exits 1.
 
 ``--way diloco`` runs DiLoCo (4 inner steps per round) instead of the DistributedOptimizer,
-``--way onebit_adam`` 1-bit Adam (3 dense warm-up steps, then the momentum through the Grace).
+``--way onebit_adam`` 1-bit Adam (3 dense warm-up steps, then the momentum through the Grace),
+``--way zero_one_adam`` 0/1 Adam (3 variance steps, then rounds of up to 4 local steps).
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def replica_group(args: argparse.Namespace) -> None:
     elif args.way == "onebit_adam":  # 3 dense warm-up steps, then the momentum through the Grace
         adam = torch.optim.AdamW(model.parameters(), lr=0.01)
         way = grace_dgc.schedules.create("onebit_adam", adam, grace, model.named_parameters(), freeze_step=3)
+    elif args.way == "zero_one_adam":  # 3 variance steps, then rounds of local steps (1, 1, 2, 2, then 4 steps)
+        adam = torch.optim.AdamW(model.parameters(), lr=0.01)
+        way = grace_dgc.schedules.create(
+            "zero_one_adam", adam, grace, model.named_parameters(), var_freeze_step=3, local_step_scaler=2,
+            local_step_clipper=4,
+        )
     else:
         way = grace_dgc.DistributedOptimizer(inner, grace, model.named_parameters())
     quorum = fault_tolerant(manager, way, model)
@@ -80,7 +87,7 @@ def replica_group(args: argparse.Namespace) -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         way.step()
         time.sleep(args.step_seconds)  # a real step's compute: time for a lost group to come back
-    if args.way == "diloco":
+    if args.way in ("diloco", "zero_one_adam"):  # the round in progress: every group ends on one model
         way.synchronize_now()
     x, y = model_and_data(99, 0)
     with torch.no_grad():
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill", default="", help="G:S[:exchange] (empty: no failure)")
     parser.add_argument("--restart-after", type=float, default=2.0)
     parser.add_argument("--late", type=int, default=-1, help="a group that starts once group 0 has 3 steps")
-    parser.add_argument("--way", choices=["optimizer", "diloco", "onebit_adam"], default="optimizer")
+    parser.add_argument("--way", choices=["optimizer", "diloco", "onebit_adam", "zero_one_adam"], default="optimizer")
     parser.add_argument("--compressor", default="topk")
     parser.add_argument("--memory", default="residual")
     parser.add_argument("--communicator", default="allgather")

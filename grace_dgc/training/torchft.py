@@ -3,7 +3,7 @@
 torchft (``pip install 'grace_dgc[torchft]'``) keeps a job going when a replica group dies: a
 lighthouse keeps the quorum, each group's ``Manager`` reconfigures the process group over the
 groups alive, and a group that comes back receives a healthy peer's state. :func:`fault_tolerant`
-puts a DistributedOptimizer, an outer-loop schedule or 1-bit Adam under a Manager::
+puts a DistributedOptimizer, an outer-loop schedule, 1-bit Adam or 0/1 Adam under a Manager::
 
     manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), use_async_quorum=False, min_replica_size=1,
                               load_state_dict=None, state_dict=None, replica_id=f"group_{g}", ...)
@@ -19,7 +19,8 @@ puts a DistributedOptimizer, an outer-loop schedule or 1-bit Adam under a Manage
 What each step does (:class:`Quorum`, the way in's coordinator):
 
 1. ``begin`` (the DistributedOptimizer's and 1-bit Adam's ``zero_grad``; an outer-loop
-   schedule's ``zero_grad`` or first inner step of a round): ``manager.start_quorum()``. A group
+   schedule's ``zero_grad`` or first inner step of a round; 0/1 Adam's ``zero_grad`` at each
+   variance step and at the start of each round of local steps): ``manager.start_quorum()``. A group
    behind the others (restarted after a loss) receives a healthy peer's state there (the model,
    and the way in's ``state_dict()`` loaded with ``peer=True``). When the quorum is another one,
    each Grace binds and agrees again on the new ranks (a rejoining group with other settings is
@@ -57,7 +58,7 @@ from ..engines.torchft_engine import TorchFTEngine
 from ..errors import GraceConfigError, StepDiscarded
 from .driver import Coordinator, Driver
 from .optimizer import DistributedOptimizer
-from .schedules.adam import OneBitAdam, ZeroOneAdam
+from .schedules.adam import AdamSchedule
 from .schedules.outer import OuterSync
 from .schedules.streaming import StreamingDiLoCo
 
@@ -130,19 +131,16 @@ class Quorum(Coordinator):
 
 def fault_tolerant(manager: Any, way: Driver, model: torch.nn.Module) -> Quorum:
     """Run ``way`` (a :class:`DistributedOptimizer`, an outer-loop schedule: DiLoCo, local
-    SGD, SparseLoCo, or 1-bit Adam) under torchft's ``manager``: its Graces exchange on the Manager's process
+    SGD, SparseLoCo, 1-bit Adam or 0/1 Adam) under torchft's ``manager``: its Graces exchange on the Manager's process
     group (build them with ``engine=TorchFTEngine(manager)``), its steps begin with the quorum
     and commit by the groups' vote, and a group that rejoins takes a healthy peer's state (the
     module's docstring). Registers the state functions with the Manager (give it
     ``load_state_dict=None, state_dict=None``). Returns the coordinator the way in now uses."""
-    if isinstance(way, (StreamingDiLoCo, ZeroOneAdam)) or not isinstance(
-        way, (DistributedOptimizer, OuterSync, OneBitAdam)
-    ):
+    if isinstance(way, StreamingDiLoCo) or not isinstance(way, (DistributedOptimizer, OuterSync, AdamSchedule)):
         raise GraceConfigError(
-            "fault_tolerant runs a DistributedOptimizer, an outer-loop schedule (diloco, local_sgd, sparseloco) or "
-            f"onebit_adam; got {getattr(way, 'name', type(way).__name__)}: its exchanges in flight across steps "
-            "(Streaming DiLoCo) or its local steps, whose parameters a healed group would take from a peer mid-round "
-            "and send again (0/1 Adam), are not under a quorum yet"
+            "fault_tolerant runs a DistributedOptimizer, an outer-loop schedule (diloco, local_sgd, sparseloco), "
+            f"onebit_adam or zero_one_adam; got {getattr(way, 'name', type(way).__name__)}: its fragments' exchanges "
+            "stay in flight across steps (Streaming DiLoCo), so no step's vote covers them; not under a quorum yet"
         )
     graces = [grace for _, grace in way._graces()]
     foreign = [g for g in graces if not (isinstance(g.engine, TorchFTEngine) and g.engine.manager is manager)]

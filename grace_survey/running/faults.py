@@ -10,8 +10,9 @@ at its first quorum and trains on. Each method also runs under torchft with no f
 ``torchft`` runs): the report sets each faulted run beside that one, launched alike, so the time
 lost and the metric lost are the fault's alone.
 
-Every group steps by the job's step (``manager.current_step()``: the steps committed), so a
-group that heals in late reads the batches of the step the job is at. Group 0 never dies: it
+Every group steps by the job's step (the steps committed, ``manager.current_step()``; a schedule's
+own step count, whose local steps commit once a round), so a group that heals in late reads the
+batches of the step the job is at. Group 0 never dies: it
 records the run (its epochs' figures, its evaluation of the whole test split after each epoch),
 as rank 0 does in the other runs. A schedule (DiLoCo, local SGD) is evaluated on group 0's model
 as it is at the epoch's end (no extra synchronization: a collective outside the steps would not
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grace_dgc.errors import GraceConfigError
+from grace_dgc.training.schedules import OuterSync
+from grace_dgc.training.schedules.adam import AdamSchedule
 from grace_dgc.launch import _environment, rank_environment, threads_per_rank
 from grace_survey.running.context import Context
 from grace_survey.running.metrics import RankTotals, epoch_record
@@ -198,19 +201,25 @@ def train_under_faults(
             f"({epochs} epochs of {run.steps}); lower at_step or back_after_steps"
         )
     dies = fault.get("group") == ctx.rank and ctx.attempt == 0
+    # the job's step: the steps committed; a schedule's own count (a round's local steps commit once, at its end)
+    schedule = isinstance(run.dist_opt, (OuterSync, AdamSchedule))
+
+    def job_step() -> int:
+        return int(run.dist_opt.steps) if schedule else int(ctx.manager.current_step())  # type: ignore[union-attr]
+
     reset_peak_rss()
     history: list[Record] = []
     feed = _Feed(run, train_split)
     totals, epoch, taken, epoch_start, first = RankTotals(), -1, 0, time.perf_counter(), True
     try:
-        while ctx.manager.current_step() < total:
-            if dies and ctx.manager.current_step() >= fault["at_step"]:
+        while job_step() < total:
+            if dies and job_step() >= fault["at_step"]:
                 if not fault.get("inside_exchange"):
                     os._exit(DIED)
                 for collective in ("allreduce", "allgather", "all_to_all", "broadcast"):
                     setattr(ctx.engine, collective, lambda *a, **k: os._exit(DIED))
             run.dist_opt.zero_grad()  # the quorum: a group behind the others heals here
-            step = ctx.manager.current_step()
+            step = job_step()
             if first and ctx.attempt and not quorum.healed:
                 break  # started again after the others ended: nobody to heal from, nothing to join
             first = False
@@ -228,7 +237,7 @@ def train_under_faults(
             taken += 1
             if ctx.rank == 0:
                 with open(ctx.progress_file + ".tmp", "w") as f:
-                    f.write(str(ctx.manager.current_step()))
+                    f.write(str(job_step()))
                 os.replace(ctx.progress_file + ".tmp", ctx.progress_file)
         if ctx.rank == 0:
             open(ctx.progress_file + ".end", "w").close()  # a group still waiting to come back stays out

@@ -420,6 +420,15 @@ class ZeroOneAdam(AdamSchedule):
     def phase(self) -> str:
         return "local steps" if self.frozen else "variance updates"
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # torchft: a step that exchanges (each variance step) or starts a round of local steps begins
+        # under the quorum, a local step inside a round does not. So a group that rejoins heals at a
+        # round's start, from parameters every group shares: a peer's mid-round parameters carry its
+        # local steps, which the healed group would send again at the synchronization
+        if self.steps + 1 <= self.var_freeze_step or self.since_sync == 0:
+            self.coordinator.begin()
+        return super(AdamSchedule, self).zero_grad(set_to_none)
+
     def _masked(self, average: Tensor, v: Tensor) -> Tensor:
         return self._mask(average, v) if self.momentum_mask else average
 
@@ -465,7 +474,7 @@ class ZeroOneAdam(AdamSchedule):
         if not dense:
             self._clip_local()
         averages = self._average(self.dense if dense else self.grace, lambda p, out: out.copy_(self._grad(p)))
-        if averages is None:
+        if not self.coordinator.commit() or averages is None:  # torchft: a group lost; or a NaN/Inf
             self._skip()
             return False
         if dense:
@@ -543,6 +552,8 @@ class ZeroOneAdam(AdamSchedule):
             torch.sub(p, self._round_start(p), alpha=decay, out=out).mul_(denominators[p])
 
         averages = self._average(self.grace, scaled)
+        if not self.coordinator.commit():  # torchft: this group met a lost one: its round is dropped
+            averages = None
         with torch.no_grad():
             for p in params:
                 m, v = self._moments(p)
