@@ -58,7 +58,12 @@ def replica_group(args: argparse.Namespace) -> None:
     elif args.way == "zero_one_adam":  # 3 variance steps, then rounds of local steps (1, 1, 2, 2, then 4 steps)
         adam = torch.optim.AdamW(model.parameters(), lr=0.01)
         way = grace_dgc.schedules.create(
-            "zero_one_adam", adam, grace, model.named_parameters(), var_freeze_step=3, local_step_scaler=2,
+            "zero_one_adam",
+            adam,
+            grace,
+            model.named_parameters(),
+            var_freeze_step=3,
+            local_step_scaler=2,
             local_step_clipper=4,
         )
     else:

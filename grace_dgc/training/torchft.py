@@ -109,7 +109,9 @@ class Quorum(Coordinator):
         """Another quorum than the last: the Graces bind and agree again on its ranks."""
         changed = [engine.refresh() for engine in self.engines]  # type: ignore[attr-defined]  # every one
         if any(changed):
-            replicas = self.way.replicas()
+            # as they are now, where every group holds them alike (a heal just made them so): a Grace's
+            # next exchange may come after local steps (0/1 Adam's compressed one: at its first round's end)
+            replicas = {name: tensor.detach().clone() for name, tensor in self.way.replicas().items()}
             for grace in self.graces:
                 grace.ranks_changed(replicas)
 

@@ -2,6 +2,7 @@
 rank 0 appends to results.jsonl."""
 
 import datetime
+import functools
 import os
 import re
 import time
@@ -75,11 +76,10 @@ def execute_cell(
 def _train_logged(
     ctx: Context, cell: Cell, workload: "Workload", lr: float, base: Record, out_dir: str, progress: bool
 ) -> tuple[list[Record], dict[str, Any]]:
-    """:func:`train` (:func:`~grace_survey.running.faults.train_under_faults` for a replica group
-    under torchft), rank 0 appending each epoch's line (and logging its scalars if asked)."""
-    from grace_survey.running.faults import FaultContext, train_under_faults
-
-    training: Any = train_under_faults if isinstance(ctx, FaultContext) else train
+    """:func:`train` (a replica group under torchft: its context's own), rank 0 appending each
+    epoch's line (and logging its scalars if asked)."""
+    # a replica group under torchft trains its own way (grace_survey.running.faults.FaultContext.train)
+    training: Any = getattr(ctx, "train", None) or functools.partial(train, ctx)
 
     def on_epoch(record: Record) -> None:
         if ctx.rank == 0:
@@ -88,7 +88,6 @@ def _train_logged(
     writer = _tensorboard(cell) if ctx.rank == 0 else None
     try:
         return training(
-            ctx,
             cell,
             workload,
             lr,

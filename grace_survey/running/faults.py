@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grace_dgc.errors import GraceConfigError
+from grace_dgc.launch import _environment, rank_environment, threads_per_rank
 from grace_dgc.training.schedules import OuterSync
 from grace_dgc.training.schedules.adam import AdamSchedule
-from grace_dgc.launch import _environment, rank_environment, threads_per_rank
 from grace_survey.running.context import Context
 from grace_survey.running.metrics import RankTotals, epoch_record
 from grace_survey.running.results import Record, latest_summaries, read_records
@@ -88,6 +88,10 @@ class FaultContext(Context):
 
     def broadcast_object(self, obj: Any) -> Any:
         return obj
+
+    def train(self, *args: Any, **kwargs: Any) -> tuple[list[Record], dict[str, Any]]:
+        """:func:`train_under_faults` on this group (what :func:`~grace_survey.running.execute.execute_cell` calls)."""
+        return train_under_faults(self, *args, **kwargs)
 
     def alone(self) -> Context:
         """This group as a world of one, for evaluating the whole test split."""
@@ -192,61 +196,13 @@ def train_under_faults(
     from grace_dgc.training.torchft import fault_tolerant
 
     run, train_split = _start(ctx, cell, workload, lr, train_split, epochs, None)
-    quorum = fault_tolerant(ctx.manager, run.dist_opt, run.model)
-    fault, total = cell.fault or {}, epochs * run.steps
-    if fault.get("group") is not None and fault["at_step"] + fault["back_after_steps"] >= total:
-        raise GraceConfigError(
-            f"{cell.run_id}: the fault brings group {fault['group']} back at step "
-            f"{fault['at_step'] + fault['back_after_steps']}, but the run has {total} steps "
-            f"({epochs} epochs of {run.steps}); lower at_step or back_after_steps"
-        )
-    dies = fault.get("group") == ctx.rank and ctx.attempt == 0
-    # the job's step: the steps committed; a schedule's own count (a round's local steps commit once, at its end)
-    schedule = isinstance(run.dist_opt, (OuterSync, AdamSchedule))
-
-    def job_step() -> int:
-        return int(run.dist_opt.steps) if schedule else int(ctx.manager.current_step())  # type: ignore[union-attr]
-
+    group = _Group(run, ctx, fault_tolerant(ctx.manager, run.dist_opt, run.model), cell.fault or {}, epochs)
     reset_peak_rss()
-    history: list[Record] = []
-    feed = _Feed(run, train_split)
-    totals, epoch, taken, epoch_start, first = RankTotals(), -1, 0, time.perf_counter(), True
     try:
-        while job_step() < total:
-            if dies and job_step() >= fault["at_step"]:
-                if not fault.get("inside_exchange"):
-                    os._exit(DIED)
-                for collective in ("allreduce", "allgather", "all_to_all", "broadcast"):
-                    setattr(ctx.engine, collective, lambda *a, **k: os._exit(DIED))
-            run.dist_opt.zero_grad()  # the quorum: a group behind the others heals here
-            step = job_step()
-            if first and ctx.attempt and not quorum.healed:
-                break  # started again after the others ended: nobody to heal from, nothing to join
-            first = False
-            if step >= total:
-                break
-            if step // run.steps != epoch:
-                if epoch >= 0 and ctx.rank == 0:
-                    history.append(_close_epoch(run, ctx, epoch, taken, totals, epoch_start, history, eval_split))
-                    if on_epoch is not None:
-                        on_epoch(history[-1])
-                epoch, taken, totals, epoch_start = step // run.steps, 0, RankTotals(), time.perf_counter()
-                run.grace.set_epoch(epoch)
-            run.global_step = step
-            _one_step(run, epoch, feed, step % run.steps, totals)
-            taken += 1
-            if ctx.rank == 0:
-                with open(ctx.progress_file + ".tmp", "w") as f:
-                    f.write(str(job_step()))
-                os.replace(ctx.progress_file + ".tmp", ctx.progress_file)
-        if ctx.rank == 0:
-            open(ctx.progress_file + ".end", "w").close()  # a group still waiting to come back stays out
-        if ctx.rank == 0 and epoch >= 0:
-            history.append(_close_epoch(run, ctx, epoch, taken, totals, epoch_start, history, eval_split))
-            if on_epoch is not None:
-                on_epoch(history[-1])
+        history = group.train(_Feed(run, train_split), eval_split, on_epoch)
     finally:
         run.grace.close()
+    fault = group.fault
     facts: dict[str, Any] = {
         "global_batch": run.global_batch,
         "steps_per_epoch": run.steps,
@@ -257,11 +213,114 @@ def train_under_faults(
                 for k in ("group", "at_step", "back_after_steps", "inside_exchange")
                 if k in fault
             },
-            "discarded_steps": quorum.discarded,
+            "discarded_steps": group.quorum.discarded,
             "groups_at_end": ctx.manager.num_participants(),  # all of them: the lost group came back
         },
     }
     return history, facts
+
+
+class _Group:
+    """One replica group's run: its steps by the job's step, its death where the fault says, and
+    (group 0) the epochs' records."""
+
+    def __init__(self, run: _Training, ctx: FaultContext, quorum: Any, fault: dict[str, Any], epochs: int) -> None:
+        self.run, self.ctx, self.quorum, self.fault = run, ctx, quorum, fault
+        self.total = epochs * run.steps
+        if fault.get("group") is not None and fault["at_step"] + fault["back_after_steps"] >= self.total:
+            raise GraceConfigError(
+                f"{run.cell.run_id}: the fault brings group {fault['group']} back at step "
+                f"{fault['at_step'] + fault['back_after_steps']}, but the run has {self.total} steps "
+                f"({epochs} epochs of {run.steps}); lower at_step or back_after_steps"
+            )
+        self.dies = fault.get("group") == ctx.rank and ctx.attempt == 0
+        # a schedule counts its own steps: the local steps of a round commit once, at its end
+        self.schedule = isinstance(run.dist_opt, (OuterSync, AdamSchedule))
+        self.history: list[Record] = []
+
+    def job_step(self) -> int:
+        """The job's step: the steps committed (a schedule's own count)."""
+        return int(self.run.dist_opt.steps) if self.schedule else int(self.ctx.manager.current_step())  # type: ignore[union-attr]
+
+    def train(self, feed: _Feed, eval_split: Split, on_epoch: Callable[[Record], object] | None) -> list[Record]:
+        run, ctx = self.run, self.ctx
+        totals, epoch, taken, epoch_start, first = RankTotals(), -1, 0, time.perf_counter(), True
+        while self.job_step() < self.total:
+            self._die_where_the_fault_says()
+            run.dist_opt.zero_grad()  # the quorum: a group behind the others heals here
+            step = self.job_step()
+            if first and ctx.attempt and not self.quorum.healed:
+                break  # started again after the others ended: nobody to heal from, nothing to join
+            first = False
+            if step >= self.total:
+                break
+            if step // run.steps != epoch:
+                if epoch >= 0:
+                    self._close_epoch(epoch, taken, totals, epoch_start, eval_split, on_epoch)
+                epoch, taken, totals, epoch_start = step // run.steps, 0, RankTotals(), time.perf_counter()
+                run.grace.set_epoch(epoch)
+            run.global_step = step
+            _one_step(run, epoch, feed, step % run.steps, totals)
+            taken += 1
+            self._tell_the_runner(str(self.job_step()))
+        self._tell_the_runner(None)
+        if epoch >= 0:
+            self._close_epoch(epoch, taken, totals, epoch_start, eval_split, on_epoch)
+        return self.history
+
+    def _die_where_the_fault_says(self) -> None:
+        if not (self.dies and self.job_step() >= self.fault["at_step"]):
+            return
+        if not self.fault.get("inside_exchange"):
+            os._exit(DIED)
+        for collective in ("allreduce", "allgather", "all_to_all", "broadcast"):  # the next exchange ends it
+            setattr(self.ctx.engine, collective, lambda *a, **k: os._exit(DIED))
+
+    def _tell_the_runner(self, step: str | None) -> None:
+        """Group 0 writes the job's step for the runner (None: the run ended, a group still due stays out)."""
+        if self.ctx.rank != 0:
+            return
+        path = self.ctx.progress_file
+        if step is None:
+            open(path + ".end", "w").close()
+            return
+        with open(path + ".tmp", "w") as f:
+            f.write(step)
+        os.replace(path + ".tmp", path)
+
+    def _close_epoch(
+        self,
+        epoch: int,
+        steps: int,
+        totals: RankTotals,
+        started: float,
+        eval_split: Split,
+        on_epoch: Callable[[Record], object] | None,
+    ) -> None:
+        """Group 0's record of ``epoch`` (``steps`` taken, discarded ones included): its own
+        totals, and its model evaluated on the whole test split."""
+        if self.ctx.rank != 0:
+            return
+        run = self.run
+        totals.train_time = time.perf_counter() - started
+        totals.peak_rss_mb, totals.peak_gpu_mb = _peak_memory(self.ctx)
+        test_loss, test_acc = evaluate(self.ctx.alone(), run.model, eval_split, run.cell.eval_batch_size, run.workload)
+        elapsed = self.history[-1]["elapsed_s"] if self.history else 0.0
+        self.history.append(
+            epoch_record(
+                [totals],
+                epoch + 1,
+                run.lr_now(epoch),
+                max(steps, 1),
+                run.global_batch,
+                elapsed,
+                test_loss,
+                test_acc,
+                {},
+            )
+        )
+        if on_epoch is not None:
+            on_epoch(self.history[-1])
 
 
 class _Feed:
@@ -305,25 +364,3 @@ def _one_step(run: _Training, epoch: int, feed: _Feed, index: int, totals: RankT
     stats = run.measured.stats()
     run.measured.reset_stats()
     _add_step(run, totals, stats, loss.item() * count, hits.item(), count, t1 - t0, t2 - t1)
-
-
-def _close_epoch(
-    run: _Training,
-    ctx: FaultContext,
-    epoch: int,
-    steps: int,
-    totals: RankTotals,
-    started: float,
-    history: list[Record],
-    eval_split: Split,
-) -> Record:
-    """Group 0's record of ``epoch`` (``steps`` of them taken, discarded ones included): its own
-    totals, and its model evaluated on the whole test split."""
-    totals.train_time = time.perf_counter() - started
-    totals.peak_rss_mb, totals.peak_gpu_mb = _peak_memory(ctx)
-    steps = max(steps, 1)
-    test_loss, test_acc = evaluate(ctx.alone(), run.model, eval_split, run.cell.eval_batch_size, run.workload)
-    elapsed = history[-1]["elapsed_s"] if history else 0.0
-    return epoch_record(
-        [totals], epoch + 1, run.lr_now(epoch), steps, run.global_batch, elapsed, test_loss, test_acc, {}
-    )
