@@ -201,11 +201,10 @@ def resume_job(rank, world, cases, fusion_bytes, how="state_dict", directory=Non
     return ran, problems
 
 
-# every pair on 2 ranks fused and unfused, and on 3 ranks (uneven chunks) fused; 3 ranks unfused
-# adds nothing a pair could differ in and took 2 minutes of CI
-@pytest.mark.parametrize(
-    "world, fusion_bytes", [(2, 0), (2, 1 << 20), (3, 1 << 20)], ids=["2-unfused", "2-fused", "3-fused"]
-)
+# every pair on 2 ranks unfused (a bucket per parameter) and on 3 ranks (uneven chunks) fused, as the
+# communicators below: 3 ranks unfused adds nothing a pair could differ in and took 2 minutes of CI, and
+# 2 ranks fused (24 s) only crossed the two (fusion's groups are the same on 2 ranks and on 3)
+@pytest.mark.parametrize("world, fusion_bytes", [(2, 0), (3, 1 << 20)], ids=["2-unfused", "3-fused"])
 def test_every_compressor_memory_pair_resumes_bit_for_bit(world, fusion_bytes):
     results = run_ranks(resume_job, world, (pair_cases(), fusion_bytes), timeout=600)
     for rank, (ran, problems) in enumerate(results):
