@@ -13,6 +13,7 @@ writes its parameters, its final loss and the steps it applied to ``--out``; at 
 groups' parameters are equal bit for bit, or the script exits 1.
 
 ``--way diloco`` runs DiLoCo (4 inner steps per round) instead of the DistributedOptimizer,
+``--way streaming_diloco`` Streaming DiLoCo (2 fragments, each every 4 steps, exchanged over 1),
 ``--way onebit_adam`` 1-bit Adam (3 dense warm-up steps, then the momentum through the Grace),
 ``--way zero_one_adam`` 0/1 Adam (3 variance steps, then rounds of up to 4 local steps).
 """
@@ -52,6 +53,10 @@ def replica_group(args: argparse.Namespace) -> None:
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     if args.way == "diloco":
         way = grace_dgc.schedules.create("diloco", inner, grace, model.named_parameters(), inner_steps=4)
+    elif args.way == "streaming_diloco":  # 2 fragments, each synchronized every 4 steps, its exchange over 1 step
+        way = grace_dgc.schedules.create(
+            "streaming_diloco", inner, grace, model.named_parameters(), inner_steps=4, fragments=2, delay=1
+        )
     elif args.way == "onebit_adam":  # 3 dense warm-up steps, then the momentum through the Grace
         adam = torch.optim.AdamW(model.parameters(), lr=0.01)
         way = grace_dgc.schedules.create("onebit_adam", adam, grace, model.named_parameters(), freeze_step=3)
@@ -92,7 +97,11 @@ def replica_group(args: argparse.Namespace) -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         way.step()
         time.sleep(args.step_seconds)  # a real step's compute: time for a lost group to come back
-    if args.way in ("diloco", "zero_one_adam"):  # the round in progress: every group ends on one model
+    if args.way in (
+        "diloco",
+        "streaming_diloco",
+        "zero_one_adam",
+    ):  # the round in progress: every group ends on one model
         way.synchronize_now()
     x, y = model_and_data(99, 0)
     with torch.no_grad():
@@ -121,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill", default="", help="G:S[:exchange] (empty: no failure)")
     parser.add_argument("--restart-after", type=float, default=2.0)
     parser.add_argument("--late", type=int, default=-1, help="a group that starts once group 0 has 3 steps")
-    parser.add_argument("--way", choices=["optimizer", "diloco", "onebit_adam", "zero_one_adam"], default="optimizer")
+    parser.add_argument(
+        "--way",
+        choices=["optimizer", "diloco", "streaming_diloco", "onebit_adam", "zero_one_adam"],
+        default="optimizer",
+    )
     parser.add_argument("--compressor", default="topk")
     parser.add_argument("--memory", default="residual")
     parser.add_argument("--communicator", default="allgather")

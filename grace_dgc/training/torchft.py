@@ -3,7 +3,8 @@
 torchft (``pip install 'grace_dgc[torchft]'``) keeps a job going when a replica group dies: a
 lighthouse keeps the quorum, each group's ``Manager`` reconfigures the process group over the
 groups alive, and a group that comes back receives a healthy peer's state. :func:`fault_tolerant`
-puts a DistributedOptimizer, an outer-loop schedule, 1-bit Adam or 0/1 Adam under a Manager::
+puts a DistributedOptimizer, an outer-loop schedule (Streaming DiLoCo too), 1-bit Adam or 0/1 Adam under
+a Manager::
 
     manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), use_async_quorum=False, min_replica_size=1,
                               load_state_dict=None, state_dict=None, replica_id=f"group_{g}", ...)
@@ -20,7 +21,8 @@ What each step does (:class:`Quorum`, the way in's coordinator):
 
 1. ``begin`` (the DistributedOptimizer's and 1-bit Adam's ``zero_grad``; an outer-loop
    schedule's ``zero_grad`` or first inner step of a round; 0/1 Adam's ``zero_grad`` at each
-   variance step and at the start of each round of local steps): ``manager.start_quorum()``. A group
+   variance step and at the start of each round of local steps; Streaming DiLoCo's before each
+   step that sends a fragment, whose exchange then commits when it is applied): ``manager.start_quorum()``. A group
    behind the others (restarted after a loss) receives a healthy peer's state there (the model,
    and the way in's ``state_dict()`` loaded with ``peer=True``). When the quorum is another one,
    each Grace binds and agrees again on the new ranks (a rejoining group with other settings is
@@ -133,16 +135,22 @@ class Quorum(Coordinator):
 
 def fault_tolerant(manager: Any, way: Driver, model: torch.nn.Module) -> Quorum:
     """Run ``way`` (a :class:`DistributedOptimizer`, an outer-loop schedule: DiLoCo, local
-    SGD, SparseLoCo, 1-bit Adam or 0/1 Adam) under torchft's ``manager``: its Graces exchange on the Manager's process
-    group (build them with ``engine=TorchFTEngine(manager)``), its steps begin with the quorum
+    SGD, SparseLoCo, Streaming DiLoCo; 1-bit Adam or 0/1 Adam) under torchft's ``manager``: its
+    Graces exchange on the Manager's process group (build them with
+    ``engine=TorchFTEngine(manager)``), its steps begin with the quorum
     and commit by the groups' vote, and a group that rejoins takes a healthy peer's state (the
     module's docstring). Registers the state functions with the Manager (give it
     ``load_state_dict=None, state_dict=None``). Returns the coordinator the way in now uses."""
-    if isinstance(way, StreamingDiLoCo) or not isinstance(way, (DistributedOptimizer, OuterSync, AdamSchedule)):
+    if not isinstance(way, (DistributedOptimizer, OuterSync, AdamSchedule)):
         raise GraceConfigError(
-            "fault_tolerant runs a DistributedOptimizer, an outer-loop schedule (diloco, local_sgd, sparseloco), "
-            f"onebit_adam or zero_one_adam; got {getattr(way, 'name', type(way).__name__)}: its fragments' exchanges "
-            "stay in flight across steps (Streaming DiLoCo), so no step's vote covers them; not under a quorum yet"
+            "fault_tolerant runs a DistributedOptimizer, an outer-loop schedule (diloco, local_sgd, sparseloco, "
+            f"streaming_diloco), onebit_adam or zero_one_adam; got {getattr(way, 'name', type(way).__name__)}"
+        )
+    if isinstance(way, StreamingDiLoCo) and way.delay >= way.steps_between_sends():
+        raise GraceConfigError(
+            f"Streaming DiLoCo under torchft: delay={way.delay} overlaps one fragment's exchange with the next one's "
+            f"(sends {way.steps_between_sends()} inner steps apart); each exchange is a step of the quorum, voted on "
+            "before the next begins: give delay < inner_steps / fragments"
         )
     graces = [grace for _, grace in way._graces()]
     foreign = [g for g in graces if not (isinstance(g.engine, TorchFTEngine) and g.engine.manager is manager)]

@@ -509,7 +509,7 @@ def _method_settings(method: Mapping[str, Any], spec: dict[str, Any], where: str
         spec["tune_lr"] = [float(c) for c in cands]
 
 
-UNDER_A_QUORUM = ("diloco", "local_sgd", "sparseloco", "onebit_adam", "zero_one_adam")  # what fault_tolerant runs
+UNDER_A_QUORUM = ("diloco", "local_sgd", "sparseloco", "streaming_diloco", "onebit_adam", "zero_one_adam")
 
 
 def _check_faults_fit(spec: Mapping[str, Any], where: str) -> None:

@@ -79,11 +79,6 @@ def test_faults_add_a_torchft_run_and_one_per_fault_for_every_method_alike(tmp_p
             "tune_lr = [0.1, 0.2]",
             "faults and tune_lr together",
         ),
-        (
-            "faults = [{group = 1, at_step = 4, back_after_steps = 4}]\n[[methods]]\ncompressor = 'none'\n"
-            "schedule = {name = 'streaming_diloco', fragments = 1}",
-            "not 'streaming_diloco'",
-        ),
     ],
 )
 def test_a_fault_that_cannot_run_is_refused_by_name(tmp_path, text, words):

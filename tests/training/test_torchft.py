@@ -59,6 +59,8 @@ CASES = {
         *("--params", '{"compress_rank": 2}'),
     ],
     "2 groups, DiLoCo": ["--groups", "2", "--kill", "1:6", "--way", "diloco", "--steps", "6"],
+    # killed mid-round (its 7th step: fragment 0 synchronized at 6, fragment 1's turn at 8): heals at a send
+    "2 groups, Streaming DiLoCo": ["--groups", "2", "--kill", "1:7", "--way", "streaming_diloco"],
     "2 groups, 1-bit Adam past its warm-up": ["--groups", "2", "--kill", "1:6", "--way", "onebit_adam"],
     # killed mid-round (its 9th step: the third of a 4-step round of local steps): it heals at the next round start
     "2 groups, 0/1 Adam in its local steps": ["--groups", "2", "--kill", "1:9", "--way", "zero_one_adam"],
@@ -145,7 +147,7 @@ def test_an_asynchronous_quorum_or_a_group_of_several_ranks_is_refused_naming_wh
         TorchFTEngine(object())
 
 
-def test_a_way_in_not_under_a_quorum_yet_or_a_grace_on_another_engine_is_refused():
+def test_a_grace_on_another_engine_or_streaming_exchanges_that_overlap_are_refused():
     import grace_dgc
     from grace_dgc.training.torchft import fault_tolerant
 
@@ -158,11 +160,14 @@ def test_a_way_in_not_under_a_quorum_yet_or_a_grace_on_another_engine_is_refused
     streaming = grace_dgc.schedules.create(
         "streaming_diloco",
         torch.optim.SGD(model.parameters(), lr=0.1),
-        grace_dgc.build("none", "none", "allgather", engine="local"),
+        grace_dgc.build("none", "none", "allgather", engine=TorchFTEngine(manager)),
         inner_steps=4,
         fragments=2,
+        delay=2,
     )
-    with pytest.raises(GraceConfigError, match="Streaming DiLoCo"):
+    with pytest.raises(
+        GraceConfigError, match=r"delay=2 overlaps .* \(sends 2 inner steps apart\).* delay < inner_steps"
+    ):
         fault_tolerant(manager, streaming, model)
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from ...errors import GraceConfigError, check_choice, check_range
+from ...errors import GraceConfigError, StepDiscarded, check_choice, check_range
 from ..driver import FUSION_BYTES
 from .base import Named, Pending
 from .outer import OuterSync
@@ -149,6 +149,30 @@ class StreamingDiLoCo(OuterSync):
         offset = self.offsets[fragment]
         return step >= offset and (step - offset) % self.inner_steps == 0
 
+    def steps_between_sends(self) -> int:
+        """The fewest inner steps from one fragment's send to the next fragment's (a round wraps around)."""
+        offsets = sorted(set(self.offsets))
+        gaps = [b - a for a, b in zip(offsets, offsets[1:])] + [self.inner_steps - offsets[-1] + offsets[0]]
+        return min(gaps)
+
+    # -- under a quorum (torchft): each fragment's exchange is a step of its own -----------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # a step that sends a fragment begins before its forward pass (a group that rejoins heals there,
+        # at the same step count as its peers); so does a run's first (a restarted group heals at once)
+        if self.steps == 0 or any(self.sends_after(self.steps + 1, f) for f in range(self.fragments)):
+            self.coordinator.begin()
+        return super(OuterSync, self).zero_grad(set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any], *, peer: bool = False) -> None:
+        """As :class:`OuterSync`'s; from a healthy peer (a group that rejoins) every fragment starts
+        from its global θ_start,p: the peer's parameters carry its local steps since each fragment's
+        last synchronization, which this group would send again in its next Δ_p."""
+        super().load_state_dict(state_dict, peer=peer)
+        if peer:
+            with torch.no_grad():
+                for p, name in self._names.items():
+                    p.copy_(self.start[name])
+
     # -- the schedule -----------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One inner step; then the fragments due are applied and those whose turn it is sent."""
@@ -174,14 +198,14 @@ class StreamingDiLoCo(OuterSync):
             return False
         for fragment in sorted(self._in_flight):
             self._apply(fragment, self.mixing)
-        for fragment in range(self.fragments):
+        for fragment in range(self.fragments):  # one at a time: each is a step of its own under a quorum
             self._send(fragment)
-        for fragment in range(self.fragments):
             self._apply(fragment, 0.0)
         self.since_sync = 0
         return True
 
     def _send(self, fragment: int) -> None:
+        self.coordinator.begin()  # torchft: begun at zero_grad already, but where step() came without it
         start, name_of, grace = self.start, self._names, self.grace
 
         def delta(p: torch.nn.Parameter, out: Tensor) -> None:  # Δ_p = θ_start,p − θ_p
@@ -195,8 +219,13 @@ class StreamingDiLoCo(OuterSync):
     def _apply(self, fragment: int, mixing: float) -> None:
         exchange = self._in_flight.pop(fragment)
         waiting = time.perf_counter()  # the training thread blocks here if the exchange is not done
-        averages = exchange.resolve(self._names)
+        try:
+            averages = exchange.resolve(self._names)
+        except StepDiscarded:  # torchft: a group was lost during the exchange: it does not commit here
+            averages, exchange.skipped = {}, True
         self.grace.add_wait(time.perf_counter() - waiting)
+        if not self.coordinator.commit():  # torchft: this group's vote; the fragment's round is dropped
+            exchange.skipped = True
         start, name_of = self.start, self._names
         params = self._fragments[fragment]
         if exchange.skipped:
@@ -205,7 +234,8 @@ class StreamingDiLoCo(OuterSync):
                     p.copy_(start[name_of[p]])
             self._stat_skipped += 1
             log.warning(
-                "%s: fragment %d's outer gradient was not finite on some rank; dropped on every rank",
+                "%s: fragment %d's outer gradient was not finite on some rank, or its exchange met a lost replica "
+                "group; dropped (on every rank, but where torchft's vote is this group's alone)",
                 self.name,
                 fragment,
             )
