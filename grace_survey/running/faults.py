@@ -179,20 +179,14 @@ def _group_main(
 
 
 def train_under_faults(
-    ctx: FaultContext,
-    cell: Cell,
-    workload: Workload,
-    lr: float,
-    train_split: Split,
-    eval_split: Split,
-    epochs: int,
-    on_epoch: Callable[[Record], object] | None = None,
-    progress: bool = False,
-    desc: str | None = None,
-    scalars: Callable[[int, dict[str, float]], object] | None = None,
+    ctx: FaultContext, cell: Cell, workload: Workload, lr: float, *splits_and_epochs: Any, **hooks: Any
 ) -> tuple[list[Record], dict[str, Any]]:
-    """:func:`grace_survey.running.train.train` for a replica group: the steps follow the job's
-    step count, a group behind heals at its step's quorum, the fault's group dies where it says."""
+    """:func:`grace_survey.running.train.train` for a replica group (its arguments: the training
+    and test splits, the epochs, ``on_epoch``; a group draws no progress bar and logs no scalars):
+    the steps follow the job's step count, a group behind heals at its step's quorum, the fault's
+    group dies where it says."""
+    train_split, eval_split, epochs = splits_and_epochs
+    on_epoch: Callable[[Record], object] | None = hooks.get("on_epoch")
     from grace_dgc.training.torchft import fault_tolerant
 
     run, train_split = _start(ctx, cell, workload, lr, train_split, epochs, None)
