@@ -146,7 +146,7 @@ def steps(device, gpus, scratch):
             "fused kernels vs torch ops",
             # two ops: Triton's interpreter takes 1 s an op whatever the size (the kernels' tests cover them all)
             [py, "benchmarks/bench_kernels.py", "--device", "cpu", "--sizes", "20000", "--repeats", "1"]
-            + ["--ops", "select", "lookup"],
+            + ["--ops", "pack_signs", "select"],
         ),
         ("compress + decompress vs copy_", compressors),
         ("compress + decompress vs copy_, torch ops only", compressors, TORCH_OPS_ONLY),
