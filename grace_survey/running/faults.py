@@ -39,14 +39,13 @@ from grace_survey.running.metrics import RankTotals, epoch_record
 from grace_survey.running.results import Record, latest_summaries, read_records
 from grace_survey.running.train import (
     _add_step,
-    _mix,
+    _epoch_batches,
     _peak_memory,
     _start,
     _update,
     evaluate,
     reset_peak_rss,
 )
-from grace_survey.workloads import data
 
 if TYPE_CHECKING:
     from grace_survey.config.cell import Cell
@@ -318,9 +317,8 @@ class _Group:
 
 
 class _Feed:
-    """A group's batches by the job's step: the epoch's permutation drawn from (seed, epoch) as
-    :func:`grace_survey.running.train._epoch_batches` draws it, read from any step on (a group
-    that heals in late starts mid-epoch)."""
+    """A group's batches by the job's step (:func:`grace_survey.running.train._epoch_batches`),
+    read from any step on: a group that heals in late starts mid-epoch, a discarded step is read again."""
 
     def __init__(self, run: _Training, split: Split) -> None:
         self.run, self.split = run, split
@@ -331,11 +329,7 @@ class _Feed:
     def batch(self, epoch: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         run = self.run
         if (epoch, index) != (self.epoch, self.next_index):
-            order = torch.randperm(run.examples, generator=torch.Generator().manual_seed(_mix(run.cell.seed, epoch)))
-            start = run.ctx.rank * run.per_worker
-            mine = [order[s * run.global_batch + start :][: run.per_worker] for s in range(index, run.steps)]
-            self.loader = data.batches(self.split, mine, run.workload.loader_workers)
-            self.augment_rng = torch.Generator().manual_seed(_mix(run.cell.seed, epoch, "augment", run.ctx.rank))
+            self.loader, self.augment_rng = _epoch_batches(run, epoch, self.split, first=index)
         self.epoch, self.next_index = epoch, index + 1
         x, y = next(self.loader)
         if run.workload.augment is not None:

@@ -411,10 +411,10 @@ def _train_epoch(run: _Training, epoch: int, train_split: Split, eval_split: Spl
 
 
 def _epoch_batches(
-    run: _Training, epoch: int, train_split: Split
+    run: _Training, epoch: int, train_split: Split, first: int = 0
 ) -> tuple[Iterator[tuple[Tensor, Tensor]], torch.Generator]:
-    """This rank's batches of the epoch (the permutation drawn from (seed, epoch)) and the
-    generator its augmentation draws from (seeded from (seed, epoch, rank))."""
+    """This rank's batches of the epoch from its step ``first`` on (the permutation drawn from
+    (seed, epoch)) and the generator its augmentation draws from (seeded from (seed, epoch, rank))."""
     ctx, seed = run.ctx, run.cell.seed
     order = torch.randperm(run.examples, generator=torch.Generator().manual_seed(_mix(seed, epoch)))
     augment_rng = torch.Generator().manual_seed(_mix(seed, epoch, "augment", ctx.rank))
@@ -423,7 +423,7 @@ def _epoch_batches(
     # this rank's rows of each global batch: the same examples in the same order for
     # every method, whether the split is held as tensors or streamed from a Dataset
     start = ctx.rank * run.per_worker
-    mine = [order[step * run.global_batch + start :][: run.per_worker] for step in range(run.steps)]
+    mine = [order[step * run.global_batch + start :][: run.per_worker] for step in range(first, run.steps)]
     loader = data.batches(train_split, mine, run.workload.loader_workers, pin_memory=ctx.device.type == "cuda")
     return loader, augment_rng
 

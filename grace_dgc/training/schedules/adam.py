@@ -84,10 +84,6 @@ class AdamSchedule(Schedule):
         grace.attach_optimizer(optimizer, {n: p for p, n in self._names.items()})
         self.dense.watch({n: p for p, n in self._names.items()})  # ranks start from one model
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.coordinator.begin()  # torchft: every step exchanges, so every step is under the quorum
-        return super().zero_grad(set_to_none)
-
     def _adam_settings(self, bias_correction: bool, momentum_mask: bool, max_grad_norm: float | None) -> None:
         """The settings both methods take, checked."""
         self.bias_correction = check_bool("bias_correction", bias_correction)
@@ -420,14 +416,11 @@ class ZeroOneAdam(AdamSchedule):
     def phase(self) -> str:
         return "local steps" if self.frozen else "variance updates"
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # torchft: a step that exchanges (each variance step) or starts a round of local steps begins
-        # under the quorum, a local step inside a round does not. So a group that rejoins heals at a
-        # round's start, from parameters every group shares: a peer's mid-round parameters carry its
-        # local steps, which the healed group would send again at the synchronization
-        if self.steps + 1 <= self.var_freeze_step or self.since_sync == 0:
-            self.coordinator.begin()
-        return super(AdamSchedule, self).zero_grad(set_to_none)
+    def begins_a_step(self) -> bool:
+        # a step that exchanges (each variance step) or starts a round of local steps, not a local step
+        # inside a round: so a group that rejoins heals at a round's start, from parameters every group
+        # shares (a peer's mid-round parameters carry its local steps, which it would send again)
+        return self.steps + 1 <= self.var_freeze_step or self.since_sync == 0
 
     def _masked(self, average: Tensor, v: Tensor) -> Tensor:
         return self._mask(average, v) if self.momentum_mask else average

@@ -79,7 +79,14 @@ class Schedule(WrappingOptimizer):
         return averages
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.begins_a_step():  # torchft: the quorum forms before the forward pass (a heal lands here)
+            self.coordinator.begin()
         return self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def begins_a_step(self) -> bool:
+        """Does the coming step begin a step of the coordinator's (torchft's quorum)? Each schedule
+        says where its exchanges' steps begin; by default every step."""
+        return True
 
     def __repr__(self) -> str:
         listed = ", ".join(f"{key}={value!r}" for key, value in self.settings().items())

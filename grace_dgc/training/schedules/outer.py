@@ -197,10 +197,8 @@ class OuterSync(Schedule):
         out["bytes_per_sync"] = sent / self._stat_syncs if self._stat_syncs else 0.0
         out["bytes_per_step"] = sent / self._stat_steps if self._stat_steps else 0.0
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.since_sync == 0:  # torchft: a round begins before its first forward pass (a heal lands here)
-            self.coordinator.begin()
-        return super().zero_grad(set_to_none)
+    def begins_a_step(self) -> bool:
+        return self.since_sync == 0  # a round begins
 
     def replicas(self) -> dict[str, Tensor]:
         """θ_start: what every rank holds alike when a round's exchange runs (the parameters

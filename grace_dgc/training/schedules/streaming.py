@@ -156,12 +156,10 @@ class StreamingDiLoCo(OuterSync):
         return min(gaps)
 
     # -- under a quorum (torchft): each fragment's exchange is a step of its own -----------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # a step that sends a fragment begins before its forward pass (a group that rejoins heals there,
-        # at the same step count as its peers); so does a run's first (a restarted group heals at once)
-        if self.steps == 0 or any(self.sends_after(self.steps + 1, f) for f in range(self.fragments)):
-            self.coordinator.begin()
-        return super(OuterSync, self).zero_grad(set_to_none)
+    def begins_a_step(self) -> bool:
+        # a step that sends a fragment (a group that rejoins heals there, at its peers' step count), and
+        # a run's first (a restarted group heals at once)
+        return self.steps == 0 or any(self.sends_after(self.steps + 1, f) for f in range(self.fragments))
 
     def load_state_dict(self, state_dict: dict[str, Any], *, peer: bool = False) -> None:
         """As :class:`OuterSync`'s; from a healthy peer (a group that rejoins) every fragment starts
