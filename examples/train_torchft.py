@@ -74,6 +74,8 @@ def replica_group(args: argparse.Namespace) -> None:
     else:
         way = grace_dgc.DistributedOptimizer(inner, grace, model.named_parameters())
     quorum = fault_tolerant(manager, way, model)
+    if args.attempt == 0 and args.group != args.late:
+        start_together(args)
     first_step = None  # the job's step at this process's first step: above 0 where it healed in late
     kill_group, kill_step, where = args.kill
     taken = 0  # this process's own steps: it dies at its kill_step-th, wherever the job is by then
@@ -122,6 +124,15 @@ def replica_group(args: argparse.Namespace) -> None:
     manager.shutdown(wait=False)
 
 
+def start_together(args: argparse.Namespace) -> None:
+    """Wait until every group started on time is up, as a job's launcher starts them: on a busy
+    machine one group's imports can take seconds, and the others would train without it."""
+    open(os.path.join(args.out, f"ready{args.group}"), "w").close()
+    on_time = [g for g in range(args.groups) if g != args.late]
+    while not all(os.path.exists(os.path.join(args.out, f"ready{g}")) for g in on_time):
+        time.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=2)
@@ -166,6 +177,9 @@ def lighthouse_and_groups(args: argparse.Namespace, argv: list[str]) -> int:
     from torchft.coordination import LighthouseServer
 
     os.makedirs(args.out, exist_ok=True)
+    for group in range(args.groups):  # an earlier run's marks in the same folder
+        if os.path.exists(os.path.join(args.out, f"ready{group}")):
+            os.remove(os.path.join(args.out, f"ready{group}"))
     # a group silent for 2 s is out of the quorum (long enough for a slow start on a busy machine)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
     address = "http://localhost:" + lighthouse.address().rsplit(":", 1)[1]

@@ -70,7 +70,9 @@ def reference_fp4(x: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(0, 10_000), st.integers(1, 300), st.sampled_from([(8, 1), (8, 3), (16, 16), (64, 5)]))
+@given(
+    st.integers(0, 10_000), st.integers(1, 300), st.sampled_from([(8, 1), (8, 3), (16, 16), (64, 5), (96, 2), (256, 3)])
+)
 def test_chunk_topk_keeps_k_per_chunk_and_sends_offsets_in_log2_chunk_bits(seed, n, chunk_k):
     chunk, k = chunk_k
     x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
@@ -84,6 +86,29 @@ def test_chunk_topk_keeps_k_per_chunk_and_sends_offsets_in_log2_chunk_bits(seed,
     assert [t.numel() * t.element_size() for t in payload] == [4 * len(kept), math.ceil(len(kept) * bits / 8)]
     residual = comp.subtract_sent_(x.clone(), payload, ctx)
     assert torch.equal(residual + expected, x) and torch.equal(comp.sent_mask(payload, ctx), expected != 0)
+
+
+@pytest.mark.parametrize(("chunk", "k"), [(4096, 64), (4096, 1), (1000, 7), (65536, 64)])
+def test_chunk_topks_two_rounds_keep_a_top_k_of_every_chunk(chunk, k):
+    """Long chunks select in two rounds (the k groups with the largest peaks, then the top k of
+    their members): the offsets are one torch.topk per chunk's, and where magnitudes tie (a
+    gradient of few distinct values) the kept magnitudes are still a top k of the chunk."""
+    from grace_dgc.compressors.chunk_topk import group_size
+
+    assert group_size(chunk, k) > 1
+    comp = COMPRESSORS.get("chunk_topk")(chunk=chunk, k=k)
+    gen = torch.Generator().manual_seed(chunk + k)
+    for x in (torch.randn(3 * chunk, generator=gen), torch.randint(-3, 4, (3 * chunk,), generator=gen).float()):
+        blocks = x.view(3, chunk)
+        offsets, values = torch.empty(3, k, dtype=torch.int64), torch.empty(3, k)
+        comp._whole_chunks(blocks, offsets.view(-1), values.view(-1))
+        assert torch.equal(values, blocks.gather(1, offsets))
+        assert bool((offsets.diff(dim=1) > 0).all())  # ascending, no offset twice
+        top = torch.topk(blocks.abs(), k, dim=1)
+        kept = blocks.abs().gather(1, offsets).sort(dim=1, descending=True).values
+        assert torch.equal(kept, top.values)
+        if x.unique().numel() > 7:  # no ties: the very same positions
+            assert torch.equal(offsets, top.indices.sort(dim=1).values)
 
 
 @settings(max_examples=30, deadline=None)
