@@ -21,6 +21,9 @@ For each size n and each operation of grace_dgc.wire that has a fused kernel:
     qsgd        qsgd's compress and decompress (s = 64, buckets of 512), the uniforms' draw and
                 the bucket norms included (torch: ten elementwise ops to quantize, three or four
                 to decode; fused: one pass each, the norms and the draw staying torch's)
+    fp4         fp4's compress and decompress (E3M0 under a power-of-two scale; torch on a GPU: the
+                elementwise frexp ops, about ten passes each way; fused: one pass each, the peak's
+                aminmax staying torch's)
     thc codes   thc's stochastic rounding of the rotated d-vector to int8 codes, its uniforms
                 drawn beforehand (torch: nine elementwise ops; fused: one pass)
 
@@ -44,6 +47,7 @@ from timing import Report, shown_argv
 
 from grace_dgc import kernels, wire
 from grace_dgc.compressors import sparse, thc
+from grace_dgc.compressors.fp4 import FP4Compressor
 from grace_dgc.compressors.onebit import OneBitCompressor
 from grace_dgc.compressors.qsgd import QSGDCompressor
 from grace_dgc.compressors.twobit import TwoBitCompressor
@@ -122,7 +126,16 @@ def operations(n, device):
         lambda q=qsgd, g=grad, o=decoded: qsgd_round_trip(q, g, o),
         lambda q=qsgd, g=grad, o=decoded: qsgd_round_trip(q, g, o),
     )
+    fp4 = FP4Compressor()
+    ops["fp4"] = (lambda o=decoded: round_trip(fp4, grad, o), lambda o=decoded: round_trip(fp4, grad, o))
     return grad, ops
+
+
+def round_trip(compressor, grad, out):
+    """A deterministic compressor's payload and the gradient it decodes to (into ``out``)."""
+    payload, ctx = compressor.compress(grad, "g")
+    compressor.decompress_into(payload, ctx, out)
+    return (*payload, out)
 
 
 def qsgd_round_trip(compressor, grad, out):

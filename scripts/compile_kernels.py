@@ -94,6 +94,10 @@ def variants(n_type):
             found.append(("fp8_encode", encode, {"MANT": mantissa, "BIAS": bias, "SATURATE": saturate, **tile}))
         decode = {"codes": "*u8", "scales": "*fp32", "table": "*fp32", "out": "*fp32", "n": n_type}
         found.append(("fp8_decode", decode | {"blocks": n_type, "size": "i32", "ROWS": C, "COLS": C}, tile))
+    for name, first, second in (("fp4_encode", "values", "packed"), ("fp4_decode", "packed", "out")):
+        words = {"values": "*fp32", "packed": "*u8", "out": "*fp32"}
+        signature = {first: words[first], "scale": "*fp32", second: words[second], "n": n_type, "BLOCK": C}
+        found.append((name, signature, {"BLOCK": kernels.FP4_BLOCK}))
     return found
 
 

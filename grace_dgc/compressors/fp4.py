@@ -4,7 +4,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import wire
+from .. import kernels, wire
 from ..interfaces import Payload
 from ..registry import register_compressor
 from ..workspace import for_chunks
@@ -44,6 +44,9 @@ class FP4Compressor(PackedCompressor):
         low, high = torch.aminmax(flat) if flat.numel() else (flat.new_zeros(()), flat.new_zeros(()))
         peak = torch.maximum(high, low.neg())  # max|x| in one read, no |x| temporary (NaN stays NaN)
         scale = torch.where(peak > 0, torch.exp2(torch.ceil(torch.log2(peak))), torch.ones_like(peak))
+        fused = kernels.attempt(lambda: kernels.fp4_encode(flat, scale.view(1)), flat.device, kernel="fp4")
+        if fused is not None:  # one pass on the device, s read there: no host sync
+            return [fused, scale.view(1)], (tensor.shape, tensor.dtype)
         k = _power_of_two(scale) if flat.device.type == "cpu" and math.isfinite(peak) else None  # host reads: CPU
         if k is None:  # a GPU, a non-finite peak, or a scale near fp32's ends: the elementwise ops
             return [wire.pack_bits(_codes(flat, scale), 4), scale.view(1)], (tensor.shape, tensor.dtype)
@@ -65,6 +68,10 @@ class FP4Compressor(PackedCompressor):
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         packed, scale = payload
+        if out.dtype == torch.float32 and out.is_contiguous():
+            fused = kernels.attempt(lambda: kernels.fp4_decode(packed, scale, out.view(-1)), out.device, kernel="fp4")
+            if fused is not None:
+                return out
         k = _power_of_two(scale) if out.device.type == "cpu" else None
         if k is None or out.dtype != torch.float32 or not out.is_contiguous():
             codes = wire.unpack_bits(packed, 4, out.numel()).to(torch.int32)
@@ -114,4 +121,6 @@ def _codes(flat: Tensor, scale: Tensor) -> Tensor:
     field = exponent.add_(FIELDS - 1).add_(mantissa.ge(0.75).to(torch.int32))  # nearest of 2^(q−1), 2^q
     small = field.lt(1).logical_or_(mantissa.eq(0))  # below 2^−6 (or 0): 2^−6 from 2^−7 on, else 0
     field = torch.where(small, (flat.abs() >= scale * 2.0**-7).to(torch.int32), field).clamp_(0, FIELDS)
+    # a NaN (or an infinity beside one, s = 1) is ±s: frexp's exponent there is each platform's own
+    field.masked_fill_(~torch.isfinite(mantissa), FIELDS)
     return field.add_(flat.signbit().to(torch.int32).mul_(SIGN)).to(torch.uint8)

@@ -33,6 +33,9 @@ once (the selection: two reads):
                                nearest even from the bits (integer ops), in one read of x
     fp8_decode(codes, s, block, format, out)
                                out = s_b · fp32(code), the value from a 256-entry table
+    fp4_encode(x, s)           fp4's E3M0 codes under its power-of-two scale s (read on the device),
+                               two per byte, from y = |x|/s's bits, in one read of x
+    fp4_decode(packed, s, out) out = ±s·2^(e−7) (e = 0: ±0), the power of two built from the code
     random_indices(n, k, bits, keys)
                                random-k's S_t: π(i) for i < k, a keyed Feistel permutation walked
                                into range(n) (integer arithmetic only, so bit for bit the torch ops)
@@ -140,8 +143,9 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read
 # them off (``triton`` runs them). A new kernel enters here until a GPU run of its CUDA cases
 # passes. fp8's and random-k's left on the H100 of 2026-12-05 (their CUDA cases passed compiled;
 # fp8's torch path now divides by a device tensor, as the kernel does: CUDA divides by a Python
-# scalar as a multiply by its reciprocal, 1 ulp off).
-UNPROVEN: frozenset[str] = frozenset()
+# scalar as a multiply by its reciprocal, 1 ulp off). fp4's (2026-12-05, proven on the CPU's
+# interpreter) waits for a GPU.
+UNPROVEN: frozenset[str] = frozenset({"fp4"})
 
 
 def enabled(device: torch.device | str, dtype: torch.dtype | None = None, kernel: str | None = None) -> bool:
@@ -482,6 +486,48 @@ def fp8_decode(codes: Tensor, scales: Tensor, block: int, format: str, out: Tens
     grid = (-(-blocks // tile["ROWS"]),)
     _launch("fp8_decode", grid, codes, scales, _fp8_table(format, codes.device), out, n, blocks, block, **tile)
     return out
+
+
+FP4_BLOCK = 1024  # packed bytes per program of fp4_encode and fp4_decode: 2048 codes
+
+
+def _check_scale(scale: Tensor, device: torch.device) -> None:
+    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != device:
+        raise ValueError(
+            f"scale must be one fp32 element on {device}; got {scale.dtype}, {scale.numel()} on {scale.device}"
+        )
+
+
+def fp4_encode(values: Tensor, scale: Tensor) -> Tensor:
+    """fp4's compress (:class:`grace_dgc.compressors.fp4.FP4Compressor`) of fp32 ``values`` under
+    its scale s (one fp32 element on their device, read there): the 4-bit codes packed two per
+    byte, the bytes of its torch ops."""
+    if values.dtype != torch.float32:
+        raise ValueError(f"fp4_encode takes fp32 values; got {values.dtype}")
+    values = _flat(values)
+    _check_scale(scale, values.device)
+    n = values.numel()
+    packed = torch.empty(-(-n // 2), dtype=torch.uint8, device=values.device)
+    if n:
+        _launch("fp4_encode", _fp4_grid(n), values, scale, packed, n, BLOCK=FP4_BLOCK)
+    return packed
+
+
+def fp4_decode(packed: Tensor, scale: Tensor, out: Tensor) -> Tensor:
+    """fp4's decompress into the contiguous fp32 ``out`` (its n codes): ±s·2^(e−7), e = 0 is ±0."""
+    n = out.numel()
+    _check_out(out, n, torch.float32, packed.device)
+    _check_scale(scale, packed.device)
+    if packed.numel() < -(-n // 2):
+        raise ValueError(f"fp4_decode: {packed.numel()} bytes hold fewer than out's {n} codes")
+    if n:
+        _launch("fp4_decode", _fp4_grid(n), packed, scale, out, n, BLOCK=FP4_BLOCK)
+    return out
+
+
+def _fp4_grid(n: int) -> tuple[int]:
+    packed_bytes = -(-n // 2)
+    return (-(-packed_bytes // FP4_BLOCK),)
 
 
 # -- THC's rotation ------------------------------------------------------------------------------

@@ -390,3 +390,54 @@ def fp8_decode_kernel(codes, scales, table, out, n, blocks, size, ROWS: tl.const
     value = tl.load(table + code, mask=inside, other=0.0)
     scale = tl.load(scales + row, mask=row < blocks, other=1.0)
     tl.store(out + index, value * scale[:, None], mask=inside)
+
+
+@triton.jit
+def fp4_code(x, s):
+    """fp4's E3M0 code of fp32 ``x`` under the power-of-two scale ``s``, as its torch ops give it:
+    y = |x|/s rounded once; for a normal y the nearest field is E_y − 120 + (M_y ≥ 2^22) (frexp's
+    exponent + 6, + 1 from mantissa 0.75 up); below field 1 (or y = 0) it is 1 if |x| ≥ s·2^−7,
+    else 0; a non-finite y is 7; the sign is bit 3. The tests on y and |x| are on their bits."""
+    raw = x.to(tl.int32, bitcast=True)
+    magnitude = tl.abs(x)
+    y = tl.div_rn(magnitude, s).to(tl.int32, bitcast=True)
+    exponent = (y >> 23) & 0xFF
+    field = exponent - 120 + ((y & 0x7FFFFF) >= 0x400000).to(tl.int32)
+    threshold = (s * 0.0078125).to(tl.int32, bitcast=True)
+    above = (magnitude.to(tl.int32, bitcast=True) >= threshold).to(tl.int32)
+    field = tl.where((field < 1) | (y == 0), above, field)
+    field = tl.minimum(tl.maximum(field, 0), 7)
+    field = tl.where(exponent == 255, 7, field)
+    return field + (raw < 0).to(tl.int32) * 8
+
+
+@triton.jit
+def fp4_encode_kernel(values, scale, packed, n, BLOCK: tl.constexpr):
+    """fp4's compress: byte b = code(x_2b) | code(x_2b+1) << 4 (a missing last code: 0), one read
+    of x, s read from the device (no host sync)."""
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.load(scale)
+    low = tl.load(values + 2 * byte, mask=2 * byte < n, other=0.0)
+    high = tl.load(values + 2 * byte + 1, mask=2 * byte + 1 < n, other=0.0)
+    code = fp4_code(low, s) | (fp4_code(high, s) << 4)
+    tl.store(packed + byte, code.to(tl.uint8), mask=2 * byte < n)
+
+
+@triton.jit
+def fp4_value(code, s):
+    """±s·2^(e−7) of a 4-bit code (e = 0: ±0), the power of two built from its bits and the
+    sign set as a bit (a float negation may be 0 − v, which gives +0 for −0)."""
+    field = code & 7
+    power = ((field + 120) << 23).to(tl.float32, bitcast=True)
+    value = tl.where(field > 0, power * s, 0.0).to(tl.int32, bitcast=True)
+    return (value | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp4_decode_kernel(packed, scale, out, n, BLOCK: tl.constexpr):
+    """fp4's decompress into fp32 ``out``: both codes of each byte."""
+    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    s = tl.load(scale)
+    code = tl.load(packed + byte, mask=2 * byte < n, other=0).to(tl.int32)
+    tl.store(out + 2 * byte, fp4_value(code & 15, s), mask=2 * byte < n)
+    tl.store(out + 2 * byte + 1, fp4_value(code >> 4, s), mask=2 * byte + 1 < n)

@@ -10,6 +10,7 @@ compare the compiled kernels with the torch path on the same device.
 
 from __future__ import annotations
 
+import math
 import warnings
 from types import SimpleNamespace
 
@@ -884,7 +885,7 @@ def test_every_kernel_variant_compiles_for_h100_and_a100(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "140 of 140 kernel variants compiled" in done.stdout
+    assert "144 of 144 kernel variants compiled" in done.stdout
 
 
 # -- fp8 ------------------------------------------------------------------------------------------
@@ -933,3 +934,52 @@ def test_auto_leaves_the_unproven_kernels_off(monkeypatch):
         assert kernels.enabled("cuda", kernel="random_indices") == kernels.enabled("cuda")
     with kernels.use("torch"):
         assert not kernels.enabled("cuda", kernel="fp8")
+
+
+# -- fp4 ------------------------------------------------------------------------------------------
+
+
+def fp4_inputs(finite_only):
+    """Tensors whose fp4 codes turn at every edge: random bit patterns of every exponent, each
+    field's value and the midpoints between fields (ties round up) with their fp32 neighbours, the
+    2^−7 threshold, ±0 and subnormals, under peaks of every size (a scale of 2^−149 … 2^127); odd
+    lengths; and, unless ``finite_only``, a NaN or an infinity among them (scale 1 or ∞)."""
+    generator = torch.Generator().manual_seed(4)
+    raw = torch.randint(-(2**31), 2**31 - 1, (5_001,), generator=generator).to(torch.int32).view(torch.float32)
+    edges = [0.0, -0.0, 1e-45, 1e-40, 1.0]
+    for e in range(-9, 1):
+        for v in (2.0**e, 1.5 * 2.0 ** (e - 1)):
+            edges += [v, math.nextafter(v, 0.0), math.nextafter(v, 2.0)]
+    edges = torch.tensor([sign * v for v in edges for sign in (1, -1)])
+    cases = [raw[torch.isfinite(raw)], edges[:-1]]
+    cases += [edges * peak for peak in (2.0**-140, 2.0**-100, 3.0**-30, 1e-3, 7.0, 3.0**40, 2.0**100, 2.0**126)]
+    if not finite_only:
+        cases += [raw, torch.cat([edges, torch.tensor([float("nan")])]), torch.tensor([float("inf"), -2.0, 0.25])]
+        cases += [torch.tensor([-float("inf"), float("nan"), 3.0, -5.0, 0.0])]
+    return cases
+
+
+def test_fp4_kernels_equal_the_torch_ops_bit_for_bit(device, monkeypatch):
+    """fp4's codes and decoded values (−0.0 and the missing last code included) against its
+    torch ops on the same device: the CPU's bit path or the elementwise ops on a GPU, and the
+    elementwise ops for a NaN or an infinity (on the CPU only: torch's CUDA frexp is not
+    tested there)."""
+    comp = COMPRESSORS.get("fp4")()
+    for x in fp4_inputs(finite_only=device.type == "cuda"):
+        x = x.to(device)
+        fused, ctx = comp.compress(x, "w")
+        plain = torch_path(monkeypatch, comp.compress, x, "w")[0]
+        assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1].view(torch.int32), plain[1].view(torch.int32))
+        out_fused, out_plain = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+        comp.decompress_into(fused, ctx, out_fused)
+        torch_path(monkeypatch, comp.decompress_into, plain, ctx, out_plain)
+        assert torch.equal(out_fused.view(torch.int32), out_plain.view(torch.int32)), x[:8]
+
+
+def test_fp4_kernels_refuse_what_they_cannot_take():
+    with pytest.raises(ValueError, match="fp32 values"):
+        kernels.fp4_encode(torch.ones(4, dtype=torch.float16), torch.ones(1))
+    with pytest.raises(ValueError, match="one fp32 element"):
+        kernels.fp4_encode(torch.ones(4), torch.ones(2))
+    with pytest.raises(ValueError, match="fewer than out's 5 codes"):
+        kernels.fp4_decode(torch.zeros(2, dtype=torch.uint8), torch.ones(1), torch.empty(5))
