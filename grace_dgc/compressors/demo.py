@@ -29,6 +29,7 @@ from torch import Tensor
 from ..errors import GraceConfigError, check_bool, check_range
 from ..interfaces import Compressor, Payload
 from ..registry import register_compressor
+from ..workspace import for_chunks
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -121,43 +122,68 @@ class DemoCompressor(Compressor):
         c1, c2 = chunk_of(rows, self.chunk), chunk_of(cols, self.chunk)
         return DemoContext(tensor.shape, tensor.dtype, rows, cols, c1, c2, min(self.topk, c1 * c2))
 
+    def _scratch(self, like: Tensor, *apart: Tensor) -> Tensor:
+        """A tensor shaped like ``like`` for a product: the workspace's one gradient-sized buffer
+        unless it holds one of ``apart`` (then a fresh tensor). A fresh full-size tensor costs
+        page faults that outweigh a product's arithmetic on a CPU; one buffer keeps demo's
+        scratch to a gradient."""
+        if like.numel():
+            buffer = self.workspace.get("a", like.numel(), like.dtype, like.device).view(like.shape)
+            if all(buffer.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in apart):
+                return buffer
+        return torch.empty_like(like)
+
     def dct(self, tensor: Tensor, ctx: DemoContext) -> Tensor:
         """Coefficients ``(blocks, c₁·c₂)``: block (by, bx) at row by·(cols/c₂) + bx, its
-        coefficient (h, w) at column h·c₂ + w (the reference's layout)."""
+        coefficient (h, w) at column h·c₂ + w (the reference's layout). In a workspace buffer:
+        valid until the next call."""
         dtype = compute_dtype(tensor.dtype)
         x = tensor.reshape(ctx.rows, ctx.cols // ctx.c2, ctx.c2).to(dtype)
         if ctx.c2 > 1:  # along the columns of each block: one GEMM
-            x = x @ self.basis(ctx.c2, dtype, x.device).T
+            x = torch.matmul(x, self.basis(ctx.c2, dtype, x.device).T, out=self._scratch(x, x))
         x = x.reshape(ctx.rows // ctx.c1, ctx.c1, ctx.cols)
         if ctx.c1 > 1:  # along the rows of each block
-            x = self.basis(ctx.c1, dtype, x.device) @ x
+            x = torch.matmul(self.basis(ctx.c1, dtype, x.device), x, out=self._scratch(x, x))
         x = x.reshape(ctx.rows // ctx.c1, ctx.c1, ctx.cols // ctx.c2, ctx.c2).transpose(1, 2)
         return x.reshape(ctx.blocks, ctx.c1 * ctx.c2)
 
-    def idct(self, coefficients: Tensor, ctx: DemoContext) -> Tensor:
-        """Inverse of :meth:`dct`, in the coefficients' dtype, shaped like the tensor."""
+    def idct(self, coefficients: Tensor, ctx: DemoContext, out: Tensor | None = None) -> Tensor:
+        """Inverse of :meth:`dct`, in the coefficients' dtype, shaped like the tensor: into
+        ``out`` (of that dtype, contiguous) when given, else into a workspace buffer."""
         nby, nbx = ctx.rows // ctx.c1, ctx.cols // ctx.c2
         x = coefficients.reshape(nby, nbx, ctx.c1, ctx.c2).transpose(1, 2).reshape(nby, ctx.c1, ctx.cols)
         if ctx.c1 > 1:
-            x = self.basis(ctx.c1, x.dtype, x.device).T @ x
+            x = torch.matmul(self.basis(ctx.c1, x.dtype, x.device).T, x, out=self._scratch(x, x))
         x = x.reshape(ctx.rows, nbx, ctx.c2)
+        target = out.view(x.shape) if out is not None else self._scratch(x, x)
         if ctx.c2 > 1:
-            x = x @ self.basis(ctx.c2, x.dtype, x.device)
-        return x.reshape(ctx.shape)
+            return torch.matmul(x, self.basis(ctx.c2, x.dtype, x.device), out=target).view(ctx.shape)
+        return target.copy_(x).view(ctx.shape)
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, DemoContext]:
         ctx = self.layout(tensor)
         coefficients = self.dct(tensor, ctx)
-        indices = torch.topk(coefficients.abs(), ctx.k, dim=1, sorted=False).indices
+        indices = torch.empty(ctx.blocks, ctx.k, dtype=torch.int64, device=coefficients.device)
+        width = coefficients.shape[1]
+
+        def select(start: int, stop: int) -> None:  # |M| of a run of blocks at a time, in cache
+            rows = coefficients[start // width : stop // width]
+            magnitudes = self.workspace.get("magnitudes", rows.numel(), rows.dtype, rows.device).view(rows.shape)
+            picked = torch.topk(torch.abs(rows, out=magnitudes), ctx.k, dim=1, sorted=False).indices
+            indices[start // width : stop // width] = picked
+
+        for_chunks(select, coefficients.numel(), coefficients.device, multiple=width)
         values = coefficients.gather(1, indices)
         return [values.reshape(-1).to(tensor.dtype), indices.reshape(-1).to(torch.int32)], ctx
 
     def coefficients(self, payloads: Sequence[Payload], ctx: DemoContext) -> Tensor:
         """Q: per coefficient, the mean of the values of the ranks that sent it (0 if none),
-        added in rank order (each rank's indices are distinct: the same bits on every rank)."""
+        added in rank order (each rank's indices are distinct: the same bits on every rank).
+        In a workspace buffer: valid until the next call."""
         values = payloads[0][0]
         dtype = compute_dtype(ctx.dtype)
-        total = torch.zeros(ctx.blocks, ctx.c1 * ctx.c2, dtype=dtype, device=values.device)
+        size = ctx.blocks * ctx.c1 * ctx.c2
+        total = self.workspace.get("a", size, dtype, values.device).view(ctx.blocks, ctx.c1 * ctx.c2).zero_()
         count = torch.zeros_like(total) if len(payloads) > 1 else None
         ones = torch.ones(ctx.blocks, ctx.k, dtype=dtype, device=values.device)
         for sent, where in payloads:
@@ -167,14 +193,30 @@ class DemoCompressor(Compressor):
                 count.scatter_add_(1, index, ones)
         return total if count is None else total.div_(count.clamp_(min=1))
 
-    def decompress(self, payload: Payload, ctx: DemoContext) -> Tensor:
+    def _decoded_into(self, coefficients: Tensor, ctx: DemoContext, out: Tensor, sign: bool) -> Tensor:
+        """IDCT(coefficients) (its sign with ``sign``) into ``out``: straight there when ``out``
+        is contiguous in the transform's dtype, else through a workspace buffer."""
+        direct = out.dtype == compute_dtype(ctx.dtype) and out.is_contiguous()
+        decoded = self.idct(coefficients, ctx, out if direct else None)
+        if sign:
+            decoded.sign_()
+        return out if direct else out.copy_(decoded.view(out.shape))
+
+    def decompress_into(self, payload: Payload, ctx: DemoContext, out: Tensor) -> Tensor:
         """q_r: this payload's coefficients, inverse-transformed (no sign: what was sent)."""
-        return self.idct(self.coefficients([payload], ctx), ctx).to(ctx.dtype)
+        return self._decoded_into(self.coefficients([payload], ctx), ctx, out, sign=False)
+
+    def decompress(self, payload: Payload, ctx: DemoContext) -> Tensor:
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=payload[0].device)
+        return self.decompress_into(payload, ctx, out)
+
+    def decompress_aggregate_into(self, payloads: Sequence[Payload], ctx: DemoContext, out: Tensor) -> Tensor:
+        """Step 5: sign(IDCT(Q)) (or IDCT(Q)) from every rank's payload."""
+        return self._decoded_into(self.coefficients(payloads, ctx), ctx, out, sign=self.sign)
 
     def decompress_aggregate(self, payloads: Sequence[Payload], ctx: DemoContext) -> Tensor:
-        """Step 5: sign(IDCT(Q)) (or IDCT(Q)) from every rank's payload."""
-        decoded = self.idct(self.coefficients(payloads, ctx), ctx)
-        return (decoded.sign_() if self.sign else decoded).to(ctx.dtype)
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=payloads[0][0].device)
+        return self.decompress_aggregate_into(payloads, ctx, out)
 
     def aggregate(self, tensors: Sequence[Tensor]) -> Tensor:
         """For already-decoded tensors: their mean (step 5 where every rank sent every
