@@ -359,16 +359,20 @@ def pack_signs(tensor: Tensor, workspace: Workspace | None = None) -> Tensor:
     return pack_chunks(flat.numel(), 1, encode, flat.device, workspace)
 
 
-def _float_bits(value: float) -> int:
-    """The fp32 bit pattern of ``value`` as a signed 32-bit Python int."""
+def _float_bits(value: float | Tensor) -> int | Tensor:
+    """The fp32 bit pattern of ``value`` as a signed 32-bit Python int; of a one-element tensor,
+    as a 0-dim int32 tensor on its device (read there, never on the host)."""
+    if isinstance(value, Tensor):
+        return value.reshape(()).to(torch.float32).view(torch.int32)
     return struct.unpack("<i", struct.pack("<f", float(value)))[0]
 
 
 def unpack_select(
-    packed: Tensor, out: Tensor, if_set: float, if_clear: float, workspace: Workspace | None = None
+    packed: Tensor, out: Tensor, if_set: float | Tensor, if_clear: float | Tensor, workspace: Workspace | None = None
 ) -> Tensor:
     """``out_i = if_set`` where bit i of the :func:`pack_bits` stream is 1, else ``if_clear``
-    (two fp32 values), written into ``out`` and returned: the decoder of the sign methods.
+    (two fp32 values, or one-element tensors on ``out``'s device: onebit's means, read there
+    without a host sync), written into ``out`` and returned: the decoder of the sign methods.
 
     It selects on fp32 bits, ``word = (−bit & (set ⊕ clear)) ⊕ clear``, in three integer
     passes: several times faster on a CPU than ``torch.where`` or ``masked_fill_`` with a
@@ -391,7 +395,7 @@ def unpack_select(
 
 
 def lookup_fused(
-    packed: Tensor, bits: int, out: Tensor, table: list[float], workspace: Workspace | None = None
+    packed: Tensor, bits: int, out: Tensor, table: Sequence[float | Tensor], workspace: Workspace | None = None
 ) -> bool:
     """``out_i = table[code_i]`` for the 1- or 2-bit codes of ``packed`` by the fused kernel
     (:func:`grace_dgc.kernels.unpack_lookup`, through an fp32 scratch for another dtype), when

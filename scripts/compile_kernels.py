@@ -63,6 +63,8 @@ def variants(n_type):
         found.append(
             ("lookup", lookup | {"BITS": C, "PER": C, "BLOCK": C}, {"BITS": bits, "PER": 8 // bits, "BLOCK": block})
         )
+        table = {"packed": "*u8", "out": "*i32", "n": n_type, "table": "*i32", "BITS": C, "PER": C, "BLOCK": C}
+        found.append(("lookup_table", table, {"BITS": bits, "PER": 8 // bits, "BLOCK": block}))
     for codes, source in ((False, "*fp32"), (True, "*i8"), (True, "*i32")):  # rotate(), unrotate()
         block = {"source": source, "signs": "*fp32", "factor": "*fp32", "out": "*fp32", "n": n_type, "d": n_type}
         block |= {"live": "i32", "scale": "fp32", "CODES": C, "LAST": C, "LOG": C}

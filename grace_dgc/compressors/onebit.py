@@ -7,11 +7,18 @@ from ..registry import register_compressor
 from .packed import PackedCompressor, Shaped
 
 
-def _sum(values: Tensor) -> Tensor:
-    """The fp32 sum, or in fp64 when fp32 overflows on finite values (a mean is then still
-    finite)."""
+def _mean(values: Tensor, count: Tensor, host_reads: bool | None = None) -> Tensor:
+    """Σ values / max(count, 1) as fp32: from the fp32 sum, or from the fp64 sum where the fp32
+    one overflows on finite values (the mean is then still finite). With ``host_reads`` (the
+    default on a CPU, where a read costs nothing) the fp64 sum runs only then; without (other
+    devices) always, and a select picks, so no host read waits for the GPU. The same bits."""
     total = values.sum()
-    return total if bool(torch.isfinite(total)) else values.sum(dtype=torch.float64)
+    mean = (total / count.clamp(min=1)).float()
+    reads = values.device.type == "cpu" if host_reads is None else host_reads
+    if reads and bool(torch.isfinite(total)):
+        return mean
+    wide = (values.sum(dtype=torch.float64) / count.clamp(min=1)).float()
+    return wide if reads else torch.where(torch.isfinite(total), mean, wide)
 
 
 @register_compressor("onebit", aliases=("1bit",))
@@ -74,12 +81,10 @@ class OneBitCompressor(PackedCompressor):
             packed = wire.pack_chunks(n, 1, encode, device, scratch)
         count_pos = torch.stack(counts).sum().to(torch.float32)  # exact at any size
         count_neg = n - count_pos
-        sum_pos = _sum(picked.view(torch.float32))
-        sum_neg = _sum(picked.bitwise_xor_(bits).view(torch.float32))
-        means = torch.stack([(sum_neg / count_neg.clamp(min=1)).float(), (sum_pos / count_pos.clamp(min=1)).float()])
-        return [packed, means], (tensor.shape, tensor.dtype)
+        positive_mean = _mean(picked.view(torch.float32), count_pos)
+        negative_mean = _mean(picked.bitwise_xor_(bits).view(torch.float32), count_neg)
+        return [packed, torch.stack([negative_mean, positive_mean])], (tensor.shape, tensor.dtype)
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
-        packed, means = payload
-        negative_mean, positive_mean = means.tolist()
-        return wire.unpack_select(packed, out, positive_mean, negative_mean, self.workspace)
+        packed, means = payload  # the means stay on the device: no host read
+        return wire.unpack_select(packed, out, means[1], means[0], self.workspace)

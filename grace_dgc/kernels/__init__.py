@@ -67,7 +67,7 @@ import functools
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -367,10 +367,11 @@ def _fp32_bits(values: list[float]) -> list[int]:
     return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
 
 
-def unpack_lookup(packed: Tensor, bits: int, out: Tensor, table: list[float]) -> Tensor:
+def unpack_lookup(packed: Tensor, bits: int, out: Tensor, table: Sequence[float | Tensor]) -> Tensor:
     """``out_i = table[code_i]`` for the 1- or 2-bit codes of a packed stream, into ``out`` (a
     contiguous fp32 tensor, returned); each table value rounded to fp32 once, as torch rounds a
-    scalar it writes into an fp32 tensor."""
+    scalar it writes into an fp32 tensor. Values given as (one-element) tensors are read on the
+    device, never on the host."""
     if bits not in (1, 2) or len(table) != 1 << bits:
         raise ValueError(f"a lookup takes 1 or 2 bits and 2**bits table values; got bits={bits}, {len(table)} values")
     packed = _flat(packed)
@@ -379,7 +380,13 @@ def unpack_lookup(packed: Tensor, bits: int, out: Tensor, table: list[float]) ->
     if packed.numel() < size:
         raise ValueError(f"{n} codes of {bits} bits need {size} bytes; the packed stream has {packed.numel()}")
     _check_out(out, n, torch.float32, packed.device)
-    if n:
+    if n and any(isinstance(v, Tensor) for v in table):
+        values = torch.stack([torch.as_tensor(v).reshape(()).to(out.device, torch.float32) for v in table])
+        _launch(
+            "lookup_table", _blocks(size), packed, out.view(torch.int32), n, values.view(torch.int32),
+            BITS=bits, PER=8 // bits, BLOCK=BLOCK,
+        )  # fmt: skip
+    elif n:
         words = _fp32_bits([float(v) for v in table] * (4 // len(table)))
         _launch(
             "lookup", _blocks(size), packed, out.view(torch.int32), n, *words, BITS=bits, PER=8 // bits, BLOCK=BLOCK
@@ -387,7 +394,7 @@ def unpack_lookup(packed: Tensor, bits: int, out: Tensor, table: list[float]) ->
     return out
 
 
-def unpack_select(packed: Tensor, out: Tensor, if_set: float, if_clear: float) -> Tensor:
+def unpack_select(packed: Tensor, out: Tensor, if_set: float | Tensor, if_clear: float | Tensor) -> Tensor:
     """``out_i = if_set`` where bit i of a 1-bit stream is 1, else ``if_clear`` (see :func:`unpack_lookup`)."""
     return unpack_lookup(packed, 1, out, [if_clear, if_set])
 

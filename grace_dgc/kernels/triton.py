@@ -80,6 +80,18 @@ def lookup_kernel(packed, out, n, v0, v1, v2, v3, BITS: tl.constexpr, PER: tl.co
 
 
 @triton.jit
+def lookup_table_kernel(packed, out, n, table, BITS: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr):
+    """lookup_kernel with the table's fp32 bit patterns read from device memory (values a
+    compressor computed there, such as onebit's means: no host read)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lanes = tl.arange(0, PER)
+    byte = tl.load(packed + rows, mask=rows * PER < n, other=0).to(tl.int32)
+    code = (byte[:, None] >> (lanes[None, :] * BITS)) & ((1 << BITS) - 1)
+    index = rows[:, None] * PER + lanes[None, :]
+    tl.store(out + index, tl.load(table + code), mask=index < n)
+
+
+@triton.jit
 def hits(source, n, tau_bits, KEEP_NAN: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr, BLOCK: tl.constexpr):
     """(index, |x|'s bits, hit) of one block: |x| ≥ τ, a NaN a hit with KEEP_NAN (as ~(|x| < τ))."""
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

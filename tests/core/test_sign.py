@@ -348,3 +348,20 @@ def test_ranks_agree_and_match_reference(world):
             assert sent_bytes == STEPS * per_step, (name, comm, rank)
         if name == "signsgd" and world == 2:  # the tie rule was exercised
             assert any((out == 0).any() for out in results[0][i][0])
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[1.0, -2.0, 0.5], [3e38, 3e38, 1.0], [-3e38, -3e38], [float("nan"), 1.0], [float("inf"), 2.0], [], [0.0, -0.0]],
+)
+def test_onebits_mean_without_host_reads_is_the_one_with_them(values):
+    """On a GPU onebit's means make no host read (the fp64 sum always runs and a select picks,
+    issue 58); the result must be the CPU's (the fp64 sum only where fp32 overflows), bit for
+    bit, overflow, NaN, infinity and an empty group included."""
+    from grace_dgc.compressors.onebit import _mean
+
+    x = torch.tensor(values, dtype=torch.float32)
+    count = torch.tensor(float(len(values)))
+    with_reads, without = _mean(x, count, host_reads=True), _mean(x, count, host_reads=False)
+    assert with_reads.dtype == without.dtype == torch.float32
+    assert torch.equal(with_reads.view(torch.int32), without.view(torch.int32))
