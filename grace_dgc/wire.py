@@ -401,11 +401,16 @@ def lookup_fused(
     (:func:`grace_dgc.kernels.unpack_lookup`, through an fp32 scratch for another dtype), when
     it runs on ``out``'s device: True; else False, and the caller decodes with torch ops."""
     n = out.numel()
-    if not n or not kernels.enabled(out.device):
+    kernel = "lookup_table" if any(isinstance(v, Tensor) for v in table) else None  # the table read on the device
+    if not n or not kernels.enabled(out.device, kernel=kernel):
         return False
     direct = out.dtype == torch.float32 and out.is_contiguous()
     target = out if direct else _scratch(workspace, "select", n, torch.float32, out.device)
-    if kernels.attempt(lambda: kernels.unpack_lookup(packed, bits, target.view(-1), table), out.device) is None:
+
+    def launch() -> Tensor:
+        return kernels.unpack_lookup(packed, bits, target.view(-1), table)
+
+    if kernels.attempt(launch, out.device, kernel=kernel) is None:
         return False  # a kernel failed (warned): the caller's torch path
     if not direct:
         out.copy_(target.view(out.shape))
