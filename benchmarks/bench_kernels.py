@@ -24,6 +24,10 @@ For each size n and each operation of grace_dgc.wire that has a fused kernel:
     fp4         fp4's compress and decompress (E3M0 under a power-of-two scale; torch on a GPU: the
                 elementwise frexp ops, about ten passes each way; fused: one pass each, the peak's
                 aminmax staying torch's)
+    terngrad    terngrad's compress and decompress, the draw, σ and the peak included (torch: about ten
+                passes to encode, five to decode; fused: one each)
+    natural     natural's compress and decompress, the draw included (torch: about nine integer
+                passes to encode, six to decode; fused: one each)
     thc codes   thc's stochastic rounding of the rotated d-vector to int8 codes, its uniforms
                 drawn beforehand (torch: nine elementwise ops; fused: one pass)
 
@@ -48,8 +52,10 @@ from timing import Report, shown_argv
 from grace_dgc import kernels, wire
 from grace_dgc.compressors import sparse, thc
 from grace_dgc.compressors.fp4 import FP4Compressor
+from grace_dgc.compressors.natural import NaturalCompressor
 from grace_dgc.compressors.onebit import OneBitCompressor
 from grace_dgc.compressors.qsgd import QSGDCompressor
+from grace_dgc.compressors.terngrad import TernGradCompressor
 from grace_dgc.compressors.twobit import TwoBitCompressor
 from grace_dgc.workspace import Workspace
 
@@ -128,6 +134,11 @@ def operations(n, device):
     )
     fp4 = FP4Compressor()
     ops["fp4"] = (lambda o=decoded: round_trip(fp4, grad, o), lambda o=decoded: round_trip(fp4, grad, o))
+    for method in (TernGradCompressor(), NaturalCompressor()):
+        ops[method.registered_name] = (
+            lambda m=method, o=decoded: qsgd_round_trip(m, grad, o),
+            lambda m=method, o=decoded: qsgd_round_trip(m, grad, o),
+        )
     return grad, ops
 
 
@@ -139,8 +150,9 @@ def round_trip(compressor, grad, out):
 
 
 def qsgd_round_trip(compressor, grad, out):
-    """qsgd's payload and the gradient it decodes to (into ``out``), its step reset first: each
-    call draws the same uniforms, so the two paths' bytes can be compared."""
+    """A stochastic compressor's payload (qsgd's, terngrad's, natural's) and the gradient it decodes
+    to (into ``out``), its step reset first: each call draws the same random numbers, so the two
+    paths' bytes can be compared."""
     compressor.steps.clear()
     payload, ctx = compressor.compress(grad, "g")
     compressor.decompress_into(payload, ctx, out)

@@ -100,6 +100,12 @@ def variants(n_type):
         words = {"values": "*fp32", "packed": "*u8", "out": "*fp32"}
         signature = {first: words[first], "scale": "*fp32", second: words[second], "n": n_type, "BLOCK": C}
         found.append((name, signature, {"BLOCK": kernels.FP4_BLOCK}))
+    terngrad = {"values": "*fp32", "uniform": "*fp32", "bound": "*fp32", "divisor": "*fp32", "packed": "*u8"}
+    found.append(("terngrad_encode", terngrad | {"n": n_type, "BLOCK": C}, {"BLOCK": kernels.BLOCK}))
+    natural = {"bits": "*i32", "draws": "*i32", "exponents": "*u8", "signs": "*u8", "n": n_type, "BLOCK": C}
+    found.append(("natural_encode", natural, {"BLOCK": kernels.BLOCK}))
+    natural = {"exponents": "*u8", "signs": "*u8", "out": "*i32", "n": n_type, "BLOCK": C}
+    found.append(("natural_decode", natural, {"BLOCK": kernels.BLOCK}))
     return found
 
 

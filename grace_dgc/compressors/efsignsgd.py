@@ -1,4 +1,6 @@
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -57,18 +59,14 @@ class EFSignSGDCompressor(PackedCompressor):
         self.scale = scale
 
     def compress(self, tensor: Tensor, name: str) -> tuple[Payload, Shaped]:
-        numel = tensor.numel()
-        # fp32 accumulation: the scale is one fp32 on the wire whatever the gradient dtype
+        numel, flat = tensor.numel(), tensor.reshape(-1)
+        # fp32 accumulation: the scale is one fp32 on the wire whatever the gradient dtype; where
+        # fp32 overflows on finite values, in fp64
         if self.scale == "rms":  # ‖p‖₂/√d as DeepSpeed computes it, the squares in fp32 (not fp16's)
-            norm = torch.linalg.vector_norm(tensor, dtype=torch.float32)
-            if not bool(torch.isfinite(norm)):  # fp32 overflowed on finite values: in fp64
-                norm = torch.linalg.vector_norm(tensor, dtype=torch.float64)
-            scale = (norm / math.sqrt(max(numel, 1))).float()
+            norm = functools.partial(torch.linalg.vector_norm, tensor)
+            scale = _narrow_or_wide(lambda dtype: norm(dtype=dtype) / math.sqrt(max(numel, 1)), tensor.device)
         else:
-            total = self._l1(tensor.reshape(-1), torch.float32)
-            if not bool(torch.isfinite(total)):  # fp32 overflowed on finite values: sum in fp64
-                total = self._l1(tensor.reshape(-1), torch.float64)
-            scale = (total / max(numel, 1)).float()
+            scale = _narrow_or_wide(lambda dtype: self._l1(flat, dtype) / max(numel, 1), tensor.device)
         return [wire.pack_signs(tensor, self.workspace), scale.reshape(1)], (tensor.shape, tensor.dtype)
 
     def _l1(self, flat: Tensor, dtype: torch.dtype) -> Tensor:
@@ -83,7 +81,21 @@ class EFSignSGDCompressor(PackedCompressor):
         return torch.stack(partial).sum() if partial else flat.new_zeros((), dtype=dtype)
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
-        scale: Tensor | float  # the payload's fp32 tensor, then its value
+        scale: Tensor | float  # the payload's fp32 tensor, and its value on a CPU
         packed, scale = payload
-        scale = float(scale)  # ±1 · scale is exactly ±scale
+        if scale.device.type == "cpu":  # a read costs nothing there; elsewhere it is read on the device
+            scale = float(scale)  # ±1 · scale is exactly ±scale
         return wire.unpack_select(packed, out, scale, -scale, self.workspace)
+
+
+def _narrow_or_wide(
+    scale: Callable[[torch.dtype], Tensor], device: torch.device, host_reads: bool | None = None
+) -> Tensor:
+    """``scale(fp32)`` as fp32, or ``scale(fp64)`` where the fp32 one is not finite (an overflow
+    on finite values). With ``host_reads`` (the default on a CPU, where a read costs nothing) the
+    flag is read and the fp64 one runs only then; without (other devices) both run and a select
+    picks, so no host read waits for the GPU. The same bits either way."""
+    narrow = scale(torch.float32)
+    if device.type == "cpu" if host_reads is None else host_reads:
+        return narrow if bool(torch.isfinite(narrow)) else scale(torch.float64).float()
+    return torch.where(torch.isfinite(narrow), narrow, scale(torch.float64).float())

@@ -3,7 +3,7 @@ import sys
 import torch
 from torch import Tensor
 
-from .. import wire
+from .. import kernels, wire
 from ..interfaces import Payload
 from ..registry import register_compressor
 from .packed import Shaped
@@ -59,6 +59,11 @@ class NaturalCompressor(StochasticCompressor):
             generator=self.generator(name, tensor.device),
             out=scratch.get("draws", n, torch.int32, device),
         )
+        fused = kernels.attempt(
+            lambda: kernels.natural_encode(bits.view(torch.float32), draws, exponent), device, kernel="natural"
+        )
+        if fused is not None:
+            return [exponent, fused], (tensor.shape, tensor.dtype)
 
         def encode(start: int, stop: int) -> Tensor:
             """Exponents of the chunk and its sign bits, all in integer passes."""
@@ -83,6 +88,10 @@ class NaturalCompressor(StochasticCompressor):
         n, scratch, device = exponent.numel(), self.workspace, exponent.device
         direct = out.dtype == torch.float32
         flat = out.view(-1)
+        if n and kernels.enabled(device, kernel="natural"):  # one pass (another dtype: through fp32)
+            target = flat if direct else scratch.get("decoded", n, torch.float32, device)
+            if kernels.attempt(lambda: kernels.natural_decode(exponent, signs, target), device) is not None:
+                return out if direct else out.copy_(target.view(out.shape))
 
         def decode(start: int, stop: int, negative: Tensor) -> None:
             size = stop - start

@@ -21,6 +21,18 @@ def scaled_norms(rows: Tensor) -> Tensor:
     return (rows / scale).norm(dim=1) * scale.squeeze(1)
 
 
+def repair_norms(norms: Tensor, rows: Tensor, host_reads: bool | None = None) -> None:
+    """Where ‖v‖² overflowed fp32 (or v holds NaN/Inf), each row's :func:`scaled_norms` in
+    ``norms``. With ``host_reads`` (the default on a CPU, where a read costs nothing) only those
+    rows' are computed; without (other devices) every row's, and a select picks, so no host read
+    waits for the GPU."""
+    reads = rows.device.type == "cpu" if host_reads is None else host_reads
+    if not reads:
+        norms.copy_(torch.where(torch.isfinite(norms), norms, scaled_norms(rows)))
+    elif (overflowed := torch.nonzero(~torch.isfinite(norms)).view(-1)).numel():
+        norms[overflowed] = scaled_norms(rows[overflowed])
+
+
 def stochastic_round_(x: Tensor, uniform: Tensor, workspace: Workspace) -> Tensor:
     """⌊x⌋ + Bernoulli(x − ⌊x⌋) for x ≥ 0 with ``uniform`` ~ U[0, 1) of x's shape: an unbiased
     integer, E = x. Overwrites x and ``uniform``; the result is the workspace's "floor" buffer."""
@@ -120,9 +132,7 @@ class QSGDCompressor(StochasticCompressor):
             block = block.view(-1, size)
             norm = norms[row:last_row]
             norm.copy_(block.norm(dim=1))
-            overflowed = torch.nonzero(~torch.isfinite(norm)).view(-1)  # ‖v‖² beyond fp32, or NaN/Inf
-            if overflowed.numel():
-                norm[overflowed] = scaled_norms(block[overflowed])
+            repair_norms(norm, block)
             # a zero-norm bucket has only zeros: divide by 1 instead (levels stay 0)
             factor = s / torch.where(norm > 0, norm, 1.0)
             uniform = uniforms[row * size : last_row * size].view(block.shape)

@@ -1,7 +1,9 @@
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from .. import wire
+from .. import kernels, wire
 from ..errors import check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
@@ -56,11 +58,18 @@ class TernGradCompressor(StochasticCompressor):
         # max |clip(g)| = min(max |g|, bound): clipping is monotone, so no clipped copy is needed
         low, high = torch.aminmax(flat)
         scale = torch.minimum(torch.maximum(-low, high), clip_bound).reshape(1)
-        # plain numbers (fp32 values) for the chunk passes: 0-d tensor operands broadcast slowly
-        bound, divisor = float(clip_bound), float(torch.where(scale > 0, scale, 1.0))
+        divisor = torch.where(scale > 0, scale, 1.0)
         # one draw of n before the chunks run (at once): the stream of the reference code
         uniforms = scratch.get("uniforms", n, torch.float32, device)
         torch.rand(n, generator=self.generator(name, device), device=device, out=uniforms)
+        launch = lambda: kernels.terngrad_encode(flat, uniforms, clip_bound.reshape(1), divisor)  # noqa: E731
+        fused = kernels.attempt(launch, device, kernel="terngrad")
+        if fused is not None:
+            return [fused, scale], (tensor.shape, tensor.dtype)
+        # on a CPU plain numbers (fp32 values): 0-d tensor operands broadcast slowly there; on a GPU
+        # the device's tensors (a float() is a host sync)
+        bound: Any = float(clip_bound) if device.type == "cpu" else clip_bound
+        divide_by: Any = float(divisor) if device.type == "cpu" else divisor
 
         def encode(start: int, stop: int) -> Tensor:
             size = stop - start
@@ -72,7 +81,7 @@ class TernGradCompressor(StochasticCompressor):
                 clipped.view(torch.int32), 31, out=scratch.get("code", size, torch.int32, device)
             )
             code.bitwise_and_(1).add_(POSITIVE)  # NEGATIVE = POSITIVE + 1
-            probability = clipped.abs_().div_(divisor).nan_to_num_(nan=0.0)
+            probability = clipped.abs_().div_(divide_by).nan_to_num_(nan=0.0)
             uniform = uniforms[start:stop]  # this chunk's draws, consumed in place
             # b_i = [u < p]: the sign bit of u − p (exact: the difference of two floats in
             # [0, 1] is negative exactly when u < p), as an all-ones/zero integer mask
@@ -83,6 +92,9 @@ class TernGradCompressor(StochasticCompressor):
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         packed, scale = payload
+        if kernels.enabled(out.device, kernel="terngrad"):  # one pass: each code's sgn · s, as below
+            if wire.lookup_fused(packed, 2, out, [scale * 0, scale, scale * -1, scale * 0], self.workspace):
+                return out
         flat, scale = out.view(-1), scale.to(out.dtype)
 
         def decode(start: int, stop: int, codes: Tensor) -> None:

@@ -36,6 +36,12 @@ once (the selection: two reads):
     fp4_encode(x, s)           fp4's E3M0 codes under its power-of-two scale s (read on the device),
                                two per byte, from y = |x|/s's bits, in one read of x
     fp4_decode(packed, s, out) out = ±s·2^(e−7) (e = 0: ±0), the power of two built from the code
+    terngrad_encode(x, r, b, s) terngrad's 2-bit codes: 1 + sgn bit of ĝ = clamp(x, ±b) where
+                               r < |ĝ|/s, else 0 (b, s read on the device)
+    natural_encode(x, u, e)    natural's exponents min((|bits(x)| + u) >> 23, 254) (255: ±inf, NaN)
+                               and its sign bits, in one read of x
+    natural_decode(e, signs, out)
+                               out = bits e << 23 | sign << 31
     random_indices(n, k, bits, keys)
                                random-k's S_t: π(i) for i < k, a keyed Feistel permutation walked
                                into range(n) (integer arithmetic only, so bit for bit the torch ops)
@@ -145,8 +151,8 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read
 # fp8's torch path now divides by a device tensor, as the kernel does: CUDA divides by a Python
 # scalar as a multiply by its reciprocal, 1 ulp off). fp4's and lookup_table's (2026-12-05, proven
 # on the CPU's interpreter) wait for a GPU: meanwhile onebit decodes its on-device means with the
-# torch ops there (no host read either way).
-UNPROVEN: frozenset[str] = frozenset({"fp4", "lookup_table"})
+# torch ops there (no host read either way). terngrad's and natural's (2026-12-06) likewise.
+UNPROVEN: frozenset[str] = frozenset({"fp4", "lookup_table", "terngrad", "natural"})
 
 
 def enabled(device: torch.device | str, dtype: torch.dtype | None = None, kernel: str | None = None) -> bool:
@@ -536,6 +542,67 @@ def fp4_decode(packed: Tensor, scale: Tensor, out: Tensor) -> Tensor:
 def _fp4_grid(n: int) -> tuple[int]:
     packed_bytes = -(-n // 2)
     return (-(-packed_bytes // FP4_BLOCK),)
+
+
+# -- terngrad and natural ------------------------------------------------------------------------
+
+
+def _check_draws(draws: Tensor, n: int, dtype: torch.dtype, device: torch.device) -> None:
+    if draws.numel() < n or draws.dtype != dtype or draws.device != device or not draws.is_contiguous():
+        raise ValueError(
+            f"the draws must be a contiguous {dtype} tensor of at least {n} elements on {device}; "
+            f"got {draws.dtype}, {draws.numel()} elements on {draws.device}"
+        )
+
+
+def terngrad_encode(values: Tensor, uniform: Tensor, bound: Tensor, divisor: Tensor) -> Tensor:
+    """terngrad's compress (:class:`grace_dgc.compressors.terngrad.TernGradCompressor`) of fp32
+    ``values`` with its draws ``uniform`` and its clip bound b and scale s (one fp32 element each
+    on their device, read there): the 2-bit codes packed four per byte, the bytes of its torch ops."""
+    if values.dtype != torch.float32:
+        raise ValueError(f"terngrad_encode takes fp32 values; got {values.dtype}")
+    values = _flat(values)
+    n = values.numel()
+    _check_draws(uniform, n, torch.float32, values.device)
+    _check_scale(bound, values.device)
+    _check_scale(divisor, values.device)
+    size = (n * 2 + 7) // 8
+    packed = torch.empty(size, dtype=torch.uint8, device=values.device)
+    if n:
+        _launch("terngrad_encode", _blocks(size), values, uniform, bound, divisor, packed, n, BLOCK=BLOCK)
+    return packed
+
+
+def natural_encode(values: Tensor, draws: Tensor, exponents: Tensor) -> Tensor:
+    """natural's compress (:class:`grace_dgc.compressors.natural.NaturalCompressor`) of fp32
+    ``values`` with its int32 draws u < 2^23: the 8-bit exponents into ``exponents`` and the sign
+    bits packed eight per byte (returned), the bytes of its torch ops."""
+    if values.dtype != torch.float32:
+        raise ValueError(f"natural_encode takes fp32 values; got {values.dtype}")
+    values = _flat(values)
+    n = values.numel()
+    _check_draws(draws, n, torch.int32, values.device)
+    _check_out(exponents, n, torch.uint8, values.device)
+    signs = torch.empty((n + 7) // 8, dtype=torch.uint8, device=values.device)
+    if n:
+        _launch("natural_encode", _blocks(signs.numel()), values.view(torch.int32), draws, exponents, signs, n,
+                BLOCK=BLOCK)  # fmt: skip
+    return signs
+
+
+def natural_decode(exponents: Tensor, signs: Tensor, out: Tensor) -> Tensor:
+    """natural's decompress into the contiguous fp32 ``out`` (its n values): ±2^(e−127), e = 0 ±0."""
+    n = out.numel()
+    _check_out(out, n, torch.float32, exponents.device)
+    if exponents.numel() < n or signs.numel() < (n + 7) // 8:
+        raise ValueError(
+            f"natural_decode: {exponents.numel()} exponents and {signs.numel()} sign bytes hold fewer than "
+            f"out's {n} values"
+        )
+    if n:
+        _launch("natural_decode", _blocks((n + 7) // 8), _flat(exponents), _flat(signs), out.view(torch.int32), n,
+                BLOCK=BLOCK)  # fmt: skip
+    return out
 
 
 # -- THC's rotation ------------------------------------------------------------------------------

@@ -453,3 +453,54 @@ def fp4_decode_kernel(packed, scale, out, n, BLOCK: tl.constexpr):
     code = tl.load(packed + byte, mask=2 * byte < n, other=0).to(tl.int32)
     tl.store(out + 2 * byte, fp4_value(code & 15, s), mask=2 * byte < n)
     tl.store(out + 2 * byte + 1, fp4_value(code >> 4, s), mask=2 * byte + 1 < n)
+
+
+@triton.jit
+def terngrad_encode_kernel(values, uniform, bound, divisor, packed, n, BLOCK: tl.constexpr):
+    """terngrad's compress: ĝ = clamp(x, −b, b), code = 1 + (ĝ's sign bit) where u < |ĝ|/s (u − p's
+    sign bit, as its torch ops test it; a NaN's p is 0), else 0; four 2-bit codes per byte. b and
+    s are read from the device (no host sync)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lanes = tl.arange(0, 4)
+    index = rows[:, None] * 4 + lanes[None, :]
+    inside = index < n
+    x = tl.load(values + index, mask=inside, other=0.0)
+    b, s = tl.load(bound), tl.load(divisor)
+    clipped = tl.where(x > b, b, tl.where(x < -b, -b, x))
+    probability = tl.div_rn(tl.abs(clipped), s)
+    probability = tl.where(probability != probability, 0.0, probability)
+    difference = tl.load(uniform + index, mask=inside, other=1.0) - probability
+    sent = difference.to(tl.int32, bitcast=True) < 0
+    code = tl.where(sent, 1 + (clipped.to(tl.int32, bitcast=True) < 0).to(tl.int32), 0)
+    byte = tl.sum(code << (lanes[None, :] * 2), axis=1)  # disjoint bits: the sum is an OR
+    tl.store(packed + rows, byte.to(tl.uint8), mask=rows * 4 < n)
+
+
+@triton.jit
+def natural_encode_kernel(bits, draws, exponents, signs, n, BLOCK: tl.constexpr):
+    """natural's compress on fp32 bits: e = min((|bits| + u) >> 23, 254) for a finite x (0 stays
+    0: u < 2^23), 255 for ±inf and NaN; the sign bits packed eight per byte."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lanes = tl.arange(0, 8)
+    index = rows[:, None] * 8 + lanes[None, :]
+    inside = index < n
+    raw = tl.load(bits + index, mask=inside, other=0)
+    magnitude = raw & 0x7FFFFFFF
+    rounded = (tl.minimum(magnitude, 0x7F800000) + tl.load(draws + index, mask=inside, other=0)) >> 23
+    exponent = tl.where(magnitude < 0x7F800000, tl.minimum(rounded, 254), 255)
+    tl.store(exponents + index, exponent.to(tl.uint8), mask=inside)
+    byte = tl.sum((raw < 0).to(tl.int32) << lanes[None, :], axis=1)
+    tl.store(signs + rows, byte.to(tl.uint8), mask=rows * 8 < n)
+
+
+@triton.jit
+def natural_decode_kernel(exponents, signs, out, n, BLOCK: tl.constexpr):
+    """natural's decompress into fp32 bits: e << 23 | sign << 31 (e = 0: ±0)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lanes = tl.arange(0, 8)
+    index = rows[:, None] * 8 + lanes[None, :]
+    inside = index < n
+    byte = tl.load(signs + rows, mask=rows * 8 < n, other=0).to(tl.int32)
+    sign = (byte[:, None] >> lanes[None, :]) & 1
+    exponent = tl.load(exponents + index, mask=inside, other=0).to(tl.int32)
+    tl.store(out + index, (exponent << 23) | (sign << 31), mask=inside)

@@ -991,3 +991,57 @@ def test_fp4_kernels_refuse_what_they_cannot_take():
         kernels.fp4_encode(torch.ones(4), torch.ones(2))
     with pytest.raises(ValueError, match="fewer than out's 5 codes"):
         kernels.fp4_decode(torch.zeros(2, dtype=torch.uint8), torch.ones(1), torch.empty(5))
+
+
+# -- terngrad and natural --------------------------------------------------------------------------
+
+
+def stochastic_inputs(n, seed, finite_only):
+    """Normal values with every edge the two quantizers meet: ±0, subnormals, exact powers of two,
+    the largest floats (natural saturates at 2^127), and unless ``finite_only`` ±inf and NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=generator) * 3
+    edges = [0.0, -0.0, 1e-45, -1e-40, 2.0**-126, 1.0, -0.5, 3.0e38, -3.4028234e38, 2.0**127]
+    if not finite_only:
+        edges += [float("inf"), float("nan"), -float("inf")]
+    x[: min(n, len(edges))] = torch.tensor(edges[:n])
+    return x
+
+
+# 1024 bytes per program: 4096 terngrad codes, 8192 natural ones
+@pytest.mark.parametrize("n", [1, 3, 13, 4095, 4097, 8191, 8193, 3 * 8192 + 5])
+@pytest.mark.parametrize("name", ["terngrad", "natural"])
+def test_terngrad_and_natural_kernels_equal_the_torch_ops_bit_for_bit(device, monkeypatch, name, n):
+    """Each method's payload and decoded values (fp32, fp16 and bf16 gradients; NaN and the
+    infinities where the torch ops' results on that device are defined alike) against its torch
+    ops on the same device, with the same draws: sizes around the programs' blocks and odd tails."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for finite_only in (True, False) if device.type == "cpu" else (True,):
+            x = stochastic_inputs(n, n, finite_only).to(dtype).to(device)
+            fused = COMPRESSORS.get(name)(seed=5).compress(x, "w")[0]
+            plain, ctx = torch_path(monkeypatch, COMPRESSORS.get(name)(seed=5).compress, x, "w")
+            for a, b in zip(fused, plain):
+                assert torch.equal(wire.as_bytes(a), wire.as_bytes(b)), (name, n, dtype, finite_only)
+            comp = COMPRESSORS.get(name)()
+            out_fused, out_plain = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+            comp.decompress_into(fused, ctx, out_fused)
+            torch_path(monkeypatch, comp.decompress_into, plain, ctx, out_plain)
+            assert torch.equal(out_fused.isnan(), out_plain.isnan())
+            keep = ~out_plain.isnan()
+            assert torch.equal(out_fused[keep], out_plain[keep]), (name, n, dtype, finite_only)
+
+
+def test_terngrad_and_natural_kernels_refuse_what_they_cannot_take():
+    x, one = torch.ones(8), torch.ones(1)
+    with pytest.raises(ValueError, match="fp32 values"):
+        kernels.terngrad_encode(x.half(), x, one, one)
+    with pytest.raises(ValueError, match="draws must be a contiguous torch.float32 tensor of at least 8"):
+        kernels.terngrad_encode(x, x[:4], one, one)
+    with pytest.raises(ValueError, match="one fp32 element"):
+        kernels.terngrad_encode(x, x, torch.ones(2), one)
+    with pytest.raises(ValueError, match="draws must be a contiguous torch.int32"):
+        kernels.natural_encode(x, x, torch.empty(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="out must be a contiguous torch.uint8"):
+        kernels.natural_encode(x, torch.zeros(8, dtype=torch.int32), torch.empty(4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="hold fewer than out's 9 values"):
+        kernels.natural_decode(torch.zeros(9, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8), torch.empty(9))

@@ -335,3 +335,28 @@ def test_sent_mask_every_element_for_unbiased_methods_and_pm_tau_for_twobit():
         assert compressor.sent_mask(*compressor.compress(x, "m")).tolist() == [[True, True], [True, True]]
     twobit = make("twobit", threshold=0.5)
     assert twobit.sent_mask(*twobit.compress(x, "m")).tolist() == [[True, False], [False, True]]
+
+
+def test_qsgds_norms_without_host_reads_are_the_ones_with_them():
+    """On a GPU qsgd repairs its overflowed bucket norms with no host read (every row's scaled
+    norm and a select, issue 58): the CPU's bits (only the overflowed rows' scaled norms), and the
+    scaled norm m·‖v/m‖ where ‖v‖² overflowed fp32: finite, within 1e-6 of the fp64 norm."""
+    from grace_dgc.compressors.qsgd import repair_norms
+
+    rows = torch.randn(6, 33, generator=torch.Generator().manual_seed(0))
+    rows[1] *= 1e20  # ‖v‖² beyond fp32
+    rows[2, 3] = float("nan")
+    rows[3, 0] = float("inf")
+    rows[4] = 0.0
+    rows[5, :4] = 1.5e38  # ‖v‖ = 3e38: finite, its square not
+    results = []
+    for host_reads in (True, False):
+        norms = rows.norm(dim=1)
+        repair_norms(norms, rows, host_reads=host_reads)
+        results.append(norms)
+    assert torch.equal(results[0].isnan(), results[1].isnan())
+    assert torch.equal(results[0].nan_to_num(), results[1].nan_to_num())
+    wide = rows.double().norm(dim=1)
+    assert results[0][2].isnan() and results[0][3] == math.inf and results[0][4] == 0.0
+    for row in (0, 1, 5):
+        assert math.isfinite(results[0][row]) and abs(results[0][row].item() / wide[row].item() - 1) < 1e-6

@@ -365,3 +365,23 @@ def test_onebits_mean_without_host_reads_is_the_one_with_them(values):
     with_reads, without = _mean(x, count, host_reads=True), _mean(x, count, host_reads=False)
     assert with_reads.dtype == without.dtype == torch.float32
     assert torch.equal(with_reads.view(torch.int32), without.view(torch.int32))
+
+
+@pytest.mark.parametrize("scale", ["mean", "rms"])
+@pytest.mark.parametrize(
+    "values", [[1.0, -2.0, 0.5], [3e38, -3e38, 1.0], [2e19, 2e19], [float("nan"), 1.0], [float("inf"), 2.0], [0.0]]
+)
+def test_efsignsgds_scale_without_host_reads_is_the_one_with_them(scale, values):
+    """On a GPU efsignsgd's scale makes no host read (the fp64 norm always runs and a select
+    picks, issue 58): the CPU's bits (the fp64 norm only where fp32 overflows, as for 3e38's ℓ1
+    and 2e19's ℓ2), NaN and infinity included."""
+    from grace_dgc.compressors.efsignsgd import _narrow_or_wide
+
+    x = torch.tensor(values)
+    norm = {"mean": lambda d: x.abs().sum(dtype=d) / len(values), "rms": lambda d: x.norm(dtype=d) / len(values) ** 0.5}
+    with_reads = _narrow_or_wide(norm[scale], x.device, host_reads=True)
+    without = _narrow_or_wide(norm[scale], x.device, host_reads=False)
+    assert with_reads.dtype == without.dtype == torch.float32
+    assert torch.equal(with_reads.view(torch.int32), without.view(torch.int32))
+    if values[0] in (3e38, 2e19) and (scale == "rms" or values[0] == 3e38):  # fp32 overflowed: the fp64 norm
+        assert math.isfinite(with_reads) and with_reads == norm[scale](torch.float64).float()
