@@ -15,6 +15,9 @@ For each size n and each operation of grace_dgc.wire that has a fused kernel:
                 fused kernel replaces the compare/count/mask passes; the sums stay torch's)
     at_least    indices and magnitudes of |x| ≥ τ, τ passing ~1 % (DGC's, top-k's and
                 threshold's selection pass)
+    top_k       top-k's selection of 1 % (the torch path: a sampled threshold, at_least, a selection
+                among the candidates, with host reads; fused: a radix select, 4 histogram passes and
+                an ordered write, no host read)
     rotate      thc's H·D·x/√d, x zero-padded to d = 2^⌈log2 n⌉ (the torch path: log2 d
                 butterfly stages of an add and a sub each; fused: 1 + ⌈(log2 d − 12)/7⌉ passes)
     unrotate    thc's decoder: int8 codes × M/K, rotated back, × D, the first n into the gradient
@@ -56,6 +59,7 @@ from grace_dgc.compressors.natural import NaturalCompressor
 from grace_dgc.compressors.onebit import OneBitCompressor
 from grace_dgc.compressors.qsgd import QSGDCompressor
 from grace_dgc.compressors.terngrad import TernGradCompressor
+from grace_dgc.compressors.topk import exact_top_k
 from grace_dgc.compressors.twobit import TwoBitCompressor
 from grace_dgc.workspace import Workspace
 
@@ -110,6 +114,8 @@ def operations(n, device):
         lambda: sparse.at_least(grad, tau, workspace, keep_nan=False),
         lambda: kernels.at_least(grad, tau, keep_nan=False),
     )
+    top = max(1, n // 100)
+    ops["top_k"] = (lambda: exact_top_k(grad, top, workspace), lambda: kernels.top_k_indices(grad, top))
     d = 1 << (n - 1).bit_length()
     diagonal = thc.rotation_signs(0, "g", 0, d, device)
     ops["rotate"] = (lambda: thc.rotate(grad, diagonal), lambda: kernels.rotate(grad, diagonal))

@@ -100,6 +100,18 @@ def variants(n_type):
         words = {"values": "*fp32", "packed": "*u8", "out": "*fp32"}
         signature = {first: words[first], "scale": "*fp32", second: words[second], "n": n_type, "BLOCK": C}
         found.append((name, signature, {"BLOCK": kernels.FP4_BLOCK}))
+    for integer, magnitude_mask, infinity in kernels._LAYOUT.values():  # top_k_indices(): its radix passes
+        word = {torch.int16: "*i16", torch.int32: "*i32"}[integer]
+        limits = {"ABS": magnitude_mask, "INF": infinity, "BLOCK": kernels.TOP_BLOCK}
+        for shift in range(8 * torch.tensor([], dtype=integer).element_size() - 8, -1, -8):
+            histogram = {"source": word, "state": "*i32", "hist": "*i32", "n": n_type, "SHIFT": C}
+            found.append(("radix_histogram", histogram | {"ABS": C, "INF": C, "BLOCK": C}, {"SHIFT": shift, **limits}))
+            found.append(("radix_pick", {"hist": "*i32", "state": "*i32", "SHIFT": C}, {"SHIFT": shift}))
+        count = {"source": word, "state": "*i32", "greater": "*i32", "tied": "*i32", "n": n_type}
+        found.append(("top_count", count | {"ABS": C, "INF": C, "BLOCK": C}, limits))
+        compact = {"source": word, "state": "*i32", "greater_before": "*i64", "tied_before": "*i64"}
+        compact |= {"indices": "*i64", "n": n_type, "ABS": C, "INF": C, "BLOCK": C}
+        found.append(("top_compact", compact, limits))
     terngrad = {"values": "*fp32", "uniform": "*fp32", "bound": "*fp32", "divisor": "*fp32", "packed": "*u8"}
     found.append(("terngrad_encode", terngrad | {"n": n_type, "BLOCK": C}, {"BLOCK": kernels.BLOCK}))
     natural = {"bits": "*i32", "draws": "*i32", "exponents": "*u8", "signs": "*u8", "n": n_type, "BLOCK": C}

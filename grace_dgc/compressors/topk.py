@@ -3,6 +3,7 @@ import math
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..errors import check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
@@ -35,7 +36,14 @@ def exact_top_k(flat: Tensor, k: int, workspace: Workspace) -> Tensor:
        Otherwise j is doubled and step 2 repeats (C = everything once j exceeds m);
     3. κ = the k-th largest of |flat_C| (a selection over |C| ≈ k·(1 + 4/√(q·k)) values);
        sent = { |x| > κ } plus the lowest-indexed { |x| = κ } up to k elements.
+
+    Where the fused kernels run, :func:`grace_dgc.kernels.top_k_indices` selects the same set
+    with no host sync (κ by a radix select on the device): the same indices.
     """
+    launch = lambda: kernels.top_k_indices(flat, k)  # noqa: E731
+    fused = kernels.attempt(launch, flat.device, flat.dtype, kernel="top_k")  # no host sync: a radix select
+    if fused is not None:
+        return fused
     n = flat.numel()
     stride = max(1, n // 65536) | 1
     if stride == 1:  # small: one selection; exact unless elements tie at the k-th magnitude

@@ -42,6 +42,9 @@ once (the selection: two reads):
                                and its sign bits, in one read of x
     natural_decode(e, signs, out)
                                out = bits e << 23 | sign << 31
+    top_k_indices(x, k)        top-k's ascending indices of the k largest |x| (ties: the lowest indices): the
+                               k-th largest |x|'s bits by a radix select (a histogram of 8 bits a pass,
+                               the digit picked on the device), then a count and an ordered write
     random_indices(n, k, bits, keys)
                                random-k's S_t: π(i) for i < k, a keyed Feistel permutation walked
                                into range(n) (integer arithmetic only, so bit for bit the torch ops)
@@ -151,8 +154,8 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read
 # fp8's torch path now divides by a device tensor, as the kernel does: CUDA divides by a Python
 # scalar as a multiply by its reciprocal, 1 ulp off). fp4's and lookup_table's (2026-12-05, proven
 # on the CPU's interpreter) wait for a GPU: meanwhile onebit decodes its on-device means with the
-# torch ops there (no host read either way). terngrad's and natural's (2026-12-06) likewise.
-UNPROVEN: frozenset[str] = frozenset({"fp4", "lookup_table", "terngrad", "natural"})
+# torch ops there (no host read either way). terngrad's, natural's and top_k's (2026-12-06) likewise.
+UNPROVEN: frozenset[str] = frozenset({"fp4", "lookup_table", "terngrad", "natural", "top_k"})
 
 
 def enabled(device: torch.device | str, dtype: torch.dtype | None = None, kernel: str | None = None) -> bool:
@@ -434,6 +437,39 @@ def at_least(values: Tensor, threshold: float, keep_nan: bool = True) -> tuple[T
         starts = ends - counts
         _launch("compact", grid, bits, starts, indices, magnitudes.view(bits.dtype), n, tau, **meta)
     return indices, magnitudes
+
+
+# -- top-k's selection -----------------------------------------------------------------------------
+
+TOP_BLOCK = 4096  # elements per program of top_k_indices' passes
+
+
+def top_k_indices(values: Tensor, k: int) -> Tensor:
+    """Ascending indices of the ``k`` largest ``|x|`` (NaN above everything, ties at the k-th
+    going to the lowest indices): top-k's selection (:func:`grace_dgc.compressors.topk.exact_top_k`)
+    with no host sync. The k-th largest key κ (|x|'s bits) by a radix select, 8 bits a pass (4
+    passes for fp32, 2 for fp16/bf16), the digit picked on the device; then a count per block of
+    the keys above and at κ, their running sums, and each block writes its chosen indices in order."""
+    values = _flat(values)
+    _check_float(values)
+    n = values.numel()
+    if not 0 < k <= n:
+        raise ValueError(f"top_k_indices: k={k!r}; accepted: 1 … {n} (the values' count)")
+    bits, limits = _layout(values)
+    device, grid = values.device, (-(-n // TOP_BLOCK),)
+    state = torch.zeros(2, dtype=torch.int32, device=device)  # κ's bits found so far, the rank r still sought
+    state[1:].fill_(k)  # a fill on the device: no copy from the host
+    shifts = range(8 * bits.element_size() - 8, -1, -8)
+    hist = torch.zeros(len(shifts), 256, dtype=torch.int32, device=device)
+    for row, shift in enumerate(shifts):
+        _launch("radix_histogram", grid, bits, state, hist[row], n, SHIFT=shift, **limits, BLOCK=TOP_BLOCK)
+        _launch("radix_pick", (1,), hist[row], state, SHIFT=shift)
+    greater, tied = torch.empty(2, grid[0], dtype=torch.int32, device=device)
+    _launch("top_count", grid, bits, state, greater, tied, n, **limits, BLOCK=TOP_BLOCK)
+    greater_before, tied_before = torch.cumsum(greater, 0) - greater, torch.cumsum(tied, 0) - tied  # int64
+    indices = torch.empty(k, dtype=torch.int64, device=device)
+    _launch("top_compact", grid, bits, state, greater_before, tied_before, indices, n, **limits, BLOCK=TOP_BLOCK)
+    return indices
 
 
 # -- random-k's indices -------------------------------------------------------------------------

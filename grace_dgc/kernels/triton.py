@@ -504,3 +504,69 @@ def natural_decode_kernel(exponents, signs, out, n, BLOCK: tl.constexpr):
     sign = (byte[:, None] >> lanes[None, :]) & 1
     exponent = tl.load(exponents + index, mask=inside, other=0).to(tl.int32)
     tl.store(out + index, (exponent << 23) | (sign << 31), mask=inside)
+
+
+@triton.jit
+def rank_key(source, index, inside, ABS: tl.constexpr, INF: tl.constexpr):
+    """|x|'s bits as an int32 key that orders like |x| with every NaN one key above ∞ (torch.topk
+    ranks NaN above everything, and NaNs alike); outside ``inside``, −1 (below every key)."""
+    magnitude = (tl.load(source + index, mask=inside, other=0) & ABS).to(tl.int32)
+    return tl.where(inside, tl.minimum(magnitude, INF + 1), -1)
+
+
+@triton.jit
+def radix_histogram_kernel(
+    source, state, hist, n, SHIFT: tl.constexpr, ABS: tl.constexpr, INF: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One pass of the k-th largest key's radix select: among the keys whose bits above
+    SHIFT + 8 are the prefix found so far (state[0]), how many have each 8-bit digit at SHIFT."""
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    key = rank_key(source, index, index < n, ABS, INF)
+    if SHIFT + 8 < 32:
+        match = (key >= 0) & ((key >> (SHIFT + 8)) == (tl.load(state) >> (SHIFT + 8)))
+    else:
+        match = key >= 0
+    counts = tl.histogram((key >> SHIFT) & 255, 256, mask=match)
+    tl.atomic_add(hist + tl.arange(0, 256), counts, sem="relaxed")
+
+
+@triton.jit
+def radix_pick_kernel(hist, state, SHIFT: tl.constexpr):
+    """The digit at SHIFT of the k-th largest key, in one program: the highest digit d whose
+    count from the top reaches the rank r still sought (state[1]); r less the keys of the digits
+    above d, and d, go into state."""
+    digits = tl.arange(0, 256)
+    counts = tl.load(hist + 255 - digits)  # from the highest digit down
+    from_top = tl.cumsum(counts, axis=0)
+    rank = tl.load(state + 1)
+    above = from_top < rank
+    digit = 255 - tl.sum(above.to(tl.int32), axis=0)
+    tl.store(state + 1, rank - tl.sum(tl.where(above, counts, 0), axis=0))
+    tl.store(state, tl.load(state) | (digit << SHIFT))
+
+
+@triton.jit
+def top_count_kernel(source, state, greater, tied, n, ABS: tl.constexpr, INF: tl.constexpr, BLOCK: tl.constexpr):
+    """Per block: how many keys are above the k-th largest κ (state[0]) and how many equal it."""
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    key = rank_key(source, index, index < n, ABS, INF)
+    kth = tl.load(state)
+    tl.store(greater + tl.program_id(0), tl.sum((key > kth).to(tl.int32), axis=0))
+    tl.store(tied + tl.program_id(0), tl.sum((key == kth).to(tl.int32), axis=0))
+
+
+@triton.jit
+def top_compact_kernel(
+    source, state, greater_before, tied_before, indices, n, ABS: tl.constexpr, INF: tl.constexpr, BLOCK: tl.constexpr
+):
+    """The top k's indices in ascending order: every key above κ, and the first r keys equal to
+    it (r = state[1]); element i goes to slot (keys above κ before i) + min(ties before i, r)."""
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    key = rank_key(source, index, index < n, ABS, INF)
+    kth, wanted = tl.load(state), tl.load(state + 1)
+    above, tie = (key > kth).to(tl.int32), (key == kth).to(tl.int32)
+    above_before = tl.load(greater_before + tl.program_id(0)) + tl.cumsum(above, axis=0) - above
+    ties_before = tl.load(tied_before + tl.program_id(0)) + tl.cumsum(tie, axis=0) - tie
+    chosen = (above == 1) | ((tie == 1) & (ties_before < wanted))
+    slot = above_before.to(tl.int64) + tl.minimum(ties_before, wanted)
+    tl.store(indices + slot, index, mask=chosen)

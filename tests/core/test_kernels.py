@@ -1045,3 +1045,72 @@ def test_terngrad_and_natural_kernels_refuse_what_they_cannot_take():
         kernels.natural_encode(x, torch.zeros(8, dtype=torch.int32), torch.empty(4, dtype=torch.uint8))
     with pytest.raises(ValueError, match="hold fewer than out's 9 values"):
         kernels.natural_decode(torch.zeros(9, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8), torch.empty(9))
+
+
+# -- top-k's radix select ----------------------------------------------------------------------------
+
+
+def top_k_reference(x, k):
+    """The top k's ascending indices by their definition: sorted by |x| descending (NaN first, all
+    NaNs alike), ties by index ascending; the first k, sorted."""
+    magnitude = x.double().abs().nan_to_num(nan=math.inf).tolist()
+    nan = x.isnan().tolist()
+    order = sorted(range(len(magnitude)), key=lambda i: (not nan[i], -magnitude[i], i))
+    return sorted(order[:k])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+def test_top_k_indices_are_the_top_k_by_definition(device, data):
+    """Any floats of every dtype (ties at the k-th, ±0, subnormals, ±inf, NaNs of any payload),
+    any k: the kernels' indices are the definition's, and the torch path's."""
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    n = data.draw(st.integers(1, 9000))
+    pool = data.draw(st.sampled_from(["ties", "random", "bits"]))
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    if pool == "ties":  # few distinct magnitudes: the k-th is tied
+        x = torch.randint(-3, 4, (n,), generator=generator).to(dtype) * 0.5
+    elif pool == "random":
+        x = torch.randn(n, generator=generator).to(dtype)
+    else:  # any bit pattern: subnormals, infinities, NaNs with many payloads
+        width = torch.int32 if dtype == torch.float32 else torch.int16
+        x = torch.randint(-(2**15), 2**15, (n,), generator=generator).to(width)
+        x = (x if width == torch.int16 else x * 65537).view(dtype)
+    k = data.draw(st.integers(1, n))
+    got = kernels.top_k_indices(x.to(device), k).cpu()
+    assert got.tolist() == top_k_reference(x, k)
+    from grace_dgc.compressors.topk import exact_top_k
+
+    assert torch.equal(torch_path(None, exact_top_k, x.to(device), k, Workspace()).cpu(), got)
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 3 * 4096 + 1, 100_000])
+def test_top_k_indices_across_program_boundaries(device, n):
+    """Sizes around the programs' blocks, a k of 1, a few, half and all of n, every tie at κ."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)).round(decimals=1)
+    for k in sorted({1, min(n, 7), max(1, n // 2), n}):
+        assert kernels.top_k_indices(x.to(device), k).cpu().tolist() == top_k_reference(x, k), k
+
+
+def test_top_k_indices_rank_every_nan_alike_above_infinity(device):
+    """NaNs of any payload or sign rank above ∞ and alike (the lowest-indexed go first, as
+    torch.topk's ties), in each dtype's bits."""
+    for dtype, width, payloads in (
+        (torch.float32, torch.int32, [0x7FC00000, 0x7F800001, -0x00000001, 0x7FFFFFFF, -0x003FFFFF]),
+        (torch.float16, torch.int16, [0x7E00, 0x7C01, -0x0001, 0x7FFF]),
+        (torch.bfloat16, torch.int16, [0x7FC0, 0x7F81, -0x0001, 0x7FFF]),
+    ):
+        x = torch.tensor([1.0, float("inf"), -2.0, 0.0, 5.0, -float("inf")] * 3, dtype=dtype)
+        slots = [2, 16, 5, 9, 12][: len(payloads)]
+        x.view(width)[slots] = torch.tensor(payloads, dtype=width)
+        for k in range(1, len(payloads) + 4):
+            got = kernels.top_k_indices(x.to(device), k).cpu().tolist()
+            assert got == top_k_reference(x, k) == sorted(sorted(slots)[:k] if k <= len(slots) else got), (dtype, k)
+
+
+def test_top_k_indices_refuse_what_they_cannot_take():
+    with pytest.raises(ValueError, match=r"k=0; accepted: 1 … 4"):
+        kernels.top_k_indices(torch.ones(4), 0)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        kernels.top_k_indices(torch.ones(4, dtype=torch.float64), 2)
