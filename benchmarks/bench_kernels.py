@@ -15,6 +15,9 @@ For each size n and each operation of grace_dgc.wire that has a fused kernel:
                 fused kernel replaces the compare/count/mask passes; the sums stay torch's)
     at_least    indices and magnitudes of |x| ≥ τ, τ passing ~1 % (DGC's, top-k's and
                 threshold's selection pass)
+    statq       statq's compress on a GPU's path, 2 bits (torch: about fifteen passes, the bins by a
+                row-wise index_add_; fused: the mean and σ stay torch's, then one read for the codes,
+                their packing and each program's bin sums)
     top_k       top-k's selection of 1 % (the torch path: a sampled threshold, at_least, a selection
                 among the candidates, with host reads; fused: a radix select, 4 histogram passes and
                 an ordered write, no host read)
@@ -58,6 +61,7 @@ from grace_dgc.compressors.fp4 import FP4Compressor
 from grace_dgc.compressors.natural import NaturalCompressor
 from grace_dgc.compressors.onebit import OneBitCompressor
 from grace_dgc.compressors.qsgd import QSGDCompressor
+from grace_dgc.compressors.statq import StatisticalQuantizer
 from grace_dgc.compressors.terngrad import TernGradCompressor
 from grace_dgc.compressors.topk import exact_top_k
 from grace_dgc.compressors.twobit import TwoBitCompressor
@@ -114,6 +118,8 @@ def operations(n, device):
         lambda: sparse.at_least(grad, tau, workspace, keep_nan=False),
         lambda: kernels.at_least(grad, tau, keep_nan=False),
     )
+    statq = StatisticalQuantizer()  # its whole-tensor path (a GPU's): codes and bins, then the table
+    ops["statq"] = (lambda: tuple(statq._compress_elementwise(grad)), lambda: tuple(statq._compress_elementwise(grad)))
     top = max(1, n // 100)
     ops["top_k"] = (lambda: exact_top_k(grad, top, workspace), lambda: kernels.top_k_indices(grad, top))
     d = 1 << (n - 1).bit_length()

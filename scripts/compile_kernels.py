@@ -112,6 +112,11 @@ def variants(n_type):
         compact = {"source": word, "state": "*i32", "greater_before": "*i64", "tied_before": "*i64"}
         compact |= {"indices": "*i64", "n": n_type, "ABS": C, "INF": C, "BLOCK": C}
         found.append(("top_compact", compact, limits))
+    for bits in (1, 2, 4, 8):  # statq_encode()
+        statq = {"values": "*fp32", "shift": "*fp32", "scale": "*fp32", "packed": "*u8", "sums": "*fp64"}
+        statq |= {"counts": "*i32", "n": n_type, "BITS": C, "PER": C, "LEVELS": C, "BLOCK": C}
+        meta = {"BITS": bits, "PER": 8 // bits, "LEVELS": 1 << bits, "BLOCK": kernels.STATQ_ELEMENTS // (8 // bits)}
+        found.append(("statq_encode", statq, meta))
     terngrad = {"values": "*fp32", "uniform": "*fp32", "bound": "*fp32", "divisor": "*fp32", "packed": "*u8"}
     found.append(("terngrad_encode", terngrad | {"n": n_type, "BLOCK": C}, {"BLOCK": kernels.BLOCK}))
     natural = {"bits": "*i32", "draws": "*i32", "exponents": "*u8", "signs": "*u8", "n": n_type, "BLOCK": C}

@@ -3,7 +3,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import wire
+from .. import kernels, wire
 from ..errors import GraceConfigError, check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
@@ -91,10 +91,16 @@ class StatisticalQuantizer(PackedCompressor):
         sigma = centered.norm() / math.sqrt(n - 1) if n > 1 else flat.new_zeros(())
         scale = sigma * (self.range_sigmas / levels)
         scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
-        codes = centered.div(scale).add_(levels // 2).round_().clamp_(0, levels - 1).to(torch.uint8)
-        sums, counts = bin_sums(codes, centered, levels)
+        launch = lambda: kernels.statq_encode(flat, shift.reshape(1), scale.reshape(1), self.bits)  # noqa: E731
+        fused = kernels.attempt(launch, flat.device, kernel="statq")  # the codes, packed, and the bins: one read
+        if fused is not None:
+            packed, sums, counts = fused
+        else:
+            codes = centered.div(scale).add_(levels // 2).round_().clamp_(0, levels - 1).to(torch.uint8)
+            sums, counts = bin_sums(codes, centered, levels)
+            packed = wire.pack_bits(codes, self.bits)
         table = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).float()
-        return [wire.pack_bits(codes, self.bits), torch.cat([shift.view(1), table])]
+        return [packed, torch.cat([shift.view(1), table])]
 
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         packed, header = payload

@@ -42,6 +42,8 @@ once (the selection: two reads):
                                and its sign bits, in one read of x
     natural_decode(e, signs, out)
                                out = bits e << 23 | sign << 31
+    statq_encode(x, μ, s, b)   statq's codes clamp(round((x − μ)/s + L/2), 0, L − 1) packed, and each bin's
+                               sum (fp64) and count, per program then summed, in one read of x
     top_k_indices(x, k)        top-k's ascending indices of the k largest |x| (ties: the lowest indices): the
                                k-th largest |x|'s bits by a radix select (a histogram of 8 bits a pass,
                                the digit picked on the device), then a count and an ordered write
@@ -154,8 +156,9 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read
 # fp8's torch path now divides by a device tensor, as the kernel does: CUDA divides by a Python
 # scalar as a multiply by its reciprocal, 1 ulp off). fp4's and lookup_table's (2026-12-05, proven
 # on the CPU's interpreter) wait for a GPU: meanwhile onebit decodes its on-device means with the
-# torch ops there (no host read either way). terngrad's, natural's and top_k's (2026-12-06) likewise.
-UNPROVEN: frozenset[str] = frozenset({"fp4", "lookup_table", "terngrad", "natural", "top_k"})
+# torch ops there (no host read either way). terngrad's, natural's, top_k's and statq's (2026-12-06)
+# likewise.
+UNPROVEN: frozenset[str] = frozenset({"fp4", "lookup_table", "terngrad", "natural", "top_k", "statq"})
 
 
 def enabled(device: torch.device | str, dtype: torch.dtype | None = None, kernel: str | None = None) -> bool:
@@ -437,6 +440,35 @@ def at_least(values: Tensor, threshold: float, keep_nan: bool = True) -> tuple[T
         starts = ends - counts
         _launch("compact", grid, bits, starts, indices, magnitudes.view(bits.dtype), n, tau, **meta)
     return indices, magnitudes
+
+
+# -- statq ---------------------------------------------------------------------------------------
+
+STATQ_ELEMENTS = 4096  # elements per program of statq_encode (a row of partial sums each)
+
+
+def statq_encode(values: Tensor, shift: Tensor, scale: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """statq's compress (:class:`grace_dgc.compressors.statq.StatisticalQuantizer`) of fp32
+    ``values`` under its mean μ and grid step s (one fp32 element each, read on the device) in one
+    read: the b-bit codes packed (the bytes of its torch ops), and each bin's sum of x − μ (fp64)
+    and count (int64), summed over per-program rows (no host sync, no contended atomics but
+    256 bins' own)."""
+    if values.dtype != torch.float32:
+        raise ValueError(f"statq_encode takes fp32 values; got {values.dtype}")
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits={bits!r}; statq packs 1, 2, 4 or 8 bits")
+    values = _flat(values)
+    _check_scale(shift, values.device)
+    _check_scale(scale, values.device)
+    n, levels, per = values.numel(), 1 << bits, 8 // bits
+    programs = max(1, -(-n // STATQ_ELEMENTS))
+    packed = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=values.device)
+    sums = torch.zeros(programs, levels, dtype=torch.float64, device=values.device)
+    counts = torch.zeros(programs, levels, dtype=torch.int32, device=values.device)
+    if n:
+        meta = {"BITS": bits, "PER": per, "LEVELS": levels, "BLOCK": STATQ_ELEMENTS // per}
+        _launch("statq_encode", (programs,), values, shift, scale, packed, sums, counts, n, **meta)
+    return packed, sums.sum(0), counts.sum(0)
 
 
 # -- top-k's selection -----------------------------------------------------------------------------

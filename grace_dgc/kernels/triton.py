@@ -570,3 +570,45 @@ def top_compact_kernel(
     chosen = (above == 1) | ((tie == 1) & (ties_before < wanted))
     slot = above_before.to(tl.int64) + tl.minimum(ties_before, wanted)
     tl.store(indices + slot, index, mask=chosen)
+
+
+@triton.jit
+def statq_encode_kernel(
+    values,
+    shift,
+    scale,
+    packed,
+    sums,
+    counts,
+    n,
+    BITS: tl.constexpr,
+    PER: tl.constexpr,
+    LEVELS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """statq's compress: c = x − μ, q = clamp(round(c/s + L/2), 0, L − 1) (round half to even,
+    from the floor and the exact fraction; NaN: 0, as torch's cast on a CPU), the codes packed
+    PER to a byte, and this program's per-bin sums of c (fp64) and counts in its own row."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lanes = tl.arange(0, PER)
+    index = rows[:, None] * PER + lanes[None, :]
+    inside = index < n
+    centered = tl.load(values + index, mask=inside, other=0.0) - tl.load(shift)
+    grid = tl.div_rn(centered, tl.load(scale)) + (LEVELS // 2)
+    grid = tl.where(grid > LEVELS, LEVELS, tl.where(grid < -1.0, -1.0, grid))  # rounds and clamps alike
+    floor = tl.floor(grid)
+    fraction = grid - floor  # exact: floor ≤ grid < floor + 1, both ≥ −1
+    odd = (floor.to(tl.int32) & 1) == 1
+    code = floor.to(tl.int32) + ((fraction > 0.5) | ((fraction == 0.5) & odd)).to(tl.int32)
+    code = tl.where((grid != grid) | ~inside, 0, tl.minimum(tl.maximum(code, 0), LEVELS - 1))
+    byte = tl.sum(code << (lanes[None, :] * BITS), axis=1)  # disjoint bits: the sum is an OR
+    tl.store(packed + rows, byte.to(tl.uint8), mask=rows * PER < n)
+    row = tl.program_id(0).to(tl.int64) * LEVELS
+    every, counted = tl.reshape(code, [BLOCK * PER]), tl.reshape(inside, [BLOCK * PER])  # a histogram is 1-D
+    tl.store(counts + row + tl.arange(0, LEVELS), tl.histogram(every, LEVELS, mask=counted))
+    wide = centered.to(tl.float64)
+    if LEVELS <= 16:  # a masked sum per bin
+        for level in tl.static_range(LEVELS):
+            tl.store(sums + row + level, tl.sum(tl.sum(tl.where(inside & (code == level), wide, 0.0), axis=1), axis=0))
+    else:  # 256 bins: each element adds into its bin of this program's row
+        tl.atomic_add(sums + row + code, wide, mask=inside, sem="relaxed")

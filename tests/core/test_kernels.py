@@ -1114,3 +1114,49 @@ def test_top_k_indices_refuse_what_they_cannot_take():
         kernels.top_k_indices(torch.ones(4), 0)
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         kernels.top_k_indices(torch.ones(4, dtype=torch.float64), 2)
+
+
+# -- statq ----------------------------------------------------------------------------------------
+
+
+def statq_reference(x, shift, scale, bits):
+    """statq's torch ops on the whole tensor: the packed codes, each bin's fp64 sum and count."""
+    from grace_dgc.compressors.statq import bin_sums
+
+    levels = 1 << bits
+    centered = x - shift
+    codes = centered.div(scale).add_(levels // 2).round_().clamp_(0, levels - 1).to(torch.uint8)
+    sums, counts = bin_sums(codes, centered, levels)
+    return wire.pack_bits(codes, bits), sums, counts
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 5, 4095, 4096, 4097, 3 * 4096 + 17])
+def test_statq_kernel_equals_the_torch_ops(device, bits, n):
+    """The codes at every rounding edge (grid values k/4 from −3 to L + 3: halves round to even)
+    and each bin's sum and count, against the torch ops, at sizes around the programs' rows."""
+    levels = 1 << bits
+    generator = torch.Generator().manual_seed(n * bits)
+    edges = torch.randint(-12, 4 * levels + 12, (n,), generator=generator) / 4 - levels // 2  # (x − μ)/s
+    x = (edges * 0.5 + 0.25).float()  # s = 0.5, μ = 0.25: exact
+    x[::5] = torch.randn(x[::5].shape, generator=generator) * levels  # and anything between
+    if n > 3:
+        x[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")]) if device.type == "cpu" else 0.0
+    shift, scale = torch.tensor([0.25]), torch.tensor([0.5])
+    packed, sums, counts = kernels.statq_encode(x.to(device), shift.to(device), scale.to(device), bits)
+    want = statq_reference(x, shift, scale, bits)
+    assert torch.equal(packed.cpu(), want[0])
+    assert torch.equal(counts.cpu(), want[2]) and counts.dtype == torch.int64
+    finite = torch.isfinite(want[1])
+    assert torch.equal(finite, torch.isfinite(sums.cpu())) and sums.dtype == torch.float64
+    assert torch.allclose(sums.cpu()[finite], want[1][finite], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8])
+def test_statq_is_bit_identical_with_the_kernel(device, monkeypatch, bits):
+    """statq's whole-tensor path (a GPU's) end to end: payload and table, kernels against torch ops."""
+    x = (torch.randn(3 * 4096 + 17, generator=torch.Generator().manual_seed(bits)) * 3 + 1).to(device)
+    comp = COMPRESSORS.get("statq")(bits=bits)
+    fused = comp._compress_elementwise(x)
+    plain = torch_path(monkeypatch, comp._compress_elementwise, x)
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1].view(torch.int32), plain[1].view(torch.int32))
