@@ -112,6 +112,12 @@ def variants(n_type):
         compact = {"source": word, "state": "*i32", "greater_before": "*i64", "tied_before": "*i64"}
         compact |= {"indices": "*i64", "n": n_type, "ABS": C, "INF": C, "BLOCK": C}
         found.append(("top_compact", compact, limits))
+        chunked = {"source": word, "values": word, "offsets": "*i64", "C": "i32", "K": "i32"}
+        chunked |= {"ABS": C, "INF": C, "WIDTH": C, "BLOCK": C}
+        width = 8 * torch.tensor([], dtype=integer).element_size()
+        for block in (64, 4096, kernels.CHUNK_TOP_LARGEST):  # chunk_top_k(): a chunk per program
+            meta = {"ABS": magnitude_mask, "INF": infinity, "WIDTH": width, "BLOCK": block}
+            found.append(("chunk_top_k", chunked, meta))
     for bits in (1, 2, 4, 8):  # statq_encode()
         statq = {"values": "*fp32", "shift": "*fp32", "scale": "*fp32", "packed": "*u8", "sums": "*fp64"}
         statq |= {"counts": "*i32", "n": n_type, "BITS": C, "PER": C, "LEVELS": C, "BLOCK": C}

@@ -4,7 +4,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .. import wire
+from .. import kernels, wire
 from ..errors import GraceConfigError, check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
@@ -75,7 +75,12 @@ class ChunkTopKCompressor(SparseCompressor):
         local = torch.empty(kept + tail_k, dtype=torch.int64, device=flat.device)
         values = flat.new_empty(kept + tail_k)
         if whole:
-            self._whole_chunks(flat[:cut].view(whole, self.chunk), local[:kept], values[:kept])
+            launch = lambda: kernels.chunk_top_k(flat[:cut], self.chunk, self.k, local[:kept], values[:kept])  # noqa: E731
+            fused = self.chunk <= kernels.CHUNK_TOP_LARGEST and kernels.attempt(
+                launch, flat.device, flat.dtype, kernel="chunk_top_k"
+            ) is not None  # fmt: skip
+            if not fused:
+                self._whole_chunks(flat[:cut].view(whole, self.chunk), local[:kept], values[:kept])
         if tail_k:
             tail = flat[cut:]
             local[kept:] = torch.topk(tail.abs(), tail_k, sorted=False).indices.sort().values

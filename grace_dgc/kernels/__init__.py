@@ -42,6 +42,9 @@ once (the selection: two reads):
                                and its sign bits, in one read of x
     natural_decode(e, signs, out)
                                out = bits e << 23 | sign << 31
+    chunk_top_k(x, C, k, o, v) chunk_topk's offsets of the k largest |x| of each chunk of C (ascending; ties:
+                               the lowest) and the values there: a radix select per chunk in registers, one
+                               program a chunk
     statq_encode(x, μ, s, b)   statq's codes clamp(round((x − μ)/s + L/2), 0, L − 1) packed, and each bin's
                                sum (fp64) and count, per program then summed, in one read of x
     top_k_indices(x, k)        top-k's ascending indices of the k largest |x| (ties: the lowest indices): the
@@ -156,9 +159,9 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels read
 # fp8's torch path now divides by a device tensor, as the kernel does: CUDA divides by a Python
 # scalar as a multiply by its reciprocal, 1 ulp off). fp4's and lookup_table's (2026-12-05, proven
 # on the CPU's interpreter) wait for a GPU: meanwhile onebit decodes its on-device means with the
-# torch ops there (no host read either way). terngrad's, natural's, top_k's and statq's (2026-12-06)
-# likewise.
-UNPROVEN: frozenset[str] = frozenset({"fp4", "lookup_table", "terngrad", "natural", "top_k", "statq"})
+# torch ops there (no host read either way). terngrad's, natural's, top_k's, statq's and chunk_top_k's
+# (2026-12-06) likewise.
+UNPROVEN: frozenset[str] = frozenset({"fp4", "lookup_table", "terngrad", "natural", "top_k", "statq", "chunk_top_k"})
 
 
 def enabled(device: torch.device | str, dtype: torch.dtype | None = None, kernel: str | None = None) -> bool:
@@ -502,6 +505,32 @@ def top_k_indices(values: Tensor, k: int) -> Tensor:
     indices = torch.empty(k, dtype=torch.int64, device=device)
     _launch("top_compact", grid, bits, state, greater_before, tied_before, indices, n, **limits, BLOCK=TOP_BLOCK)
     return indices
+
+
+CHUNK_TOP_LARGEST = 8192  # chunk_topk's chunks a program holds in registers; longer ones: torch's ops
+
+
+def chunk_top_k(values: Tensor, chunk: int, k: int, offsets: Tensor, picked: Tensor) -> Tensor:
+    """chunk_topk's selection (:class:`grace_dgc.compressors.chunk_topk.ChunkTopKCompressor`) of
+    the whole chunks of ``values`` (n a multiple of ``chunk``): into ``offsets`` (int64) and
+    ``picked`` (the values' dtype), k per chunk, the offsets of its k largest |x| ascending (NaN
+    above everything, ties at the k-th to the lowest offsets) and the values there (returns
+    ``offsets``). One launch, one program per chunk, no host sync."""
+    values = _flat(values)
+    _check_float(values)
+    n = values.numel()
+    if not 0 < chunk <= CHUNK_TOP_LARGEST or n % chunk or not 0 < k <= chunk:
+        raise ValueError(
+            f"chunk_top_k: chunk={chunk}, k={k} over {n} values; accepted: 1 ≤ k ≤ chunk ≤ {CHUNK_TOP_LARGEST}, "
+            "n a multiple of chunk"
+        )
+    _check_out(offsets, n // chunk * k, torch.int64, values.device)
+    _check_out(picked, n // chunk * k, values.dtype, values.device)
+    if n:
+        bits, limits = _layout(values)
+        meta = {**limits, "WIDTH": 8 * bits.element_size(), "BLOCK": 1 << max(0, chunk - 1).bit_length()}
+        _launch("chunk_top_k", (n // chunk,), bits, picked.view(bits.dtype), offsets, chunk, k, **meta)
+    return offsets
 
 
 # -- random-k's indices -------------------------------------------------------------------------

@@ -612,3 +612,43 @@ def statq_encode_kernel(
             tl.store(sums + row + level, tl.sum(tl.sum(tl.where(inside & (code == level), wide, 0.0), axis=1), axis=0))
     else:  # 256 bins: each element adds into its bin of this program's row
         tl.atomic_add(sums + row + code, wide, mask=inside, sem="relaxed")
+
+
+@triton.jit
+def chunk_top_k_kernel(
+    source,
+    values,
+    offsets,
+    C,
+    K,
+    ABS: tl.constexpr,
+    INF: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """chunk_topk's selection, one chunk of C elements per program, in registers: the K-th largest
+    key κ of the chunk by a radix select (8 bits a pass, each digit from the pass's histogram), then
+    the keys above κ and the first keys equal to it, written in ascending order (offset and value)."""
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    inside = columns < C
+    raw = tl.load(source + row * C + columns, mask=inside, other=0)
+    key = tl.where(inside, tl.minimum((raw & ABS).to(tl.int32), INF + 1), -1)
+    prefix = 0
+    rank = K
+    for step in tl.static_range(WIDTH // 8):
+        shift = WIDTH - 8 - 8 * step
+        if step == 0:
+            match = key >= 0
+        else:
+            match = (key >= 0) & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+        counts = tl.histogram((key >> shift) & 255, 256, mask=match)
+        from_top = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # keys of this digit or above
+        above = from_top < rank
+        prefix = prefix | ((255 - tl.sum(above.to(tl.int32), axis=0)) << shift)
+        rank = rank - tl.sum(tl.where(above, counts, 0), axis=0)
+    tie = (key == prefix).to(tl.int32)
+    chosen = (key > prefix) | ((tie == 1) & (tl.cumsum(tie, axis=0) - tie < rank))
+    slot = row * K + tl.cumsum(chosen.to(tl.int32), axis=0) - chosen.to(tl.int32)
+    tl.store(offsets + slot, columns.to(tl.int64), mask=chosen)
+    tl.store(values + slot, raw, mask=chosen)

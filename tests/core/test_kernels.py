@@ -1160,3 +1160,63 @@ def test_statq_is_bit_identical_with_the_kernel(device, monkeypatch, bits):
     fused = comp._compress_elementwise(x)
     plain = torch_path(monkeypatch, comp._compress_elementwise, x)
     assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1].view(torch.int32), plain[1].view(torch.int32))
+
+
+# -- chunk_topk ------------------------------------------------------------------------------------
+
+
+def chunk_top_k_reference(x, chunk, k):
+    """Each chunk's top k by the definition (top_k_reference), as offsets."""
+    rows = x.view(-1, chunk)
+    return [top_k_reference(row, k) for row in rows]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+def test_chunk_top_k_is_each_chunks_top_k_by_definition(device, data):
+    """Any chunk (1 … 8192, powers of two or not), any k, any floats of each dtype (ties, NaNs of
+    any payload, ±inf, ±0): each chunk's offsets are its top k (ties to the lowest offsets),
+    ascending, and the values are the elements there, bit for bit."""
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    chunk = data.draw(st.sampled_from([1, 3, 64, 100, 4096, 8192]))
+    k = data.draw(st.integers(1, min(chunk, 80)))
+    chunks = data.draw(st.integers(1, 3))  # a program per chunk: the interpreter runs each in Python
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    width = torch.int32 if dtype == torch.float32 else torch.int16
+    if data.draw(st.booleans()):  # few magnitudes: ties at the k-th
+        x = (torch.randint(-3, 4, (chunks * chunk,), generator=generator) * 0.5).to(dtype)
+    else:  # any bit pattern
+        x = torch.randint(-(2**15), 2**15, (chunks * chunk,), generator=generator).to(width)
+        x = (x if width == torch.int16 else x * 65537).view(dtype)
+    offsets = torch.empty(chunks * k, dtype=torch.int64, device=device)
+    picked = torch.empty(chunks * k, dtype=dtype, device=device)
+    assert kernels.chunk_top_k(x.to(device), chunk, k, offsets, picked) is offsets
+    assert offsets.view(chunks, k).cpu().tolist() == chunk_top_k_reference(x, chunk, k)
+    want = x.view(width).view(chunks, chunk).gather(1, offsets.view(chunks, k).cpu())  # bits: gather quiets fp16 sNaNs
+    assert torch.equal(picked.cpu().view(width).view(chunks, k), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_chunk_topk_with_the_kernel_equals_its_torch_path(device, monkeypatch, dtype):
+    """chunk_topk end to end (its default chunk 4096 and k 64, a partial last chunk): payload,
+    decoded tensor and aggregate, with the kernel and with its torch ops, on values without ties."""
+    n, generator = 5 * 4096 + 1000, torch.Generator().manual_seed(1)
+    magnitudes = torch.randperm(n, generator=generator) + 1  # distinct bit patterns below ∞: no ties
+    signs = torch.randint(0, 2, (n,), generator=generator) << (31 if dtype == torch.float32 else 15)
+    width = torch.int32 if dtype == torch.float32 else torch.int16
+    x = ((magnitudes << 16 if dtype == torch.float32 else magnitudes) | signs).to(width).view(dtype).to(device)
+    fused = compress_and_decode("chunk_topk", x, {})
+    plain = torch_path(monkeypatch, compress_and_decode, "chunk_topk", x, {})
+    for a, b in zip(fused[0], plain[0]):
+        assert torch.equal(wire.as_bytes(a), wire.as_bytes(b))
+    assert torch.equal(fused[1], plain[1]) and torch.equal(fused[2], plain[2])
+
+
+def test_chunk_top_k_refuses_what_it_cannot_take():
+    x = torch.ones(8192 * 2)
+    out = torch.empty(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="chunk=16384, k=1 over 16384 values; accepted: 1 ≤ k ≤ chunk ≤ 8192"):
+        kernels.chunk_top_k(x, 16384, 1, out, torch.empty(2))
+    with pytest.raises(ValueError, match="n a multiple of chunk"):
+        kernels.chunk_top_k(x[:100], 64, 1, out, torch.empty(2))
