@@ -18,6 +18,7 @@ from grace_survey import cli, report
 from grace_survey.config import settings as cfg
 from grace_survey.running import runner
 from grace_survey.running.results import read_records
+from grace_survey.script import supervisor
 
 
 @settings(max_examples=80, deadline=None)
@@ -94,10 +95,12 @@ def test_no_absolute_path_in_the_report_or_the_results(tmp_path):
         assert str(tmp_path) not in text, f"{name} holds an absolute path"
 
 
-def test_report_metrics_on_rank_0_only_fails_at_its_first_call_naming_the_rule(tmp_path):
-    # rank 0 waits half the cell's timeout (20 s) for rank 1's report, then fails naming the rule: the cell ends
-    # at ~25 s quiet, the timeout's 40 s is the backstop (90 s cost 54 s a run)
-    (summaries, failures), _ = _script_survey(tmp_path, "rank0", timeout=40)
+def test_report_metrics_on_rank_0_only_fails_at_its_first_call_naming_the_rule(tmp_path, monkeypatch):
+    # rank 0 waits 8 s for rank 1's report (the longest wait, shortened here; a cell's half timeout otherwise),
+    # then fails naming the rule: the cell ends at ~13 s quiet; the timeout's 60 s is the backstop, and leaves a
+    # busy machine 52 s to start the ranks (the wait at half of a 40 s timeout failed under load)
+    monkeypatch.setattr(supervisor, "REPORT_WAIT_S", 8.0)
+    (summaries, failures), _ = _script_survey(tmp_path, "rank0", timeout=60)
     assert summaries == [] and len(failures) == 1
     message = failures[0][1]
     assert "report_metrics() was called on rank 0 but not on rank 1" in message, message
