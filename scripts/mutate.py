@@ -1,7 +1,7 @@
 """Would the tests notice? One-line mutations of the data path and the parts, each run against a tier.
 
-For each mutation: a copy of the working tree (grace_dgc/, grace_survey/, tests/ and the files they
-read), the one line changed, then ``pytest --fast -x`` (or the whole suite with ``--tier full``) in
+For each mutation: a copy of the working tree (the files git would check out, as CI's clone holds
+them), the one line changed, then ``pytest --fast -x`` (or the whole suite with ``--tier full``) in
 the copy. A mutation is *caught* when the tests fail. Issue 54's bar: the fast tier catches at
 least 8 of these, the whole suite all of them. A mutation whose line is not found fails the run
 (the code moved: update the table), so the check cannot pass by mutating nothing.
@@ -93,20 +93,19 @@ MUTATIONS = [
     ),
 ]
 
-COPIED = ("grace_dgc", "grace_survey", "tests", "benchmarks", "examples", "scripts", "docs", "pyproject.toml")
-
 
 def copy_tree(target: str) -> None:
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis")
-    for name in COPIED:
+    """The files git would check out (tracked, and new ones not ignored): what CI's clone holds,
+    so a test that reads any of them (.ci/run, the Makefile, the docs) reads them in the copy too."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
         source = os.path.join(ROOT, name)
-        if os.path.isdir(source):
-            shutil.copytree(source, os.path.join(target, name), ignore=ignore)
-        elif os.path.exists(source):
-            shutil.copy(source, target)
-    for extra in ("README.md", "mkdocs.yml", "CHANGELOG.md"):
-        if os.path.exists(os.path.join(ROOT, extra)):
-            shutil.copy(os.path.join(ROOT, extra), target)
+        if os.path.isfile(source):  # a deleted, not yet committed file is listed too
+            os.makedirs(os.path.dirname(os.path.join(target, name)), exist_ok=True)
+            shutil.copy2(source, os.path.join(target, name))
 
 
 def mutate(target: str, path: str, line: str, mutated: str) -> None:
