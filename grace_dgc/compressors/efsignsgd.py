@@ -1,6 +1,5 @@
 import functools
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -10,7 +9,7 @@ from ..errors import GraceConfigError
 from ..interfaces import Payload
 from ..registry import register_compressor
 from ..workspace import for_chunks
-from .packed import PackedCompressor, Shaped
+from .packed import PackedCompressor, Shaped, narrow_or_wide
 
 
 @register_compressor("efsignsgd")
@@ -64,9 +63,9 @@ class EFSignSGDCompressor(PackedCompressor):
         # fp32 overflows on finite values, in fp64
         if self.scale == "rms":  # ‖p‖₂/√d as DeepSpeed computes it, the squares in fp32 (not fp16's)
             norm = functools.partial(torch.linalg.vector_norm, tensor)
-            scale = _narrow_or_wide(lambda dtype: norm(dtype=dtype) / math.sqrt(max(numel, 1)), tensor.device)
+            scale = narrow_or_wide(lambda dtype: norm(dtype=dtype) / math.sqrt(max(numel, 1)), tensor.device)
         else:
-            scale = _narrow_or_wide(lambda dtype: self._l1(flat, dtype) / max(numel, 1), tensor.device)
+            scale = narrow_or_wide(lambda dtype: self._l1(flat, dtype) / max(numel, 1), tensor.device)
         return [wire.pack_signs(tensor, self.workspace), scale.reshape(1)], (tensor.shape, tensor.dtype)
 
     def _l1(self, flat: Tensor, dtype: torch.dtype) -> Tensor:
@@ -86,16 +85,3 @@ class EFSignSGDCompressor(PackedCompressor):
         if scale.device.type == "cpu":  # a read costs nothing there; elsewhere it is read on the device
             scale = float(scale)  # ±1 · scale is exactly ±scale
         return wire.unpack_select(packed, out, scale, -scale, self.workspace)
-
-
-def _narrow_or_wide(
-    scale: Callable[[torch.dtype], Tensor], device: torch.device, host_reads: bool | None = None
-) -> Tensor:
-    """``scale(fp32)`` as fp32, or ``scale(fp64)`` where the fp32 one is not finite (an overflow
-    on finite values). With ``host_reads`` (the default on a CPU, where a read costs nothing) the
-    flag is read and the fp64 one runs only then; without (other devices) both run and a select
-    picks, so no host read waits for the GPU. The same bits either way."""
-    narrow = scale(torch.float32)
-    if device.type == "cpu" if host_reads is None else host_reads:
-        return narrow if bool(torch.isfinite(narrow)) else scale(torch.float64).float()
-    return torch.where(torch.isfinite(narrow), narrow, scale(torch.float64).float())

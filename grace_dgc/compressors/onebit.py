@@ -4,21 +4,15 @@ from torch import Tensor
 from .. import kernels, wire
 from ..interfaces import Payload
 from ..registry import register_compressor
-from .packed import PackedCompressor, Shaped
+from .packed import PackedCompressor, Shaped, narrow_or_wide
 
 
 def _mean(values: Tensor, count: Tensor, host_reads: bool | None = None) -> Tensor:
     """Σ values / max(count, 1) as fp32: from the fp32 sum, or from the fp64 sum where the fp32
-    one overflows on finite values (the mean is then still finite). With ``host_reads`` (the
-    default on a CPU, where a read costs nothing) the fp64 sum runs only then; without (other
-    devices) always, and a select picks, so no host read waits for the GPU. The same bits."""
-    total = values.sum()
-    mean = (total / count.clamp(min=1)).float()
-    reads = values.device.type == "cpu" if host_reads is None else host_reads
-    if reads and bool(torch.isfinite(total)):
-        return mean
-    wide = (values.sum(dtype=torch.float64) / count.clamp(min=1)).float()
-    return wide if reads else torch.where(torch.isfinite(total), mean, wide)
+    one overflows on finite values (the mean is then still finite); read or selected as
+    :func:`~grace_dgc.compressors.packed.narrow_or_wide` decides (no host read on a GPU)."""
+    divisor = count.clamp(min=1)
+    return narrow_or_wide(lambda dtype: (values.sum(dtype=dtype) / divisor).float(), values.device, host_reads)
 
 
 @register_compressor("onebit", aliases=("1bit",))

@@ -375,7 +375,7 @@ def test_efsignsgds_scale_without_host_reads_is_the_one_with_them(scale, values)
     """On a GPU efsignsgd's scale makes no host read (the fp64 norm always runs and a select
     picks, issue 58): the CPU's bits (the fp64 norm only where fp32 overflows, as for 3e38's ℓ1
     and 2e19's ℓ2), NaN and infinity included."""
-    from grace_dgc.compressors.efsignsgd import _narrow_or_wide
+    from grace_dgc.compressors.packed import narrow_or_wide as _narrow_or_wide
 
     x = torch.tensor(values)
     norm = {"mean": lambda d: x.abs().sum(dtype=d) / len(values), "rms": lambda d: x.norm(dtype=d) / len(values) ** 0.5}
