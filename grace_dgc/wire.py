@@ -6,6 +6,7 @@ dtype and trailing shape of their own payload in the same position: every rank r
 same compressor, so only the leading dimension may differ between ranks.
 """
 
+import math
 import numbers
 import struct
 from collections.abc import Callable, Sequence
@@ -256,36 +257,57 @@ def _unpack_aligned(packed: Tensor, bits: int, n: int, workspace: Workspace | No
     return out
 
 
+def _wide_layout(bits: int) -> tuple[int, int, torch.dtype]:
+    """(codes, bytes, dtype) of :func:`_pack_wide`'s groups: the fewest codes that fill whole
+    bytes (2 codes in 3 bytes for 12 bits, 1 in 2 for 16), and an integer type that holds a
+    code shifted by up to 7 bits."""
+    codes = 8 // math.gcd(bits, 8)
+    return codes, bits * codes // 8, torch.int32 if bits <= 24 else torch.int64
+
+
+def _wide_shift(code: int, byte: int, bits: int) -> int:
+    """Where code ``code`` of a group lands in byte ``byte``: its left shift (negative: right)."""
+    return code * bits - 8 * byte
+
+
 def _pack_wide(codes: Tensor, bits: int) -> Tensor:
     """:func:`pack_bits` for 8 < bits ≤ 32, the same bit stream.
 
-    Eight codes fill exactly ``bits`` bytes, and code j of a group starts at the fixed bit
-    j·bits of it, so each output byte is an OR of shifted code slices at static
-    positions: ≤ 8·5 vectorised ops over the groups instead of an n·bits bit expansion.
+    A group of c codes fills exactly c·bits/8 bytes, and code j of a group starts at the fixed
+    bit j·bits of it, so each output byte is an OR of shifted codes at static positions (the
+    cast to uint8 keeps its low 8 bits): a few vectorised ops over the groups instead of an
+    n·bits bit expansion.
     """
     n = codes.numel()
-    groups = torch.nn.functional.pad(codes.reshape(-1).to(torch.int64), (0, (-n) % 8)).reshape(-1, 8)
-    columns: list = [None] * bits
-    for j in range(8):
-        start = j * bits
-        for byte in range(start // 8, (start + bits - 1) // 8 + 1):
-            part = ((groups[:, j] << (start % 8)) >> (8 * (byte - start // 8))) & 0xFF
-            columns[byte] = part if columns[byte] is None else columns[byte] | part
-    return torch.stack(columns, dim=1).to(torch.uint8).reshape(-1)[: packed_nbytes(n, bits)]
+    per, width, dtype = _wide_layout(bits)
+    groups = torch.nn.functional.pad(codes.reshape(-1).to(dtype), (0, (-n) % per)).view(-1, per)
+    out = torch.empty(groups.shape[0], width, dtype=torch.uint8, device=codes.device)
+    for byte in range(width):
+        column: Tensor | None = None
+        for j in range(per):
+            shift = _wide_shift(j, byte, bits)
+            if -bits < shift < 8:  # code j has bits in this byte
+                part = groups[:, j] << shift if shift >= 0 else groups[:, j] >> -shift
+                column = part if column is None else column.bitwise_or_(part)
+        out[:, byte] = cast(Tensor, column)  # every byte holds some code's bits
+    return out.view(-1)[: packed_nbytes(n, bits)]
 
 
 def _unpack_wide(packed: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of :func:`_pack_wide`: ``n`` codes as int64."""
+    per, width, dtype = _wide_layout(bits)
     size = packed_nbytes(n, bits)
-    groups = torch.nn.functional.pad(packed[:size], (0, (-size) % bits)).to(torch.int64).reshape(-1, bits)
-    codes = []
-    for j in range(8):
-        start = j * bits
-        window: Tensor | int = 0  # the bytes code j touches, little-endian
-        for byte in range(start // 8, (start + bits - 1) // 8 + 1):
-            window = window | (groups[:, byte] << (8 * (byte - start // 8)))
-        codes.append((cast(Tensor, window) >> (start % 8)) & ((1 << bits) - 1))  # a Tensor: code j touches a byte
-    return torch.stack(codes, dim=1).reshape(-1)[:n]
+    groups = torch.nn.functional.pad(packed[:size], (0, (-size) % width)).view(-1, width).to(dtype)
+    out = torch.empty(groups.shape[0], per, dtype=torch.int64, device=packed.device)
+    for j in range(per):
+        code: Tensor | None = None
+        for byte in range(width):
+            shift = -_wide_shift(j, byte, bits)  # the byte's shift into the code
+            if -8 < shift < bits:
+                part = groups[:, byte] << shift if shift >= 0 else groups[:, byte] >> -shift
+                code = part if code is None else code.bitwise_or_(part)
+        out[:, j] = cast(Tensor, code).bitwise_and_((1 << bits) - 1)
+    return out.view(-1)[:n]
 
 
 def pack_bits(codes: Tensor, bits: int, workspace: Workspace | None = None) -> Tensor:

@@ -61,22 +61,26 @@ CPU_CHUNK = 1 << 19  # elements; a chunk's fp32 temporaries (2 MiB) stay in a co
 PARALLEL_GRAIN = 1 << 15
 
 
-def chunks(numel: int, device: torch.device | str, multiple: int = 1) -> list[tuple[int, int]]:
+def chunks(numel: int, device: torch.device | str, multiple: int = 1, largest: int = 0) -> list[tuple[int, int]]:
     """``(start, stop)`` pairs covering ``range(numel)`` in order: chunks of at most
-    ``CPU_CHUNK`` elements (a multiple of ``multiple``) on a CPU, where temporaries of one
-    chunk stay in the cache, and at least one per intra-op thread once a tensor is above
-    ``PARALLEL_GRAIN`` (so :func:`for_chunks` keeps every core busy without a fork-join per
-    op); one chunk on an accelerator, where launches cost more."""
-    if torch.device(device).type != "cpu" or numel <= PARALLEL_GRAIN and numel <= CPU_CHUNK:
+    ``largest`` elements (``CPU_CHUNK`` unless given: a body of many small ops may ask for more)
+    and a multiple of ``multiple`` on a CPU, where temporaries of one chunk stay in the cache,
+    and at least one per intra-op thread once a tensor is above ``PARALLEL_GRAIN`` (so
+    :func:`for_chunks` keeps every core busy without a fork-join per op); one chunk on an
+    accelerator, where launches cost more."""
+    largest = largest or CPU_CHUNK
+    if torch.device(device).type != "cpu" or numel <= PARALLEL_GRAIN and numel <= largest:
         return [(0, numel)] if numel else []
     share = -(-numel // torch.get_num_threads())
-    size = min(CPU_CHUNK, max(PARALLEL_GRAIN, share))
+    size = min(largest, max(PARALLEL_GRAIN, share))
     size = max(multiple, size // multiple * multiple)
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 
-def for_chunks(body: Callable[[int, int], T], numel: int, device: torch.device | str, multiple: int = 1) -> list[T]:
-    """``[body(start, stop) for (start, stop) in chunks(numel, device, multiple)]``, the
+def for_chunks(
+    body: Callable[[int, int], T], numel: int, device: torch.device | str, multiple: int = 1, largest: int = 0
+) -> list[T]:
+    """``[body(start, stop) for (start, stop) in chunks(numel, device, multiple, largest)]``, the
     chunks run at once on the CPU's workers when there are several.
 
     Why not torch's own threads: every torch op on a CPU is a fork-join region of its
@@ -94,7 +98,7 @@ def for_chunks(body: Callable[[int, int], T], numel: int, device: torch.device |
     must write only its own chunk's part of shared outputs; its workspace buffers are its
     worker's own. Results come back in chunk order; an exception in a chunk is raised here.
     """
-    spans = chunks(numel, device, multiple)
+    spans = chunks(numel, device, multiple, largest)
     threads = torch.get_num_threads()
     if len(spans) <= 1 or threads <= 1 or _lane_index():
         return [body(start, stop) for start, stop in spans]

@@ -1,6 +1,7 @@
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -12,6 +13,14 @@ from ..workspace import for_chunks
 from .sparse import SparseCompressor, SparseContext, SparseCtx, sent_whole
 
 MAX_CHUNK = 2**16  # local indices of at most 16 bits
+# elements a CPU worker selects in at a time: the selection is ~20 small ops a run of rows, and
+# below ~2M elements their overhead costs more than the cache saves (25M elements, 2 threads:
+# 512K-element runs 9.9× one copy_, 2M 7.8×)
+SELECT_RUN = 1 << 21
+# a magnitude's bits as a signed integer of its width (the same order for floats ≥ 0), and the
+# bits of the first NaN above ∞; the CPU selects on them where key·2^16 fits an int64
+INTEGER_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+FIRST_NAN = {torch.float32: 0x7F800001, torch.float16: 0x7C01, torch.bfloat16: 0x7F81}
 
 
 def group_size(chunk: int, k: int) -> int:
@@ -22,6 +31,27 @@ def group_size(chunk: int, k: int) -> int:
     while s > 1 and chunk % s:
         s //= 2
     return s if s > 1 and chunk // s >= k and chunk // s + k * s <= chunk // 2 else 1
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    """The tensor's bits as integers where it has a width :data:`INTEGER_OF` knows: a gather of
+    them copies NaNs' payloads exactly (a float gather may quiet a signalling NaN)."""
+    integer = INTEGER_OF.get(tensor.dtype)
+    return tensor if integer is None else tensor.view(integer)
+
+
+def _largest(keys: Tensor, low: Tensor, k: int, bits: int, first_nan: int | None) -> Tensor:
+    """The labels of the k largest of each row of ``keys`` (magnitudes, ≥ 0), in no order; a
+    key's label is 2^bits − 1 − ``low`` (int64, broadcast to ``keys``). Given the magnitudes'
+    bits on a CPU and the bits of their dtype's first NaN, ties go to the lowest label and every
+    NaN is alike (above ∞): numpy's SIMD ``partition`` of min(key, ``first_nan``)·2^bits + low,
+    three times as fast as torch's ``topk``. Otherwise ``torch.topk``'s."""
+    top = (1 << bits) - 1
+    if first_nan is None:
+        return low.expand(keys.shape).gather(1, torch.topk(keys, k, dim=1, sorted=False).indices).neg_().add_(top)
+    ranked = keys.to(torch.int64).clamp_(max=first_nan).bitwise_left_shift_(bits).add_(low)
+    ranked.numpy().partition(ranked.shape[1] - k, axis=1)
+    return ranked[:, -k:].bitwise_and(top).neg_().add_(top)
 
 
 @register_compressor("chunk_topk", aliases=("chunked_topk",))
@@ -47,7 +77,9 @@ class ChunkTopKCompressor(SparseCompressor):
     allgather and broadcast do.
 
     Plain reference: ``tests/core/test_chain.py::reference_chunk_topk`` (a Python loop over the
-    chunks with ``sorted(range(C), key=|g|)``) equal index for index.
+    chunks with ``sorted(range(C), key=|g|)``) equal index for index; on a CPU also the
+    definition's ties (the lowest offsets) and NaNs, as the kernel
+    (``tests/core/test_kernels.py::test_chunk_topks_cpu_path_is_each_chunks_top_k_by_definition``).
     """
 
     fixed_count = True
@@ -83,8 +115,8 @@ class ChunkTopKCompressor(SparseCompressor):
                 self._whole_chunks(flat[:cut].view(whole, self.chunk), local[:kept], values[:kept])
         if tail_k:
             tail = flat[cut:]
-            local[kept:] = torch.topk(tail.abs(), tail_k, sorted=False).indices.sort().values
-            torch.index_select(tail, 0, local[kept:], out=values[kept:])
+            local[kept:] = self._top_k(tail.abs().view(1, -1), tail_k, 1).view(-1)
+            torch.index_select(_bits(tail), 0, local[kept:], out=_bits(values[kept:]))
         return [values, wire.pack_bits(local, self.offset_bits)], SparseContext(tensor.shape, tensor.dtype)
 
     def _whole_chunks(self, blocks: Tensor, offsets: Tensor, values: Tensor) -> None:
@@ -97,50 +129,64 @@ class ChunkTopKCompressor(SparseCompressor):
         def select(start: int, stop: int) -> None:
             part = flat[start:stop].view(-1, c)
             magnitudes = self.workspace.get("abs", stop - start, part.dtype, part.device).view(-1, c)
-            picked = self._top_k(torch.abs(part, out=magnitudes))
+            picked = self._top_k(torch.abs(part, out=magnitudes), k, self.group)
             rows = slice(start // c * k, stop // c * k)
             offsets[rows] = picked.view(-1)
-            torch.gather(part, 1, picked, out=values[rows].view(-1, k))
+            torch.gather(_bits(part), 1, picked, out=_bits(values[rows]).view(-1, k))
 
-        for_chunks(select, flat.numel(), blocks.device, multiple=c)
+        for_chunks(select, flat.numel(), blocks.device, multiple=c, largest=SELECT_RUN)
 
-    def _top_k(self, magnitudes: Tensor) -> Tensor:
+    def _top_k(self, magnitudes: Tensor, k: int, s: int) -> Tensor:
         """argtop_k of each row of ``magnitudes`` (rows × C, ≥ 0), ascending.
 
-        In two rounds where the chunk is long against k: cut each row into C/s groups of s
-        elements (group j: the offsets j, j + C/s, j + 2C/s, …) and keep the k groups with the
-        largest peaks, then take the top k of their k·s members. Exact, not a sketch: an
-        element of the top k lies in a group whose peak is at least its own, and fewer than k
-        groups can peak above that (each would hold a larger element), so its group is among
-        the k kept. For C = 4096, k = 64 (s = 8) the two selections see 512 + 512 elements of
-        a chunk instead of 4096, and the peaks are s − 1 elementwise maxima of rows."""
-        rows, c = magnitudes.shape
-        s, k = self.group, self.k
-        if s == 1:
-            return torch.topk(magnitudes, k, dim=1, sorted=False).indices.sort(dim=1).values
-        groups = magnitudes.view(rows, s, c // s)
-        peaks = groups
-        while peaks.shape[1] > 1:  # a tree of elementwise maxima over the s members (s is a power of two)
-            half = peaks.shape[1] // 2
-            peaks = torch.maximum(peaks[:, :half], peaks[:, half:])
-        kept = torch.topk(peaks.view(rows, -1), k, dim=1, sorted=False).indices  # (rows, k) group numbers
-        members = groups.gather(2, kept.unsqueeze(1).expand(rows, s, k)).view(rows, s * k)
-        picked = torch.topk(members, k, dim=1, sorted=False).indices  # member i·k + j: row i of kept group j
-        offsets = kept.gather(1, picked.remainder(k)).add_(picked.div(k, rounding_mode="floor").mul_(c // s))
-        return offsets.sort(dim=1).values
+        In two rounds where s > 1 (the chunk is long against k): cut each row into C/s groups of s
+        consecutive elements and keep the k groups with the largest peaks, then take the top k
+        of their k·s members. Exact, not a sketch: an element of the top k lies in a group
+        whose peak is at least its own, and fewer than k groups can peak above that (each
+        would hold a larger element), so its group is among the k kept. For C = 4096, k = 64
+        (s = 8) the two selections see 512 + 512 elements of a chunk instead of 4096.
 
-    def _positions(self, local: Tensor) -> Tensor:
-        """Global positions of the chunk-local offsets (the i-th entry is in chunk ⌊i/k⌋)."""
-        chunk_of = torch.arange(local.numel(), device=local.device).div_(self.k, rounding_mode="floor")
-        return chunk_of.mul_(self.chunk).add_(local)
+        On a CPU (fp32, fp16, bf16) both rounds put ties at the lowest label (:func:`_largest`),
+        and since a lower group holds only lower offsets, the result is the definition's, ties
+        to the lowest offsets and NaNs alike, as the GPU kernel's; the rows come out sorted by
+        numpy's SIMD ``sort`` (torch's sorts rows of 64 ten times slower). Elsewhere (fp64, an
+        accelerator without the kernel) ties go where ``torch.topk`` puts them."""
+        rows, c = magnitudes.shape
+        g = c // s
+        integer = INTEGER_OF.get(magnitudes.dtype) if magnitudes.device.type == "cpu" else None
+        keys = magnitudes if integer is None else magnitudes.view(integer)
+        bits, device, nan = self.offset_bits, magnitudes.device, FIRST_NAN.get(magnitudes.dtype) if integer else None
+        top = (1 << bits) - 1  # the low bits of a key: top − label
+        if s == 1:
+            offsets = _largest(keys, torch.arange(top, top - c, -1, device=device).view(1, c), k, bits, nan)
+        else:
+            if integer is None:
+                peaks = magnitudes.view(rows, g, s).amax(dim=2)
+            else:  # torch's CPU max_pool1d is 3x its amax over a last dim of s
+                peaks = torch.nn.functional.max_pool1d(magnitudes.view(rows, 1, c), s).view(rows, g).view(integer)
+            kept = _largest(peaks, torch.arange(top, top - g, -1, device=device).view(1, g), k, bits, nan)
+            first = torch.arange(0, rows * g, g, device=device).unsqueeze(1)
+            members = keys.view(-1, s).index_select(0, kept.add(first).view(-1)).view(rows, k * s)
+            low = kept.mul(-s).add_(top).unsqueeze(2).sub(torch.arange(s, device=device))  # top − (s·group + i)
+            offsets = _largest(members, low.view(rows, k * s), k, bits, nan)
+        if integer is None:
+            return offsets.sort(dim=1).values
+        return torch.from_numpy(np.sort(offsets.to(torch.int32).numpy(), axis=1)).long()
+
+    def _positions_(self, local: Tensor) -> Tensor:
+        """The chunk-local offsets (int64) made global in place: the i-th is in chunk ⌊i/k⌋."""
+        whole = local.numel() // self.k
+        starts = torch.arange(0, (whole + 1) * self.chunk, self.chunk, device=local.device)
+        local[: whole * self.k].view(whole, self.k).add_(starts[:whole].unsqueeze(1))
+        local[whole * self.k :].add_(starts[whole])  # the partial last chunk's few
+        return local
 
     def _global(self, payload: Payload, ctx: SparseCtx) -> Payload:
         """The payload in the common sparse format: values and int64 positions."""
         if sent_whole(ctx):
             return payload
         values, packed = payload
-        local = wire.unpack_bits(packed, self.offset_bits, values.numel()).long()
-        return [values, self._positions(local)]
+        return [values, self._positions_(wire.unpack_bits(packed, self.offset_bits, values.numel()).long())]
 
     def decompress(self, payload: Payload, ctx: SparseCtx) -> Tensor:
         return super().decompress(self._global(payload, ctx), ctx)

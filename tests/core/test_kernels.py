@@ -1165,6 +1165,17 @@ def test_statq_is_bit_identical_with_the_kernel(device, monkeypatch, bits):
 # -- chunk_topk ------------------------------------------------------------------------------------
 
 
+def any_floats(data, n, dtype):
+    """n floats of ``dtype`` drawn for top-k proofs: few magnitudes (ties at the k-th), or any bit
+    pattern (NaNs of any payload, ±inf, ±0, subnormals); and the integer type of their width."""
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    width = torch.int32 if dtype == torch.float32 else torch.int16
+    if data.draw(st.booleans()):
+        return (torch.randint(-3, 4, (n,), generator=generator) * 0.5).to(dtype), width
+    x = torch.randint(-(2**15), 2**15, (n,), generator=generator).to(width)
+    return (x if width == torch.int16 else x * 65537).view(dtype), width
+
+
 def chunk_top_k_reference(x, chunk, k):
     """Each chunk's top k by the definition (top_k_reference), as offsets."""
     rows = x.view(-1, chunk)
@@ -1182,19 +1193,36 @@ def test_chunk_top_k_is_each_chunks_top_k_by_definition(device, data):
     chunk = data.draw(st.sampled_from([1, 3, 64, 100, 4096, 8192]))
     k = data.draw(st.integers(1, min(chunk, 80)))
     chunks = data.draw(st.integers(1, 3))  # a program per chunk: the interpreter runs each in Python
-    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
-    width = torch.int32 if dtype == torch.float32 else torch.int16
-    if data.draw(st.booleans()):  # few magnitudes: ties at the k-th
-        x = (torch.randint(-3, 4, (chunks * chunk,), generator=generator) * 0.5).to(dtype)
-    else:  # any bit pattern
-        x = torch.randint(-(2**15), 2**15, (chunks * chunk,), generator=generator).to(width)
-        x = (x if width == torch.int16 else x * 65537).view(dtype)
+    x, width = any_floats(data, chunks * chunk, dtype)
     offsets = torch.empty(chunks * k, dtype=torch.int64, device=device)
     picked = torch.empty(chunks * k, dtype=dtype, device=device)
     assert kernels.chunk_top_k(x.to(device), chunk, k, offsets, picked) is offsets
     assert offsets.view(chunks, k).cpu().tolist() == chunk_top_k_reference(x, chunk, k)
     want = x.view(width).view(chunks, chunk).gather(1, offsets.view(chunks, k).cpu())  # bits: gather quiets fp16 sNaNs
     assert torch.equal(picked.cpu().view(width).view(chunks, k), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+def test_chunk_topks_cpu_path_is_each_chunks_top_k_by_definition(data):
+    """The CPU's torch path (no kernel; two rounds where the chunk is long, one where short, and
+    the partial last chunk) keeps the definition's offsets too, ties and NaNs included: the very
+    offsets the kernel keeps, so its payload is the kernel's on any input."""
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    chunk = data.draw(st.sampled_from([1, 3, 64, 100, 1000, 4096, 8192]))
+    k = data.draw(st.integers(1, min(chunk, 80)))
+    chunks, tail = data.draw(st.integers(1, 3)), data.draw(st.integers(0, chunk - 1))
+    x, width = any_floats(data, chunks * chunk + tail, dtype)
+    comp = COMPRESSORS.get("chunk_topk")(chunk=chunk, k=k)
+    values, packed = comp.compress(x, "w")[0]
+    tail_k = math.ceil(k * tail / chunk)
+    offsets = wire.unpack_bits(packed, comp.offset_bits, chunks * k + tail_k).long()
+    expected = chunk_top_k_reference(x[: chunks * chunk], chunk, k) + [top_k_reference(x[chunks * chunk :], tail_k)]
+    assert offsets[: chunks * k].view(chunks, k).tolist() == expected[:chunks]
+    assert offsets[chunks * k :].tolist() == (expected[chunks] if tail_k else [])
+    whole = x[: chunks * chunk].view(width).view(chunks, chunk).gather(1, offsets[: chunks * k].view(chunks, k))
+    assert torch.equal(values[: chunks * k].view(width), whole.view(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
