@@ -123,6 +123,17 @@ def test_statq_equals_the_reference_code_for_code(seed, n, bits, range_sigmas):
     torch.testing.assert_close(comp.decompress(payload, ctx), expected.float(), rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.data())
+def test_statq_counts_each_code_from_the_packed_bytes_padding_aside(bits, data):
+    from grace_dgc.compressors.statq import code_counts
+
+    codes = data.draw(st.lists(st.integers(0, 2**bits - 1), min_size=1, max_size=300))
+    packed = grace_dgc.wire.pack_bits(torch.tensor(codes, dtype=torch.uint8), bits)
+    expected = [codes.count(j) for j in range(2**bits)]  # counted one by one
+    assert code_counts(packed, bits, len(codes)).tolist() == expected
+
+
 @pytest.mark.parametrize("bits", [1, 2, 8])
 def test_statq_over_several_chunks_is_the_reference_and_the_same_under_any_threads(bits):
     """On a CPU statq codes and bins chunk by chunk (fixed chunks of CPU_CHUNK, each bin's sum in
