@@ -2,6 +2,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -146,7 +147,9 @@ class FP8Compressor(PackedCompressor):
             piece[: whole * block].view(whole, block).mul_(scales[first : first + whole, None] * factor)
         if whole * block < stop - start:  # the tensor's last, partial block
             piece[whole * block :].mul_(scales[first + whole] * factor)
-        if bool(torch.ge(mine.bitwise_and(0x7F), FIRST_NAN[self.format]).any()):
+        # any NaN code? by numpy on the bytes: torch's 8-bit and/compare/any took 35x as long
+        magnitudes = self.workspace.get("code magnitudes", stop - start, torch.uint8, codes.device).numpy()
+        if np.bitwise_and(mine.numpy().view(np.uint8), 0x7F, out=magnitudes).max() >= FIRST_NAN[self.format]:
             for code, nan in NAN_BITS[self.format].items():
                 piece.view(torch.int32).masked_fill_(torch.eq(mine, code), nan)
 
