@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .workspace import Workspace, for_chunks
+from .workspace import Workspace, compare, for_chunks
 
 
 def as_bytes(tensor: Tensor) -> Tensor:
@@ -376,7 +376,7 @@ def pack_signs(tensor: Tensor, workspace: Workspace | None = None) -> Tensor:
         return fused
 
     def encode(start: int, stop: int) -> Tensor:
-        return torch.ge(flat[start:stop], 0, out=_scratch(workspace, "signs", stop - start, torch.bool, flat.device))
+        return compare("ge", flat[start:stop], 0, _scratch(workspace, "signs", stop - start, torch.bool, flat.device))
 
     return pack_chunks(flat.numel(), 1, encode, flat.device, workspace)
 

@@ -4,6 +4,7 @@ from torch import Tensor
 from .. import kernels, wire
 from ..interfaces import Payload
 from ..registry import register_compressor
+from ..workspace import compare
 from .packed import PackedCompressor, Shaped, narrow_or_wide
 
 
@@ -61,7 +62,7 @@ class OneBitCompressor(PackedCompressor):
         counts = [flat.new_zeros((), dtype=torch.int64)]  # per chunk (chunks run at once)
 
         def encode(start: int, stop: int) -> Tensor:
-            positive = torch.ge(flat[start:stop], 0, out=scratch.get("positive", stop - start, torch.bool, device))
+            positive = compare("ge", flat[start:stop], 0, scratch.get("positive", stop - start, torch.bool, device))
             counts.append(torch.count_nonzero(positive))
             picked[start:stop].copy_(positive).neg_().bitwise_and_(bits[start:stop])
             return positive

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..interfaces import Compressor, Payload
-from ..workspace import PARALLEL_GRAIN, Workspace, for_chunks
+from ..workspace import PARALLEL_GRAIN, Workspace, compare, for_chunks
 from .packed import Shaped
 
 
@@ -128,10 +128,10 @@ def at_least(
     def scan(start: int, stop: int) -> tuple[Tensor, Tensor]:
         magnitude = torch.abs(flat[start:stop], out=workspace.get("abs", stop - start, flat.dtype, flat.device))
         mask = workspace.get("mask", stop - start, torch.bool, flat.device)
-        if keep_nan:
-            mask = torch.lt(magnitude, threshold, out=mask).logical_not_()
+        if keep_nan:  # |x| ≥ τ or NaN
+            mask = compare("lt", magnitude, threshold, mask).logical_not_()
         else:
-            mask = torch.ge(magnitude, threshold, out=mask)
+            mask = compare("ge", magnitude, threshold, mask)
         hits = flat_nonzero(mask)
         magnitudes = magnitude.index_select(0, hits)
         return (hits.add_(start) if start else hits), magnitudes

@@ -5,6 +5,7 @@ from .. import kernels, wire
 from ..errors import check_range
 from ..interfaces import Payload
 from ..registry import register_compressor
+from ..workspace import compare
 from .packed import PackedCompressor, Shaped
 
 # 2-bit codes, as in MXNet: 00 → 0, 11 → +τ, 10 → −τ (01 is never sent, decodes to 0)
@@ -55,8 +56,8 @@ class TwoBitCompressor(PackedCompressor):
         def encode(start: int, stop: int) -> Tensor:
             # arithmetic on byte masks, not masked writes: τ > 0, so at most one is set
             part, size = flat[start:stop], stop - start
-            codes = torch.ge(part, self.threshold, out=scratch.get("up", size, torch.bool, flat.device))
-            down = torch.le(part, -self.threshold, out=scratch.get("down", size, torch.bool, flat.device))
+            codes = compare("ge", part, self.threshold, scratch.get("up", size, torch.bool, flat.device))
+            down = compare("le", part, -self.threshold, scratch.get("down", size, torch.bool, flat.device))
             return codes.view(torch.uint8).mul_(POSITIVE).bitwise_or_(down.view(torch.uint8).mul_(NEGATIVE))
 
         return [wire.pack_chunks(flat.numel(), 2, encode, flat.device, scratch)], (tensor.shape, tensor.dtype)

@@ -478,3 +478,23 @@ def test_all_finite_equals_an_element_by_element_check(dtype, sizes, bad, big, d
         tensors[which][data.draw(st.integers(0, sizes[which] - 1))] = bad
     expected = all(bool(torch.isfinite(t).all()) for t in tensors)
     assert all_finite(tensors) is expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([np.float32, np.float64]),
+    st.sampled_from(["ge", "le", "lt"]),
+    st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=64),
+    st.floats(allow_nan=False, allow_infinity=True, width=64),
+)
+def test_compare_into_a_mask_is_the_comparison_in_the_tensors_dtype(dtype, op, values, value):
+    """workspace.compare (numpy's loop on a CPU) against Python's comparison of each element with
+    the value rounded to the tensor's dtype, as torch compares: NaN false, −0 equal to +0."""
+    x = torch.from_numpy(np.array(values, dtype=dtype))
+    with np.errstate(over="ignore"):  # beyond fp32's range: ±inf, as torch rounds it
+        rounded = float(dtype(value))
+    check = {"ge": lambda a: a >= rounded, "le": lambda a: a <= rounded, "lt": lambda a: a < rounded}[op]
+    out = torch.empty(len(values), dtype=torch.bool)
+    assert workspace.compare(op, x, value, out) is out
+    assert out.tolist() == [check(float(a)) for a in x.tolist()]
+    assert torch.equal(out, getattr(torch, op)(x, value))
