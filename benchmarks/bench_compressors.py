@@ -27,7 +27,8 @@ Field conditions (issue 18):
     is the median loaded time, ``max`` the worst, ``slow-down`` median loaded / median quiet.
     The competitor is killed by its own process id at the end, whatever happens.
   * ``--baseline REV`` also times grace_dgc's compressors as of git revision REV (e.g. 0c96840,
-    before the chunked rewrite), extracted with ``git archive`` and imported beside today's.
+    before the chunked rewrite), extracted with ``git archive`` and imported beside today's;
+    timed like today's (``decompress_into`` the same tensor) where that revision has it.
   * ``--grace PATH`` also times the GRACE framework's implementations (``grace_dl.dist``; PATH
     is a checkout of https://github.com/sands-lab/grace) with the same parameters; natural
     (CuPy only) and PowerSGD (communicates inside compress) have none there. Those return a
@@ -273,7 +274,12 @@ def run(args, baseline, grace, competitor):
                 impls = [("grace_dgc", lambda: roundtrip(compressor, tensor, out))]
                 if baseline is not None and name in baseline.names("*"):
                     old = baseline.get(name)(**PARAMS.get(name, {}))
-                    impls.append((args.baseline, lambda old=old: returning_roundtrip(old, tensor)))
+                    # the old revision's own data path: into the gradient where it has decompress_into (a
+                    # fresh tensor per call would add its page faults, ~1 copy_, to the old side only)
+                    if hasattr(old, "decompress_into"):
+                        impls.append((args.baseline, lambda old=old: roundtrip(old, tensor, out)))
+                    else:
+                        impls.append((args.baseline, lambda old=old: returning_roundtrip(old, tensor)))
                 if grace is not None and name in GRACE:
                     module, cls, kwargs = GRACE[name]
                     theirs = getattr(grace(module), cls)(**kwargs(compressor))
