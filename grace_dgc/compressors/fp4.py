@@ -59,7 +59,7 @@ class FP4Compressor(PackedCompressor):
             bits, size, scratch = flat[start:stop].view(torch.int32), stop - start, self.workspace
             magnitude = torch.bitwise_and(bits, 0x7FFFFFFF, out=scratch.get("mag", size, torch.int32, flat.device))
             field = torch.add(magnitude, carry, out=scratch.get("field", size, torch.int32, flat.device))
-            field.bitwise_right_shift_(23).clamp_(max=FIELDS)  # ≤ 7 anyway: |x| ≤ s
+            field.bitwise_right_shift_(23)  # ≤ 7 with no clamp: |x| ≤ s, finite (k is None otherwise)
             field = torch.maximum(field, magnitude.ge_(small_from), out=field)  # below 2^−6: 2^−6 from 2^−7 on, else 0
             # the sign bit into bit 3: an arithmetic shift by 28 brings bit 31 to bit 3 (a bool mask
             # and an add with alpha cost 5x these two int32 ops)
