@@ -66,7 +66,7 @@ class StatisticalQuantizer(PackedCompressor):
         spread = float(torch.tensor(for_chunks(squares, n, "cpu", multiple=CPU_CHUNK), dtype=torch.float64).sum())
         spread = spread**0.5 / math.sqrt(n - 1) * (self.range_sigmas / levels)
         scale = torch.tensor(spread if 0 < spread < math.inf else 1.0)  # fp32, as the elementwise path's
-        binned: dict[int, tuple[Tensor, Tensor]] = {}  # chunk start -> its bins' sums and counts
+        binned: dict[int, Tensor] = {}  # chunk start -> its bins' sums
 
         def encode(start: int, stop: int) -> Tensor:
             # the codes and each bin's sum and count, one chunk in cache: no full-size temporary, and
@@ -79,7 +79,8 @@ class StatisticalQuantizer(PackedCompressor):
             # codes are packed in this chunk's worker, but 8-bit codes are the payload and are kept
             kept = self.bits == 8
             codes = torch.empty(size, dtype=torch.uint8) if kept else scratch.get("codes", size, torch.uint8, "cpu")
-            np.clip(grid.numpy(), 0, levels - 1, out=codes.numpy(), casting="unsafe")
+            with np.errstate(invalid="ignore"):  # a NaN (non-finite statistics) casts to code 0, as torch's did
+                np.clip(grid.numpy(), 0, levels - 1, out=codes.numpy(), casting="unsafe")
             # float64 weights in a kept buffer: a fresh 4 MiB one is page-faulted in on every chunk
             weights = scratch.get("weights", size, torch.float64, "cpu").copy_(centered)
             binned[start] = torch.bincount(codes, weights=weights, minlength=levels)

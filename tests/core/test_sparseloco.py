@@ -123,6 +123,19 @@ def test_statq_equals_the_reference_code_for_code(seed, n, bits, range_sigmas):
     torch.testing.assert_close(comp.decompress(payload, ctx), expected.float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("bits", [1, 2, 8])
+@pytest.mark.filterwarnings("error")
+def test_statq_of_a_non_finite_gradient_warns_nothing_and_sends_a_non_finite_table(bits, bad):
+    """One NaN or infinity makes the statistics non-finite: every code is 0 (NaN casts to it, as
+    before the numpy cast) and no RuntimeWarning escapes; the table says what happened (μ non-finite),
+    so a Grace's non-finite policy sees it."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(bits))
+    x[3] = bad
+    payload, _ = COMPRESSORS.get("statq")(bits=bits).compress(x, "w")
+    assert not payload[0].any() and not math.isfinite(float(payload[1][0]))
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from([1, 2, 4, 8]), st.data())
 def test_statq_counts_each_code_from_the_packed_bytes_padding_aside(bits, data):
