@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -114,11 +114,7 @@ class OuterSync(Schedule):
         Returns what the inner optimizer's step returns (the closure's loss)."""
         if self.since_sync == 0:  # a round begins (torchft: once, at zero_grad if it came first)
             self.coordinator.begin()
-        self._take_start()
-        result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        self.steps += 1
-        self.since_sync += 1
-        self._stat_steps += 1
+        result = self._inner_step(closure)
         if self.since_sync >= self.inner_steps:
             self._synchronize()
         return result
@@ -147,20 +143,50 @@ class OuterSync(Schedule):
                 )
             self.start = {name: p.detach().clone() for p, name in self._names.items()}
 
-    def _synchronize(self) -> None:
-        start, name_of = self.start, self._names  # taken by step() or synchronize_now() before any call here
-        mark = self.grace.skipped
+    # -- the pieces of a round (Streaming DiLoCo's fragments are made of them too) ------------
+    def _inner_step(self, closure: Callable[[], Any] | None) -> Any:
+        self._take_start()
+        result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.steps += 1
+        self.since_sync += 1
+        self._stat_steps += 1
+        return result
 
-        def delta(p: torch.nn.Parameter, out: Tensor) -> None:  # Δ = θ_start − θ
-            torch.sub(start[name_of[p]], p.detach(), out=out)
+    def _outer_gradient(self, p: torch.nn.Parameter, out: Tensor) -> None:
+        torch.sub(self.start[self._names[p]], p.detach(), out=out)  # Δ = θ_start − θ
 
+    def _back_to_start(self, params: Iterable[torch.nn.Parameter]) -> None:
+        with torch.no_grad():
+            for p in params:  # θ ← θ_start
+                p.copy_(self.start[self._names[p]])
+
+    def _outer_step(self, gradients: Mapping[torch.nn.Parameter, Tensor | None]) -> None:
+        """The outer SGD's step on these gradients (None: SGD skips the parameter); the inner
+        gradients in ``p.grad`` are given back after it."""
+        saved = {p: p.grad for p in self._names}
         try:
-            averages = self._wait(self.grace, self._send_groups(self.grace, self._fill(self._groups, delta)))
+            for p, gradient in gradients.items():
+                p.grad = gradient
+            self.outer_optimizer.step()
+        finally:
+            for p, grad in saved.items():
+                p.grad = grad
+
+    def _start_here(self, params: Iterable[torch.nn.Parameter]) -> None:
+        with torch.no_grad():
+            for p in params:  # θ_start ← θ
+                self.start[self._names[p]].copy_(p)
+        self.syncs += 1
+        self._stat_syncs += 1
+
+    def _synchronize(self) -> None:
+        mark = self.grace.skipped  # θ_start was taken by step() or synchronize_now() before any call here
+        try:
+            groups = self._fill(self._groups, self._outer_gradient)
+            averages = self._wait(self.grace, self._send_groups(self.grace, groups))
         except StepDiscarded:  # a fault-tolerant job lost a group: this group's round does not commit
             averages = {}
-        with torch.no_grad():
-            for p in self._names:  # θ ← θ_start
-                p.copy_(start[name_of[p]])
+        self._back_to_start(self._names)
         self.since_sync = 0
         committed = self.coordinator.commit()  # every group asks, whatever it met
         if self.grace.skipped != mark or not committed:  # every rank drops the round alike
@@ -172,19 +198,8 @@ class OuterSync(Schedule):
                 "not finite on some rank" if committed else "not committed (a replica group was lost)",
             )
             return
-        saved = {p: p.grad for p in self._names}  # the inner gradients, given back after the outer step
-        try:
-            for p, average in averages.items():
-                p.grad = average
-            self.outer_optimizer.step()
-        finally:
-            for p, grad in saved.items():
-                p.grad = grad
-        with torch.no_grad():
-            for p in self._names:  # θ_start ← θ
-                start[name_of[p]].copy_(p)
-        self.syncs += 1
-        self._stat_syncs += 1
+        self._outer_step(averages)
+        self._start_here(self._names)
 
     # -- stats and checkpoints (the rest follows from the declarations: Driver) -----------
     def _more_stats(self, out: dict[str, Any]) -> None:

@@ -174,11 +174,7 @@ class StreamingDiLoCo(OuterSync):
     # -- the schedule -----------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One inner step; then the fragments due are applied and those whose turn it is sent."""
-        self._take_start()
-        result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        self.steps += 1
-        self.since_sync += 1
-        self._stat_steps += 1
+        result = self._inner_step(closure)
         for fragment in [f for f, exchange in sorted(self._in_flight.items()) if exchange.due == self.steps]:
             self._apply(fragment, self.mixing)
         for fragment in range(self.fragments):
@@ -204,13 +200,9 @@ class StreamingDiLoCo(OuterSync):
 
     def _send(self, fragment: int) -> None:
         self.coordinator.begin()  # torchft: begun at zero_grad already, but where step() came without it
-        start, name_of, grace = self.start, self._names, self.grace
-
-        def delta(p: torch.nn.Parameter, out: Tensor) -> None:  # Δ_p = θ_start,p − θ_p
-            torch.sub(start[name_of[p]], p.detach(), out=out)
-
+        grace = self.grace
         before = grace.run_in_order(lambda: grace.skipped)
-        pending = self._send_groups(grace, self._fill(self._fragment_groups[fragment], delta))
+        pending = self._send_groups(grace, self._fill(self._fragment_groups[fragment], self._outer_gradient))
         after = grace.run_in_order(lambda: grace.skipped)
         self._in_flight[fragment] = _Exchange(self.steps + self.delay, pending, before, after)
 
@@ -224,12 +216,9 @@ class StreamingDiLoCo(OuterSync):
         self.grace.add_wait(time.perf_counter() - waiting)
         if not self.coordinator.commit():  # torchft: this group's vote; the fragment's round is dropped
             exchange.skipped = True
-        start, name_of = self.start, self._names
         params = self._fragments[fragment]
         if exchange.skipped:
-            with torch.no_grad():
-                for p in params:
-                    p.copy_(start[name_of[p]])
+            self._back_to_start(params)
             self._stat_skipped += 1
             log.warning(
                 "%s: fragment %d's outer gradient was not finite on some rank, or its exchange met a lost replica "
@@ -238,26 +227,14 @@ class StreamingDiLoCo(OuterSync):
                 fragment,
             )
             return
-        with torch.no_grad():
-            local = {p: p.detach().clone() for p in params} if mixing else {}
-            for p in params:  # θ_p ← θ_start,p, then the outer step on Δ̄_p
-                p.copy_(start[name_of[p]])
+        local = {p: p.detach().clone() for p in params} if mixing else {}
+        self._back_to_start(params)  # θ_p ← θ_start,p, then the outer step on Δ̄_p (only this fragment's)
         members = set(params)
-        saved = {p: p.grad for p in self._names}
-        try:
-            for p in self._names:  # only this fragment's parameters have a gradient: SGD skips the rest
-                p.grad = averages[self._names[p]] if p in members else None
-            self.outer_optimizer.step()
-        finally:
-            for p, grad in saved.items():
-                p.grad = grad
+        self._outer_step({p: averages[name] if p in members else None for p, name in self._names.items()})
+        self._start_here(params)  # θ_start,p ← θ_global,p
         with torch.no_grad():
-            for p in params:
-                start[name_of[p]].copy_(p)  # θ_start,p ← θ_global,p
-                if mixing:
-                    p.lerp_(local[p], mixing)  # θ_p ← θ_global,p + α·(θ_local,p − θ_global,p)
-        self.syncs += 1
-        self._stat_syncs += 1
+            for p in params if mixing else ():
+                p.lerp_(local[p], mixing)  # θ_p ← θ_global,p + α·(θ_local,p − θ_global,p)
 
     # -- checkpoints: OuterSync's state and the exchanges in flight (PLAIN) ----------------
     @property
