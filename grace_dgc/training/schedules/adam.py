@@ -43,7 +43,7 @@ class AdamSchedule(Schedule):
     ``Adam``/``AdamW`` (per param group), the moments m and v per parameter name (equal on
     every rank), the exchanges in fusion groups, the stats and the checkpoint."""
 
-    SETTINGS: ClassVar[tuple[str, ...]] = ("fusion_bytes",)
+    SETTINGS: ClassVar[tuple[str, ...]] = ("bias_correction", "momentum_mask", "max_grad_norm", "fusion_bytes")
     COUNTERS: ClassVar[tuple[str, ...]] = ("steps", "skipped")  # steps taken (skipped ones not counted)
     STATS: ClassVar[dict[str, str]] = {"steps": "_stat_steps", "skipped_steps": "_stat_skipped"}
     OBJECTS: ClassVar[tuple[str, ...]] = ("optimizer",)
@@ -52,11 +52,22 @@ class AdamSchedule(Schedule):
     needs_adam = True  # a configuration check builds it over an AdamW
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, grace: Grace, named_parameters: Named, fusion_bytes: int
+        self,
+        optimizer: torch.optim.Optimizer,
+        grace: Grace,
+        named_parameters: Named,
+        fusion_bytes: int,
+        bias_correction: bool,
+        momentum_mask: bool,
+        max_grad_norm: float | None,
     ) -> None:
-        """After the subclass's :meth:`_adam_settings` (its own settings first, then these)."""
+        """After the subclass's own settings are checked: then these, then the optimizer."""
         from ...registry import build
 
+        self.bias_correction = check_bool("bias_correction", bias_correction)
+        self.momentum_mask = check_bool("momentum_mask", momentum_mask)
+        clip = max_grad_norm
+        self.max_grad_norm = None if clip is None else check_range("max_grad_norm", clip, 0, low_open=True)
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             raise GraceConfigError(
                 f"{self.name} is Adam with compressed communication: it reads lr, betas, eps and weight_decay from "
@@ -83,13 +94,6 @@ class AdamSchedule(Schedule):
             self._plan(part, self._groups)
         grace.attach_optimizer(optimizer, {n: p for p, n in self._names.items()})
         self.dense.watch({n: p for p, n in self._names.items()})  # ranks start from one model
-
-    def _adam_settings(self, bias_correction: bool, momentum_mask: bool, max_grad_norm: float | None) -> None:
-        """The settings both methods take, checked."""
-        self.bias_correction = check_bool("bias_correction", bias_correction)
-        self.momentum_mask = check_bool("momentum_mask", momentum_mask)
-        clip = max_grad_norm
-        self.max_grad_norm = None if clip is None else check_range("max_grad_norm", clip, 0, low_open=True)
 
     # -- the pieces of a step -----------------------------------------------------------
     def _hyper(self, p: torch.nn.Parameter) -> tuple[float, float, float, float, float, bool]:
@@ -134,38 +138,35 @@ class AdamSchedule(Schedule):
 
     def _average(self, grace: Grace, fill: Fill) -> dict | None:
         """Every rank's ``fill`` averaged through ``grace``, per parameter (None: the exchange
-        was skipped alike on every rank for a NaN/Inf; nothing was changed)."""
+        was skipped alike on every rank for a NaN/Inf, or a fault-tolerant job lost a group;
+        nothing was changed)."""
         try:
-            return self._average_or_discard(grace, fill)
+            filled = list(self._fill(self._groups, fill))
+            # one question for the whole step: a NaN/Inf anywhere skips every group alike, before
+            # any of them changes the Grace's state (a group skipped alone would leave the others'
+            # errors counting a step that never happened). A Grace that keeps no state and sums
+            # on the wire (the dense one) needs no question: a NaN rides the sum to every rank.
+            agreed = not (grace.memory.identity and grace.communicator.propagates_nonfinite)
+            if agreed and grace.nonfinite_ranks([flat for _, flat, _ in filled]):
+                if grace.nonfinite == "raise":
+                    raise on_every_rank(GraceNonFiniteError(f"{self.name}: a gradient is not finite (NaN or Inf)"))
+                return None
+            mark = grace.skipped
+            averages = self._wait(grace, self._send_groups(grace, filled, finite=agreed))
         except StepDiscarded:  # a fault-tolerant job lost a group: this group's step does not commit
             return None
-
-    def _average_or_discard(self, grace: Grace, fill: Fill) -> dict | None:
-        filled = list(self._fill(self._groups, fill))
-        # one question for the whole step: a NaN/Inf anywhere skips every group alike, before
-        # any of them changes the Grace's state (a group skipped alone would leave the others'
-        # errors counting a step that never happened). A Grace that keeps no state and sums
-        # on the wire (the dense one) needs no question: a NaN rides the sum to every rank.
-        agreed = not (grace.memory.identity and grace.communicator.propagates_nonfinite)
-        if agreed and grace.nonfinite_ranks([flat for _, flat, _ in filled]):
-            if grace.nonfinite == "raise":
-                raise on_every_rank(GraceNonFiniteError(f"{self.name}: a gradient is not finite (NaN or Inf)"))
-            return None
-        mark = grace.skipped
-        averages = self._wait(grace, self._send_groups(grace, filled, finite=agreed))
         return None if grace.skipped != mark else averages
 
     def _skip(self) -> None:
         self.skipped += 1
         self._stat_skipped += 1
 
-    @staticmethod
-    def _mask(average: Tensor, exp_avg_sq: Tensor) -> Tensor:
-        """The momentum mask: an element whose averaged gradient was exactly 0 at every dense
-        step (v = 0, e.g. a position embedding past the sequences' length) gets no momentum
-        from the compressor's error. DeepSpeed asks the user for this mask (``exp_avg_mask``);
-        v = 0 finds it, alike on every rank."""
-        return average.masked_fill_(exp_avg_sq == 0, 0)
+    def _masked(self, average: Tensor, exp_avg_sq: Tensor) -> Tensor:
+        """The momentum mask (``momentum_mask``): an element whose averaged gradient was exactly 0
+        at every dense step (v = 0, e.g. a position embedding past the sequences' length) gets no
+        momentum from the compressor's error. DeepSpeed asks the user for this mask
+        (``exp_avg_mask``); v = 0 finds it, alike on every rank."""
+        return average.masked_fill_(exp_avg_sq == 0, 0) if self.momentum_mask else average
 
     # -- stats (the state follows from the declarations: Driver) --------------------------
     def _more_stats(self, out: dict[str, Any]) -> None:
@@ -184,6 +185,22 @@ class AdamSchedule(Schedule):
         out["bytes_per_step"] = out["bytes_sent"] / self._stat_steps if self._stat_steps else 0.0
 
     def phase(self) -> str:
+        raise NotImplementedError
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._refuse_a_ddp_wrap()
+        t = self.steps + 1
+        if self._step(t):
+            self.steps = t
+            self._stat_steps += 1
+        return loss
+
+    def _step(self, t: int) -> bool:
+        """The method's step ``t``; False where it was skipped (counted by :meth:`_skip`)."""
         raise NotImplementedError
 
     def synchronize_now(self) -> bool:
@@ -230,7 +247,7 @@ class OneBitAdam(AdamSchedule):
     and server errors are the Grace's.
     """
 
-    SETTINGS = ("freeze_step", "bias_correction", "momentum_mask", "max_grad_norm", "fusion_bytes")
+    SETTINGS = ("freeze_step", *AdamSchedule.SETTINGS)
 
     def __init__(
         self,
@@ -245,25 +262,20 @@ class OneBitAdam(AdamSchedule):
         fusion_bytes: int = FUSION_BYTES,
     ) -> None:
         self.freeze_step = check_range("freeze_step", freeze_step, 1, kind=int)
-        self._adam_settings(bias_correction, momentum_mask, max_grad_norm)
-        super().__init__(optimizer, grace, named_parameters, fusion_bytes)
+        super().__init__(
+            optimizer, grace, named_parameters, fusion_bytes, bias_correction, momentum_mask, max_grad_norm
+        )
 
     def phase(self) -> str:
         return "warm-up" if self.steps < self.freeze_step else "compressed"
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._refuse_a_ddp_wrap()
-        t = self.steps + 1
+    def _step(self, t: int) -> bool:
         params = list(self._names)
         if t <= self.freeze_step:  # 1. dense Adam
             averages = self._average(self.dense, lambda p, out: out.copy_(self._grad(p)))
             if not self.coordinator.commit() or averages is None:  # torchft: a group lost; or a NaN/Inf
                 self._skip()
-                return loss
+                return False
             self._clip([averages[p] for p in params])
             with torch.no_grad():
                 for p in params:
@@ -282,11 +294,11 @@ class OneBitAdam(AdamSchedule):
             averages = self._average(self.grace, momentum)
             if not self.coordinator.commit() or averages is None:
                 self._skip()
-                return loss
+                return False
             with torch.no_grad():
                 for p in params:
                     m, v = self._moments(p)
-                    m.copy_(self._mask(averages[p], v) if self.momentum_mask else averages[p])
+                    m.copy_(self._masked(averages[p], v))
         with torch.no_grad():  # 3.
             for p in params:
                 lr, beta1, beta2, eps, decay, decoupled = self._hyper(p)
@@ -301,9 +313,7 @@ class OneBitAdam(AdamSchedule):
                 if decay and decoupled:  # torch's AdamW, op for op
                     p.mul_(1 - lr * decay)
                 p.addcdiv_(m, (v.sqrt() / second**0.5).add_(eps), value=-lr / first)
-        self.steps = t
-        self._stat_steps += 1
-        return loss
+        return True
 
     def _momentum(self, m: Tensor, g: Tensor, beta1: float, out: Tensor) -> None:
         """out = β1·m + (1 − β1)·g: as torch's Adam computes it (lerp) with bias correction, as
@@ -364,10 +374,7 @@ class ZeroOneAdam(AdamSchedule):
         "var_update_scaler",
         "local_step_scaler",
         "local_step_clipper",
-        "bias_correction",
-        "momentum_mask",
-        "max_grad_norm",
-        "fusion_bytes",
+        *AdamSchedule.SETTINGS,
     )
     COUNTERS = (
         *AdamSchedule.COUNTERS,
@@ -408,8 +415,9 @@ class ZeroOneAdam(AdamSchedule):
         self.frozen = False
         self.since_sync = 0  # local steps since the last synchronization
         self.round_starts: dict[str, Tensor] = {}  # p₀: the parameters the round started from, per name
-        self._adam_settings(bias_correction, momentum_mask, max_grad_norm)
-        super().__init__(optimizer, grace, named_parameters, fusion_bytes)
+        super().__init__(
+            optimizer, grace, named_parameters, fusion_bytes, bias_correction, momentum_mask, max_grad_norm
+        )
 
     TENSORS = (*AdamSchedule.TENSORS, "round_starts")  # p₀ of the round, per name
 
@@ -421,9 +429,6 @@ class ZeroOneAdam(AdamSchedule):
         # inside a round: so a group that rejoins heals at a round's start, from parameters every group
         # shares (a peer's mid-round parameters carry its local steps, which it would send again)
         return self.steps + 1 <= self.var_freeze_step or self.since_sync == 0
-
-    def _masked(self, average: Tensor, v: Tensor) -> Tensor:
-        return self._mask(average, v) if self.momentum_mask else average
 
     def _step_size(self, group: dict[str, Any], t: int) -> float:
         """γ: the group's lr over 1 − β1^t (with bias correction)."""
@@ -444,22 +449,12 @@ class ZeroOneAdam(AdamSchedule):
     def _decay(self, p: torch.nn.Parameter) -> float:
         return self._group_decay(self.optimizer.param_groups[self._index_of[p]])
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._refuse_a_ddp_wrap()
-        t = self.steps + 1
+    def _step(self, t: int) -> bool:
         if not self.frozen and t > self.var_freeze_step:
             self.frozen = True
             for part in (self.grace.compressor, self.grace.memory, self.grace.communicator):
                 part.reset()  # gradient errors do not carry over to the momentum sums
-        done = self._frozen_step(t) if self.frozen else self._variance_step(t)
-        if done:
-            self.steps = t
-            self._stat_steps += 1
-        return loss
+        return self._frozen_step(t) if self.frozen else self._variance_step(t)
 
     def _variance_step(self, t: int) -> bool:
         params = list(self._names)
