@@ -416,6 +416,30 @@ def unpack_select(
     return out if direct else out.copy_(target.view(out.shape))
 
 
+def lookup_bytes(packed: Tensor, bits: int, values: Tensor, out: Tensor, workspace: Workspace | None = None) -> bool:
+    """``out_i = values[code_i]`` for the ``bits``-bit codes of ``packed`` (1, 2, 4 or 8), on a CPU
+    into a contiguous fp32 ``out``: a byte holds 8/bits codes, so one lookup in a 256-row table
+    writes all of their values (a row gather per byte, no codes unpacked, no byte arithmetic:
+    torch's 8-bit ops are slow on a CPU). True when done; False where it does not apply (another
+    device or dtype), and the caller decodes its own way."""
+    if out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous() or bits not in (1, 2, 4, 8):
+        return False
+    per, n, flat, values = 8 // bits, out.numel(), out.view(-1), values.to(torch.float32)
+    byte = torch.arange(256)
+    table = values[torch.stack([(byte >> (i * bits)) & ((1 << bits) - 1) for i in range(per)], 1)]
+    whole = n // per
+    rows = flat[: whole * per].view(whole, per)
+
+    def decode(start: int, stop: int) -> None:
+        index = _scratch(workspace, "index", stop - start, torch.int64, "cpu").copy_(packed[start:stop])
+        torch.index_select(table, 0, index, out=rows[start:stop])
+
+    for_chunks(decode, whole, "cpu")
+    if n > whole * per:  # the last byte's codes
+        flat[whole * per :] = values[unpack_bits(packed[whole:], bits, n - whole * per).long()]
+    return True
+
+
 def lookup_fused(
     packed: Tensor, bits: int, out: Tensor, table: Sequence[float | Tensor], workspace: Workspace | None = None
 ) -> bool:

@@ -117,24 +117,9 @@ class StatisticalQuantizer(PackedCompressor):
     def decompress_into(self, payload: Payload, ctx: Shaped, out: Tensor) -> Tensor:
         packed, header = payload
         values = header[1:] + header[0]  # T_j + μ: one fp32 addition per level, as per element before
-        if out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
+        if not wire.lookup_bytes(packed, self.bits, values, out, self.workspace):  # a GPU, or another dtype
             codes = wire.unpack_bits(packed, self.bits, out.numel()).long()
             out.view(-1).copy_(values.index_select(0, codes))
-            return out
-        # a byte holds 8/b codes: one lookup in a 256-row table writes all of their values
-        per, n, flat = 8 // self.bits, out.numel(), out.view(-1)
-        byte = torch.arange(256)
-        table = values[torch.stack([(byte >> (i * self.bits)) & ((1 << self.bits) - 1) for i in range(per)], 1)]
-        whole = n // per
-        rows = flat[: whole * per].view(whole, per)
-
-        def decode(start: int, stop: int) -> None:
-            index = self.workspace.get("index", stop - start, torch.int64, "cpu").copy_(packed[start:stop])
-            torch.index_select(table, 0, index, out=rows[start:stop])
-
-        for_chunks(decode, whole, "cpu")
-        if n > whole * per:  # the last byte's codes
-            flat[whole * per :] = values[wire.unpack_bits(packed[whole:], self.bits, n - whole * per).long()]
         return out
 
 

@@ -66,6 +66,8 @@ class TwoBitCompressor(PackedCompressor):
         table = [0.0, 0.0, -self.threshold, self.threshold]  # ±τ as fp32, then out's dtype: torch's rounding
         if out.dtype in kernels.FLOATS and wire.lookup_fused(payload[0], 2, out, table, self.workspace):
             return out  # a GPU: codes to values in one pass (2 → −τ, 3 → +τ, 0 and 1 → 0)
+        if wire.lookup_bytes(payload[0], 2, torch.tensor(table), out, self.workspace):
+            return out  # a CPU into fp32: a byte's four values in one row lookup
         flat = out.view(-1)
 
         def decode(start: int, stop: int, codes: Tensor) -> None:

@@ -58,3 +58,20 @@ def test_host_and_word_packers_write_the_same_stream(bits, n, seed):
     host = wire._unpack_host(packed, bits, n)
     words = wire._unpack_words(packed, bits, 0, n, None)
     assert torch.equal(host, codes) and torch.equal(words, codes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.data())
+def test_lookup_bytes_writes_each_codes_value_and_refuses_what_it_cannot_take(bits, data):
+    """wire.lookup_bytes (a 256-row table of each byte's values) against the codes unpacked one by
+    one and looked up: every width, any count (a partial last byte), any fp32 values (NaN, −0)."""
+    codes = data.draw(st.lists(st.integers(0, 2**bits - 1), min_size=1, max_size=700))
+    values = torch.tensor(
+        data.draw(st.lists(st.floats(width=32), min_size=2**bits, max_size=2**bits)), dtype=torch.float32
+    )
+    packed = wire.pack_bits(torch.tensor(codes, dtype=torch.uint8), bits)
+    out = torch.full((len(codes),), 7.0)
+    assert wire.lookup_bytes(packed, bits, values, out)
+    expected = torch.stack([values[c] for c in codes])
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))  # bit for bit
+    assert not wire.lookup_bytes(packed, bits, values, torch.empty(len(codes), dtype=torch.float64))
