@@ -173,6 +173,7 @@ class OuterSync(Schedule):
                 p.grad = grad
 
     def _start_here(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """θ_start ← θ for ``params``: a synchronization is done, and counted (``syncs``)."""
         with torch.no_grad():
             for p in params:  # θ_start ← θ
                 self.start[self._names[p]].copy_(p)
